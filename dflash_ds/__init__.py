@@ -1,0 +1,3 @@
+"""dflash-ds: distributed online trainer for DFlash speculative-decoding drafters."""
+
+__version__ = "0.1.0"

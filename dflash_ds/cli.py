@@ -1,0 +1,48 @@
+"""`dflash-ds` command line: one subcommand per stage of the workflow.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and
+`run(args) -> int`; this file only wires names to modules so that importing the
+CLI stays cheap (torch/transformers load only for the command that runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dflash_ds.errors import DFlashError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "make-tiny-target": ("dflash_ds.tiny_target", "write a small seeded Qwen3 target model + tokenizer (HF format)"),
+    "init-drafter": ("dflash_ds.init_drafter", "derive a drafter config from a target and save a random-init drafter"),
+    "train-step": ("dflash_ds.single_step", "run a few single-device training steps of the DFlash core (smoke test)"),
+    "prepare": ("dflash_ds.data.prepare", "tokenize conversations with the target's chat template into an Arrow dataset"),
+    "regenerate": ("dflash_ds.data.regenerate", "rewrite assistant turns with the target's own answers"),
+    "bench": ("dflash_ds.bench.cli", "benchmarks (batching, comm, pipeline, zero)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `dflash-ds` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="dflash-ds", description="DFlash drafter trainer.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except DFlashError as exc:
+        print(f"dflash-ds {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Training components that know nothing about process groups: schedules, anchors, loss, metrics."""

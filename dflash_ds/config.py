@@ -1,0 +1,369 @@
+"""Run configuration: typed dataclasses are the one source of defaults.
+
+A run is a YAML/JSON file plus command-line overrides (`--section.key value`).
+Loading is strict: an unknown key is an error naming the closest valid key, and
+every value is checked against its field's rule before any heavy work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflash_ds.errors import DFlashError
+
+
+@dataclass
+class DrafterConfig:
+    """Shape of the drafter (DESIGN §2)."""
+
+    num_layers: int = 5
+    """Number of draft decoder layers (also the number of target layers read)."""
+    block_size: int = 16
+    """Tokens per block: the anchor plus block_size - 1 predicted tokens."""
+    mask_token_id: int | None = None
+    """Token id of MASK; None picks a reserved token of the target tokenizer."""
+    target_layer_ids: list[int] | None = None
+    """Target decoder layers whose outputs feed the drafter; None uses the default rule."""
+
+
+@dataclass
+class LossConfig:
+    """The DFlash training loss (DESIGN §3)."""
+
+    gamma: float = 7.0
+    """Position decay w_k = exp(-(k-1)/gamma); larger weighs later positions more."""
+    num_anchors: int = 512
+    """Most anchor blocks sampled per sequence."""
+    kl_weight: float = 0.0
+    """Mix weight of soft-label KL to the target distribution (0 = hard labels only)."""
+    kl_temperature: float = 1.0
+    """Temperature applied to both distributions in the KL term."""
+    streak_weight: float = 0.0
+    """Mix of streak-aware weights with the decay weights (0 = decay only, 1 = streak only)."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = 6e-4
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine floor)."""
+    warmup_steps: int = 100
+    """Linear warmup steps from 0 to the peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Gradient norm clipping threshold (0 disables)."""
+
+
+@dataclass
+class NoiseConfig:
+    """Gaussian noise on the context features: linear warmup, then cosine from max to min."""
+
+    max_std: float = 0.0
+    """Peak noise std (0 disables noise)."""
+    min_std: float = 0.0
+    """Noise std at the last step."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to max_std."""
+
+
+@dataclass
+class DataConfig:
+    """Batching of a prepared dataset (DESIGN §4)."""
+
+    path: str = ""
+    """Prepared Arrow dataset folder (output of `dflash-ds prepare`)."""
+    max_length: int = 2048
+    """Longest sequence trained on (tokens)."""
+    token_budget: int = 16384
+    """Padded tokens per micro-batch."""
+    num_buckets: int = 6
+    """Length buckets up to max_length."""
+    prefetch: int = 2
+    """Batches prepared ahead by the loader thread."""
+
+
+@dataclass
+class TrainConfig:
+    """Steps, logging, checkpoints."""
+
+    max_steps: int = 1000
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seed of data order, anchors, noise and init."""
+    output_dir: str = "runs/dflash"
+    """Run folder: metrics.jsonl, checkpoints, exports."""
+    log_interval: int = 10
+    """Steps between metric records."""
+    save_interval: int = 500
+    """Steps between checkpoints (a final one is always written)."""
+    keep_last: int = 3
+    """Checkpoints kept on disk."""
+    resume: str = "auto"
+    """auto (latest complete checkpoint if any), none, or a checkpoint path."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage 0..3 (picks ds_configs/zero{N}.json)."""
+    ds_config: str = ""
+    """Explicit DeepSpeed JSON (overrides zero_stage)."""
+    dtype: str = "auto"
+    """Compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
+    timeout_s: float = 300.0
+    """Timeout of blocking receives and collectives (seconds)."""
+
+
+@dataclass
+class TopologyConfig:
+    """Which ranks run the target and which train the drafter."""
+
+    num_target_ranks: int = 1
+    """Target ranks in the whole job (first ranks), unless targets_per_node is set."""
+    targets_per_node: int = 0
+    """If > 0: the first N local ranks of every node are targets."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases mirroring of metrics.jsonl."""
+
+    enabled: bool = True
+    """Log to W&B (a missing package or failed init only warns)."""
+    project: str = "dflash-ds"
+    """W&B project."""
+    run_name: str = ""
+    """W&B run name (default: the output folder's name)."""
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    target: str = ""
+    """Local HF folder of the frozen target model."""
+    drafter: str = ""
+    """Optional exported drafter folder to start from."""
+    model: DrafterConfig = field(default_factory=DrafterConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+# (dotted field, rule text, predicate). The rule text is what the user reads.
+_RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
+    ("model.num_layers", "must be >= 1", lambda v: v >= 1),
+    ("model.block_size", "must be >= 2 (the anchor plus at least one predicted token)", lambda v: v >= 2),
+    ("model.mask_token_id", "must be >= 0", lambda v: v is None or v >= 0),
+    ("model.target_layer_ids", "must be a non-empty list of layer ids >= 0",
+     lambda v: v is None or (len(v) > 0 and all(i >= 0 for i in v))),
+    ("loss.gamma", "must be > 0", lambda v: v > 0),
+    ("loss.num_anchors", "must be >= 1", lambda v: v >= 1),
+    ("loss.kl_weight", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("loss.kl_temperature", "must be > 0", lambda v: v > 0),
+    ("loss.streak_weight", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("optim.lr", "must be > 0", lambda v: v > 0),
+    ("optim.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("optim.warmup_steps", "must be >= 0", lambda v: v >= 0),
+    ("optim.weight_decay", "must be >= 0", lambda v: v >= 0),
+    ("optim.beta1", "must be in [0, 1)", lambda v: 0 <= v < 1),
+    ("optim.beta2", "must be in [0, 1)", lambda v: 0 <= v < 1),
+    ("optim.grad_clip", "must be >= 0", lambda v: v >= 0),
+    ("noise.max_std", "must be >= 0", lambda v: v >= 0),
+    ("noise.min_std", "must be >= 0", lambda v: v >= 0),
+    ("noise.warmup_steps", "must be >= 0", lambda v: v >= 0),
+    ("data.max_length", "must be >= 2", lambda v: v >= 2),
+    ("data.token_budget", "must be >= 1", lambda v: v >= 1),
+    ("data.num_buckets", "must be >= 1", lambda v: v >= 1),
+    ("data.prefetch", "must be >= 1", lambda v: v >= 1),
+    ("train.max_steps", "must be >= 1", lambda v: v >= 1),
+    ("train.log_interval", "must be >= 1", lambda v: v >= 1),
+    ("train.save_interval", "must be >= 1", lambda v: v >= 1),
+    ("train.keep_last", "must be >= 1", lambda v: v >= 1),
+    ("train.zero_stage", "must be 0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
+    ("train.dtype", "must be auto, bf16 or fp32", lambda v: v in ("auto", "bf16", "fp32")),
+    ("train.timeout_s", "must be > 0", lambda v: v > 0),
+    ("topology.num_target_ranks", "must be >= 1", lambda v: v >= 1),
+    ("topology.targets_per_node", "must be >= 0", lambda v: v >= 0),
+]
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> Config:
+    """Check every field's rule; raise DFlashError naming the first field that breaks one."""
+    for dotted, rule, ok in _RULES:
+        value = _get(cfg, dotted)
+        if not ok(value):
+            raise DFlashError(f"config: {dotted} = {value!r} {rule}")
+    if cfg.noise.min_std > cfg.noise.max_std:
+        raise DFlashError(
+            f"config: noise.min_std = {cfg.noise.min_std} must be <= noise.max_std = {cfg.noise.max_std}")
+    if cfg.data.max_length > cfg.data.token_budget:
+        raise DFlashError(
+            f"config: data.max_length = {cfg.data.max_length} must be <= data.token_budget = "
+            f"{cfg.data.token_budget} (one longest sequence must fit a micro-batch)")
+    return cfg
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown_key(key: str, valid: list[str], where: str) -> DFlashError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    return DFlashError(f"config: unknown key {where}{key!r}{hint}")
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Check/convert one leaf value to the field's declared type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], name)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise DFlashError(f"config: {name} = {value!r} must be a list")
+        return [_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise DFlashError(f"config: {name} = {value!r} must be true or false")
+    if tp is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise DFlashError(f"config: {name} = {value!r} must be an integer")
+        return int(value)
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise DFlashError(f"config: {name} = {value!r} must be a finite number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise DFlashError(f"config: {name} = {value!r} must be a string")
+        return str(value)
+    return value
+
+
+def _apply(obj: Any, data: dict[str, Any], where: str = "") -> None:
+    types = _field_types(type(obj))
+    for key, value in data.items():
+        if key not in types:
+            raise _unknown_key(key, list(types), where)
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise DFlashError(f"config: {where}{key} must be a mapping of its fields")
+            _apply(current, value, f"{where}{key}.")
+        else:
+            setattr(obj, key, _coerce(value, types[key], f"{where}{key}"))
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Parse a YAML or JSON config file into a dict (errors name the file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DFlashError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) if path.suffix in (".yaml", ".yml") else json.loads(path.read_text())
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise DFlashError(f"config file {path}: cannot parse: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise DFlashError(f"config file {path}: top level must be a mapping")
+    return data
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """Turn ['--optim.lr', '1e-3', '--train.seed=3'] into a nested dict (values parsed as YAML scalars)."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if not item.startswith("--"):
+            raise DFlashError(f"override {item!r} must look like --section.key VALUE")
+        key = item[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+        else:
+            if i + 1 >= len(items):
+                raise DFlashError(f"override --{key} needs a value")
+            i += 1
+            raw = items[i]
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = out
+        parts = key.replace("-", "_").split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """Defaults, then the file, then the overrides; strict and validated."""
+    cfg = Config()
+    if path:
+        _apply(cfg, read_config_file(path))
+    if overrides:
+        _apply(cfg, parse_overrides(overrides) if isinstance(overrides, list) else overrides)
+    return validate(cfg)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict of a config (for saving next to checkpoints and W&B)."""
+    return dataclasses.asdict(cfg)
+
+
+def field_docs(cls: type = Config) -> dict[str, str]:
+    """Dotted field name -> its one-line doc, read from the docstrings beside the fields."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+
+    def walk(klass: type, prefix: str) -> None:
+        tree = ast.parse(inspect.getsource(klass))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[prefix + node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
+        for f in dataclasses.fields(klass):
+            hint = typing.get_type_hints(klass)[f.name]
+            if dataclasses.is_dataclass(hint):
+                walk(hint, f"{prefix}{f.name}.")
+
+    walk(cls, "")
+    return docs

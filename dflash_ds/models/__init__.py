@@ -1,0 +1,1 @@
+"""Single-device model code: the drafter and the frozen target. No process groups here."""

@@ -1,0 +1,88 @@
+"""The frozen target: local HF folder checks, loading, and capture of selected hidden states.
+
+Only the outputs of the decoder layers in `target_layer_ids` and the final (normed)
+hidden state are kept, through forward hooks: every layer's output and the vocabulary
+logits are never materialised together.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_ds.errors import DFlashError
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
+
+
+def read_target_config(path: str | Path) -> dict[str, Any]:
+    """config.json of a local target folder, checked to be a supported architecture."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DFlashError(f"target folder {path} does not exist")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise DFlashError(f"target folder {path} has no config.json (expected a local HF model folder)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DFlashError(f"{cfg_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise DFlashError(f"{cfg_path}: model_type {model_type!r} is not supported "
+                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)} — the Qwen3 and Llama families)")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if key not in cfg:
+            raise DFlashError(f"{cfg_path}: missing field {key!r}")
+    return cfg
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+    """Load the target causal LM with from_pretrained, frozen and in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    read_target_config(path)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def decoder_layers(target: nn.Module) -> nn.ModuleList:
+    """The decoder layer list of a Qwen3/Llama-style causal LM."""
+    return target.model.layers
+
+
+def capture_hidden(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the target body once; return (concat of layer_ids outputs [B, S, n*H], final hidden [B, S, H]).
+
+    Layer i's output is `hidden_states[i + 1]` of an HF forward; the final hidden is after the
+    model's last norm, so `lm_head(final)` are the target's logits. The LM head itself is not run.
+    """
+    layers = decoder_layers(target)
+    captured: dict[int, torch.Tensor] = {}
+    hooks = []
+
+    def keep(idx: int):
+        def hook(_mod, _inp, out):
+            captured[idx] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    for idx in sorted(set(layer_ids)):
+        if not 0 <= idx < len(layers):
+            raise DFlashError(f"target layer id {idx} is outside the target's {len(layers)} layers")
+        hooks.append(layers[idx].register_forward_hook(keep(idx)))
+    try:
+        with torch.no_grad():
+            out = target.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    context = torch.cat([captured[i] for i in layer_ids], dim=-1)
+    return context, out.last_hidden_state

@@ -1,0 +1,97 @@
+"""init-drafter output against the export format of DESIGN §2, and its bad-input errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_ds.init_drafter import init_drafter
+from dflash_ds.models.drafter import DFlashDrafter
+
+CONFIG_FIELDS = {"block_size", "num_target_layers", "dflash_config", "architectures", "rope_theta", "hidden_size",
+                 "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "vocab_size", "rms_norm_eps", "max_position_embeddings", "model_type", "tie_word_embeddings"}
+
+
+def expected_tensor_names(n_layers):
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
+        names |= {p + f"self_attn.{x}_norm.weight" for x in "qk"}
+        names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+    return names
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "dflash_ds", *args], capture_output=True, text=True, timeout=120,
+                          cwd=cwd)
+
+
+def test_init_drafter_export_format(tiny_target, tmp_path):
+    r = cli("init-drafter", "--target", str(tiny_target), "--out", str(tmp_path / "d"), "--num-layers", "3",
+            "--block-size", "8")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "d/config.json").read_text())
+    tcfg = json.loads((tiny_target / "config.json").read_text())
+    assert CONFIG_FIELDS <= cfg.keys()
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == 8 and cfg["num_hidden_layers"] == 3
+    assert cfg["num_target_layers"] == tcfg["num_hidden_layers"]
+    assert set(cfg["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
+    L = tcfg["num_hidden_layers"]
+    assert cfg["dflash_config"]["target_layer_ids"] == [round(1 + i * (L - 4) / 2) for i in range(3)]
+    assert 0 <= cfg["dflash_config"]["mask_token_id"] < tcfg["vocab_size"]
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        assert cfg[key] == tcfg[key]
+    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"]
+    tensors = load_file(str(tmp_path / "d/model.safetensors"))
+    assert set(tensors) == expected_tensor_names(3)
+    h = tcfg["hidden_size"]
+    assert tensors["fc.weight"].shape == (h, 3 * h)
+    assert "embed_tokens.weight" not in tensors and "lm_head.weight" not in tensors
+
+
+def test_save_load_save_identical(tiny_target, tmp_path):
+    init_drafter(tiny_target, tmp_path / "a", num_layers=2, block_size=4)
+    d = DFlashDrafter.from_pretrained(tmp_path / "a")
+    d.save_pretrained(tmp_path / "b")
+    a, b = load_file(str(tmp_path / "a/model.safetensors")), load_file(str(tmp_path / "b/model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_init_is_seeded(tiny_target, tmp_path):
+    init_drafter(tiny_target, tmp_path / "a", num_layers=2, seed=3)
+    init_drafter(tiny_target, tmp_path / "b", num_layers=2, seed=3)
+    assert (tmp_path / "a/model.safetensors").read_bytes() == (tmp_path / "b/model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("case", ["missing", "no_config", "arch", "block1", "mask"])
+def test_bad_input_one_clear_error(tiny_target, tmp_path, case):
+    target = tiny_target
+    extra = []
+    if case == "missing":
+        target, msg = tmp_path / "nope", "does not exist"
+    elif case == "no_config":
+        target = tmp_path / "empty"
+        target.mkdir()
+        msg = "has no config.json"
+    elif case == "arch":
+        target = tmp_path / "gpt2"
+        target.mkdir()
+        (target / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+        msg = "model_type 'gpt2' is not supported"
+    elif case == "block1":
+        extra, msg = ["--block-size", "1"], "--block-size 1: must be >= 2"
+    else:
+        extra, msg = ["--mask-token-id", "100000"], "--mask-token-id 100000 is outside the target vocabulary"
+    out = tmp_path / "out"
+    r = cli("init-drafter", "--target", str(target), "--out", str(out), *extra)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and msg in lines[0], r.stderr
+    assert not out.exists()
