@@ -1,0 +1,1 @@
+"""Benchmarks behind `dflash-ds bench NAME`: each prints a table, or one JSON object with --json."""

@@ -1,0 +1,34 @@
+"""`dflash-ds bench NAME`: one module per benchmark, wired here by name.
+
+Each benchmark module exposes `add_arguments(parser)` and `run(args) -> int`.
+All of them are imported to build `--help`, so a benchmark imports its heavy
+dependencies (torch.distributed, deepspeed) inside `run`, not at module top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module, one-line help)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "batching": (
+        "dflash_ds.bench.batching",
+        "padding efficiency of length-bucketed token-budget batching vs random pad-to-longest batches",
+    ),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register one sub-subcommand per benchmark."""
+    sub = parser.add_subparsers(dest="bench_name", metavar="BENCH", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(p)
+        p.set_defaults(_bench_run=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark."""
+    return int(args._bench_run(args) or 0)

@@ -1,0 +1,335 @@
+"""`dflash-ds prepare`: conversations -> token ids + assistant loss mask, as an Arrow dataset.
+
+Loss-mask rule (works with any chat template, no `{% generation %}` markers needed): for each
+assistant turn k, render `messages[:k]` with the generation prompt (P) and `messages[:k+1]` (R);
+the assistant span is the text R adds after P, i.e. the content plus the end-of-turn token
+(`<|im_end|>`), without the header `<|im_start|>assistant\\n` and without trailing whitespace
+after it. Where the template is not prefix-stable (e.g. it rewrites earlier turns), the span is
+found in the full rendering after the previous span: the next assistant header (P's text after
+the rendered history) up to the next end-of-turn token, else R[len(P):], else the raw content.
+Spans are mapped to tokens with the fast tokenizer's offsets: a token is a loss token when its
+first character lies inside a span.
+
+A row whose text contains a special token string (e.g. a literal `<|im_end|>` in scraped data) is
+dropped (`special_token_in_content`): rendered and tokenized, it would become a control token.
+
+Every input row is either kept or dropped with a reason (formats.DROP_REASONS): rows_read ==
+rows_kept + sum(rows_dropped), and every dropped row is listed in `dropped.jsonl` as file:line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash_ds.data import formats
+from dflash_ds.errors import DFlashError
+
+MAX_PRINTED_DROPS = 20
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(target: str):
+    """The target's tokenizer, loaded once per process (map workers each load their own)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    if not Path(target).is_dir():
+        raise DFlashError(f"--target {target}: not a folder (a local HF model folder is required)")
+    try:
+        tok = AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError) as exc:
+        raise DFlashError(f"--target {target}: cannot load a tokenizer ({str(exc).splitlines()[0]})") from None
+    if not tok.chat_template:
+        raise DFlashError(f"--target {target}: the tokenizer has no chat_template")
+    if not tok.is_fast:
+        raise DFlashError(f"--target {target}: a fast tokenizer (tokenizer.json) is required for offsets")
+    return tok
+
+
+def special_token_pattern(tok) -> re.Pattern | None:
+    """Regex matching the tokenizer's *special* added tokens (Qwen3's non-special <think> may appear in text)."""
+    specials = sorted((t.content for t in tok.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, specials))) if specials else None
+
+
+def check_special_tokens(pattern: re.Pattern | None, messages: list[dict[str, str]]) -> None:
+    """RowError if a message's text holds a special token string (it would be encoded as the control token)."""
+    for i, m in enumerate(messages if pattern else []):
+        if found := pattern.search(m["content"]):
+            raise formats.RowError(formats.SPECIAL_TOKEN_IN_CONTENT, f"message {i} ({m['role']}) contains {found.group()!r}")
+
+
+@lru_cache(maxsize=4)
+def _special_token_re(target: str) -> re.Pattern | None:
+    return special_token_pattern(load_tokenizer(target))
+
+
+def _render(tok, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """Render a conversation; return the text and the character spans of the assistant turns."""
+    try:
+        full = _render(tok, messages, False)
+        spans, cursor = [], 0
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = _render(tok, messages[:k], True)
+            turn = _render(tok, messages[: k + 1], False)
+            if turn.startswith(prompt) and full.startswith(turn) and len(prompt) >= cursor:
+                start, end = len(prompt), len(turn)
+            else:
+                start, end = _search_span(tok, full, messages, k, prompt, turn, cursor)
+            end = start + len(full[start:end].rstrip())
+            spans.append((start, end))
+            cursor = end
+    except formats.RowError:
+        raise
+    except Exception as exc:  # jinja raise_exception / TemplateError: the template rejects this row
+        raise formats.RowError(formats.TEMPLATE_ERROR, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return full, spans
+
+
+def _search_span(tok, full: str, messages: list[dict[str, str]], k: int, prompt: str, turn: str,
+                 cursor: int) -> tuple[int, int]:
+    # The template rewrites turns depending on what follows (Qwen3 drops the <think> block of
+    # earlier turns), so turn k renders differently inside the full conversation. Try, in order:
+    # the next assistant header (the generation prompt's own text) up to the end-of-turn token,
+    # then the rendered turn itself, then the raw content. The header comes first because the
+    # next header after the cursor is always turn k, while the same text may recur in a later turn.
+    eos = tok.eos_token or ""
+    before = _render(tok, messages[:k], False)
+    header = prompt[len(before):] if prompt.startswith(before) else ""
+    if header.strip() and eos and (at := full.find(header, cursor)) >= 0:
+        stop = full.find(eos, at + len(header))
+        if stop >= 0:
+            return at + len(header), stop + len(eos)
+    piece = turn[len(prompt):] if turn.startswith(prompt) else ""
+    if piece.strip() and (at := full.find(piece, cursor)) >= 0:
+        return at, at + len(piece)
+    content = messages[k]["content"]
+    at = full.find(content, cursor) if content else -1
+    if at < 0:
+        raise formats.RowError(formats.TEMPLATE_ERROR, "assistant turn not found in the rendered chat template")
+    end = at + len(content)
+    rest = full[end:]
+    if eos and rest.lstrip().startswith(eos):
+        end += len(rest) - len(rest.lstrip()) + len(eos)
+    return at, end
+
+
+def tokenize_batch(batch: dict[str, list], target: str, max_length: int, block_size: int,
+                   overlong: str) -> dict[str, list]:
+    """datasets.map function: raw rows -> input_ids, loss_mask, length, loss_tokens, reason, detail."""
+    tok = load_tokenizer(target)
+    n = len(batch["raw"])
+    out: dict[str, list] = {"input_ids": [[] for _ in range(n)], "loss_mask": [[] for _ in range(n)],
+                            "length": [0] * n, "loss_tokens": [0] * n, "truncated": [False] * n,
+                            "reason": [""] * n, "detail": [""] * n}
+    texts, span_lists, ok_rows = [], [], []
+    for i, raw in enumerate(batch["raw"]):
+        try:
+            messages = formats.to_messages(formats.parse_row(raw))
+            check_special_tokens(_special_token_re(target), messages)
+            text, spans = assistant_spans(tok, messages)
+        except formats.RowError as err:
+            out["reason"][i], out["detail"][i] = err.reason, err.detail
+            continue
+        texts.append(text)
+        span_lists.append(spans)
+        ok_rows.append(i)
+    if not texts:
+        return out
+    # One batched call into the Rust tokenizer; the chat template already holds every special token.
+    for i, enc, text, spans in zip(ok_rows, tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False),
+                                   texts, span_lists):
+        ids = enc.ids
+        in_span = np.zeros(len(text) + 1, dtype=np.int8)
+        for s, e in spans:
+            in_span[s:e] = 1
+        starts = np.fromiter((a for a, _ in enc.offsets), dtype=np.int64, count=len(ids))
+        mask = in_span[np.minimum(starts, len(text))].tolist()
+        if len(ids) > max_length:
+            if overlong == "drop":
+                out["reason"][i], out["detail"][i] = formats.OVERLONG, f"{len(ids)} tokens > --max-length {max_length}"
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+            out["truncated"][i] = True
+        n_loss = sum(mask)
+        if n_loss < 2 * block_size:
+            out["reason"][i] = formats.TOO_FEW_LOSS_TOKENS
+            out["detail"][i] = f"{n_loss} loss tokens < 2 x --block-size {block_size}"
+            continue
+        out["input_ids"][i], out["loss_mask"][i] = ids, mask
+        out["length"][i], out["loss_tokens"][i] = len(ids), n_loss
+    return out
+
+
+def length_histogram(lengths_counts: dict[int, int], max_length: int) -> list[dict[str, int]]:
+    """Power-of-two bins (lo, hi] up to max_length with their row counts."""
+    edges = [0, 16]
+    while edges[-1] < max_length:
+        edges.append(min(edges[-1] * 2, max_length))
+    bins = [{"lo": lo + 1, "hi": hi, "count": 0} for lo, hi in zip(edges, edges[1:])]
+    for length, count in lengths_counts.items():
+        for b in bins:
+            if length <= b["hi"]:
+                b["count"] += count
+                break
+        else:
+            bins[-1]["count"] += count
+    return bins
+
+
+def _raw_rows(files: list[str]):
+    # A generator for Dataset.from_generator: rows stream to Arrow, never held as one Python list.
+    for file_idx, path in enumerate(files):
+        for line, raw in formats.iter_raw_rows(path):
+            yield {"file_idx": file_idx, "line": line, "raw": raw}
+
+
+def prepare(target: str | Path, data: list[str | Path], out: str | Path, max_length: int = 2048,
+            block_size: int = 16, overlong: str = "truncate", strict: bool = False, num_proc: int = 1,
+            seed: int | None = None, force: bool = False) -> dict[str, Any]:
+    """Tokenize conversation files into an Arrow dataset at `out`; return the manifest."""
+    import datasets
+
+    t0 = time.perf_counter()
+    target, out = str(target), Path(out)
+    files = [str(Path(f)) for f in data]
+    for f in files:
+        formats.file_kind(f)
+    if overlong not in ("truncate", "drop"):
+        raise DFlashError(f"--overlong must be 'truncate' or 'drop', got {overlong!r}")
+    if max_length < 2 * block_size:
+        raise DFlashError(f"--max-length {max_length} is below 2 x --block-size {block_size}")
+    if out.exists() and not force:
+        raise DFlashError(f"--out {out} already exists; pass --force to replace it")
+    load_tokenizer(target)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    work, tmp_out = out.parent / f".{out.name}.work-{tag}", out.parent / f".{out.name}.tmp-{tag}"
+    try:
+        features = datasets.Features({"file_idx": datasets.Value("int32"), "line": datasets.Value("int64"),
+                                      "raw": datasets.Value("string")})
+        raw = datasets.Dataset.from_generator(_raw_rows, features=features, cache_dir=str(work),
+                                              gen_kwargs={"files": files})
+        if len(raw) == 0:
+            raise DFlashError(f"no rows in {', '.join(files)}")
+        tokenized = raw.map(
+            tokenize_batch, batched=True, batch_size=256, num_proc=num_proc if num_proc > 1 else None,
+            remove_columns=["raw"], desc="tokenizing",
+            fn_kwargs={"target": target, "max_length": max_length, "block_size": block_size, "overlong": overlong},
+            features=datasets.Features({
+                "file_idx": datasets.Value("int32"), "line": datasets.Value("int64"),
+                "input_ids": datasets.List(datasets.Value("int32")), "loss_mask": datasets.List(datasets.Value("int8")),
+                "length": datasets.Value("int32"), "loss_tokens": datasets.Value("int32"),
+                "truncated": datasets.Value("bool"), "reason": datasets.Value("string"),
+                "detail": datasets.Value("string")}),
+        )
+        manifest = _account(tokenized, files, tmp_out, max_length, strict)
+        kept = tokenized.filter(lambda r: [x == "" for x in r], input_columns="reason", batched=True,
+                                num_proc=num_proc if num_proc > 1 else None, desc="keeping")
+        kept = kept.select_columns(["input_ids", "loss_mask", "length"])
+        if seed is not None:
+            kept = kept.shuffle(seed=seed)
+        kept.save_to_disk(str(tmp_out))
+        elapsed = time.perf_counter() - t0
+        manifest.update({
+            "target": target, "inputs": files, "max_length": max_length, "block_size": block_size,
+            "overlong": overlong, "shuffle_seed": seed, "elapsed_s": round(elapsed, 3),
+            "tokens_per_s": round(manifest["tokens"] / max(elapsed, 1e-9), 1),
+            "mask_rule": "assistant content + end-of-turn token, found by prefix rendering of the chat template",
+        })
+        (tmp_out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp_out, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(tmp_out, ignore_errors=True)
+    return manifest
+
+
+def _account(ds, files: list[str], tmp_out: Path, max_length: int, strict: bool) -> dict[str, Any]:
+    # One streaming pass over the per-row metadata: counts, histogram, and dropped.jsonl.
+    read = kept = tokens = loss_tokens = truncated = 0
+    dropped = {r: 0 for r in formats.DROP_REASONS}
+    first_drops: dict[str, list[str]] = {}
+    lengths: dict[int, int] = {}
+    tmp_out.mkdir(parents=True)
+    cols = ds.select_columns(["file_idx", "line", "length", "loss_tokens", "truncated", "reason", "detail"])
+    with open(tmp_out / "dropped.jsonl", "w", encoding="utf-8") as drop_log:
+        for batch in cols.iter(batch_size=4096):
+            for fi, line, length, n_loss, trunc, reason, detail in zip(
+                    batch["file_idx"], batch["line"], batch["length"], batch["loss_tokens"],
+                    batch["truncated"], batch["reason"], batch["detail"]):
+                read += 1
+                if reason:
+                    where = f"{files[fi]}:{line}"
+                    if strict:
+                        raise DFlashError(f"{where}: {reason}: {detail} (--strict)")
+                    dropped[reason] += 1
+                    first_drops.setdefault(reason, [])
+                    if len(first_drops[reason]) < 3:
+                        first_drops[reason].append(where)
+                    drop_log.write(json.dumps({"file": files[fi], "line": line, "reason": reason,
+                                               "detail": detail}) + "\n")
+                    if sum(dropped.values()) <= MAX_PRINTED_DROPS:
+                        print(f"dropped {where}: {reason}: {detail}")
+                    continue
+                kept += 1
+                tokens += length
+                loss_tokens += n_loss
+                truncated += int(trunc)
+                lengths[length] = lengths.get(length, 0) + 1
+    dropped = {r: n for r, n in dropped.items() if n}
+    if kept == 0:
+        top = ", ".join(f"{r}={n} (e.g. {first_drops[r][0]})" for r, n in
+                        sorted(dropped.items(), key=lambda kv: -kv[1])[:3])
+        raise DFlashError(f"no rows kept from {', '.join(files)}: {read} read, dropped {top}")
+    assert kept + sum(dropped.values()) == read
+    return {"rows_read": read, "rows_kept": kept, "rows_dropped": dropped, "rows_truncated": truncated,
+            "dropped_examples": first_drops, "tokens": tokens, "loss_tokens": loss_tokens,
+            "length_histogram": length_histogram(lengths, max_length)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the prepare flags."""
+    parser.add_argument("--target", required=True, help="target model folder (its tokenizer and chat template are used)")
+    parser.add_argument("--data", required=True, nargs="+", help="conversation files: .jsonl, .json or .parquet "
+                        "(ShareGPT 'conversations' or OpenAI 'messages' rows)")
+    parser.add_argument("--out", required=True, help="output folder (Arrow dataset + manifest.json + dropped.jsonl)")
+    parser.add_argument("--max-length", type=int, default=2048, help="maximum tokens per conversation")
+    parser.add_argument("--block-size", type=int, default=16, help="drafter block size; rows need >= 2x this many loss tokens")
+    parser.add_argument("--overlong", choices=["truncate", "drop"], default="truncate",
+                        help="what to do with conversations longer than --max-length")
+    parser.add_argument("--strict", action="store_true", help="fail on the first bad row instead of skipping it")
+    parser.add_argument("--num-proc", type=int, default=1, help="tokenizer worker processes")
+    parser.add_argument("--seed", type=int, default=None, help="shuffle the kept rows with this seed (default: keep input order)")
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    """CLI entry: prepare and print a summary."""
+    m = prepare(args.target, args.data, args.out, max_length=args.max_length, block_size=args.block_size,
+                overlong=args.overlong, strict=args.strict, num_proc=args.num_proc, seed=args.seed, force=args.force)
+    drops = ", ".join(f"{r}={n}" for r, n in m["rows_dropped"].items()) or "none"
+    print(f"prepare: read {m['rows_read']} rows, kept {m['rows_kept']} ({m['rows_truncated']} truncated), "
+          f"dropped {sum(m['rows_dropped'].values())} [{drops}]")
+    print(f"prepare: {m['tokens']:,} tokens, {m['loss_tokens']:,} loss tokens, {m['tokens_per_s']:,.0f} tokens/s "
+          f"-> {args.out}")
+    return 0
