@@ -125,6 +125,10 @@ class TrainConfig:
     """Compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
     timeout_s: float = 300.0
     """Timeout of blocking receives and collectives (seconds)."""
+    startup_timeout_s: float = 900.0
+    """Timeout of the start-up handshake (model loading, DeepSpeed init, first-run op builds)."""
+    stop_at: int = 0
+    """If > 0: stop at this step with a checkpoint, keeping max_steps' schedules (staged runs)."""
 
 
 @dataclass
@@ -200,6 +204,8 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("train.zero_stage", "must be 0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
     ("train.dtype", "must be auto, bf16 or fp32", lambda v: v in ("auto", "bf16", "fp32")),
     ("train.timeout_s", "must be > 0", lambda v: v > 0),
+    ("train.stop_at", "must be >= 0", lambda v: v >= 0),
+    ("train.startup_timeout_s", "must be > 0", lambda v: v > 0),
     ("topology.num_target_ranks", "must be >= 1", lambda v: v >= 1),
     ("topology.targets_per_node", "must be >= 0", lambda v: v >= 0),
 ]

@@ -86,3 +86,50 @@ def capture_hidden(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
             h.remove()
     context = torch.cat([captured[i] for i in layer_ids], dim=-1)
     return context, out.last_hidden_state
+
+
+def _tensor_index(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file of a (possibly sharded) HF folder."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: path / v for k, v in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise DFlashError(f"target folder {path} has no model.safetensors(.index.json): only safetensors are loaded")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def load_target_head(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Embedding, nn.Linear]:
+    """Only the target's token embedding and LM head (frozen), read from its safetensors.
+
+    Drafter ranks need these two and nothing else of the target.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    cfg = read_target_config(path)
+    index = _tensor_index(path)
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(index[name]), framework="pt") as f:
+            return f.get_tensor(name).to(dtype)
+
+    embed_name = next((k for k in ("model.embed_tokens.weight", "embed_tokens.weight") if k in index), None)
+    if embed_name is None:
+        raise DFlashError(f"target folder {path}: no embed_tokens weight in its safetensors")
+    embed_w = read(embed_name)
+    head_w = read("lm_head.weight") if "lm_head.weight" in index else None
+    if head_w is None:
+        if not cfg.get("tie_word_embeddings", False):
+            raise DFlashError(f"target folder {path}: no lm_head.weight and tie_word_embeddings is false")
+        head_w = embed_w
+    embed = nn.Embedding(embed_w.shape[0], embed_w.shape[1], _weight=embed_w.clone())
+    head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False)
+    head.weight = nn.Parameter(head_w.clone())
+    for p in (*embed.parameters(), *head.parameters()):
+        p.requires_grad_(False)
+    return embed, head

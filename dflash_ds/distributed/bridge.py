@@ -1,0 +1,333 @@
+"""Hidden-state exchange between one target rank and one drafter rank over the bridge group.
+
+Wire format. A batch is one fixed-size header, then one message per tensor:
+
+- header: int64[HEADER_SLOTS] on tag `2 * channel`;
+- payload: the tensors in header order, each on tag `2 * channel + 1`.
+
+Header and payload use different tags because the backend matches receives to
+sends per (peer, tag) in posting order: with separate tags a drafter can post
+the header receives of the next batches before it knows the shapes of the
+current one (that is how `Receiver` prefetches). gloo sends are rendezvous:
+data moves only once the receiver has posted the matching receive.
+
+Header slots (the header is self-describing, so the bridge carries any dict of
+tensors and any float metadata, e.g. target-side timings):
+
+- 0 MAGIC, 1 VERSION, 2 batch id, 3 number of tensors, 4 number of meta values;
+- 8 + 9 * i: tensor i as name (3 slots: 24 ASCII bytes, NUL padded),
+  dtype code, ndim, then 4 dims (unused dims 0), for i < MAX_TENSORS;
+- 80 + 3 * j: meta value j as key (2 slots: 16 ASCII bytes), then the value's
+  float64 bit pattern, for j < MAX_META.
+
+A receive that times out raises `BridgeTimeoutError` naming the peer. With
+gloo a timed-out pair is closed, so a timeout is fatal for that pair.
+"""
+
+from __future__ import annotations
+
+import datetime
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, NamedTuple, Protocol
+
+import torch
+
+HEADER_SLOTS = 128
+MAGIC = 0x0DF1A5B
+VERSION = 1
+MAX_TENSORS = 8
+MAX_DIMS = 4
+MAX_META = 16  # 80 + 3 * 16 = 128 slots
+NAME_BYTES = 24
+KEY_BYTES = 16
+_TENSOR_BASE, _TENSOR_SLOTS = 8, 9
+_META_BASE, _META_SLOTS = 80, 3
+
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3,
+    torch.int64: 4, torch.int32: 5, torch.int16: 6, torch.int8: 7, torch.uint8: 8, torch.bool: 9,
+}
+_CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+class BridgeError(RuntimeError):
+    """A bridge transfer failed: the peer is gone or sent something unexpected."""
+
+
+class BridgeTimeoutError(BridgeError, TimeoutError):
+    """A bridge transfer did not finish in time."""
+
+
+class Batch(NamedTuple):
+    """One received batch."""
+
+    batch_id: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, float]
+
+
+class BridgeGroup(Protocol):
+    """What the bridge needs from a group: the gloo and NCCL backend objects (`ProcessGroupGloo`, ...) fit."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any: ...
+
+
+class DepthSink(Protocol):
+    """Anything that records a queue depth per peer (see router.QueueDepthMeter)."""
+
+    def update(self, peer: int, depth: int) -> None: ...
+
+
+# ---------------------------------------------------------------- header
+
+
+def _pack_ascii(text: str, nbytes: int) -> list[int]:
+    raw = text.encode("ascii")
+    if len(raw) > nbytes:
+        raise ValueError(f"name {text!r} is longer than {nbytes} bytes")
+    return list(struct.unpack(f"<{nbytes // 8}q", raw.ljust(nbytes, b"\0")))
+
+
+def _unpack_ascii(slots: list[int]) -> str:
+    return struct.pack(f"<{len(slots)}q", *slots).rstrip(b"\0").decode("ascii")
+
+
+def encode_header(batch_id: int, tensors: dict[str, torch.Tensor], meta: dict[str, float]) -> torch.Tensor:
+    """The int64[HEADER_SLOTS] header describing a batch (on CPU)."""
+    if len(tensors) > MAX_TENSORS or len(meta) > MAX_META:
+        raise ValueError(f"a batch carries at most {MAX_TENSORS} tensors and {MAX_META} meta values, "
+                         f"got {len(tensors)} and {len(meta)}")
+    h = [0] * HEADER_SLOTS
+    h[0:5] = [MAGIC, VERSION, int(batch_id), len(tensors), len(meta)]
+    for i, (name, t) in enumerate(tensors.items()):
+        if t.dim() > MAX_DIMS or t.dtype not in DTYPE_CODES:
+            raise ValueError(f"tensor {name!r}: {t.dim()} dims of {t.dtype} cannot cross the bridge "
+                             f"(at most {MAX_DIMS} dims of {sorted(map(str, DTYPE_CODES))})")
+        dims = list(t.shape) + [0] * (MAX_DIMS - t.dim())
+        o = _TENSOR_BASE + _TENSOR_SLOTS * i
+        h[o:o + _TENSOR_SLOTS] = _pack_ascii(name, NAME_BYTES) + [DTYPE_CODES[t.dtype], t.dim()] + dims
+    for j, (key, value) in enumerate(meta.items()):
+        o = _META_BASE + _META_SLOTS * j
+        h[o:o + _META_SLOTS] = _pack_ascii(key, KEY_BYTES) + list(struct.unpack("<q", struct.pack("<d", value)))
+    return torch.tensor(h, dtype=torch.int64)
+
+
+def decode_header(header: torch.Tensor) -> tuple[int, list[tuple[str, torch.dtype, tuple[int, ...]]], dict[str, float]]:
+    """Inverse of `encode_header`: (batch id, [(name, dtype, shape)], meta)."""
+    h = header.tolist()
+    if h[0] != MAGIC or h[1] != VERSION:
+        raise BridgeError(f"bad bridge header (magic {h[0]:#x}, version {h[1]}): "
+                          "sender and receiver disagree on the message order or the dflash-ds version")
+    specs = []
+    for i in range(h[3]):
+        o = _TENSOR_BASE + _TENSOR_SLOTS * i
+        name = _unpack_ascii(h[o:o + 3])
+        code, ndim = h[o + 3], h[o + 4]
+        specs.append((name, _CODE_DTYPES[code], tuple(h[o + 5:o + 5 + ndim])))
+    meta = {}
+    for j in range(h[4]):
+        o = _META_BASE + _META_SLOTS * j
+        meta[_unpack_ascii(h[o:o + 2])] = struct.unpack("<d", struct.pack("<q", h[o + 2]))[0]
+    return h[2], specs, meta
+
+
+def _tags(channel: int) -> tuple[int, int]:
+    return 2 * channel, 2 * channel + 1
+
+
+# ---------------------------------------------------------------- waiting
+
+
+def _wait(work: Any, deadline: float, peer: int, what: str, timeout_s: float) -> None:
+    """Wait for one Work until `deadline` (time.monotonic); raise a bridge error naming the peer."""
+    remaining = max(deadline - time.monotonic(), 1e-3)
+    try:
+        # Work.wait(timeout) is honoured by gloo and NCCL; a backend that
+        # ignores it and returns False is treated as a timeout too.
+        done = work.wait(datetime.timedelta(seconds=remaining))
+    except Exception as e:  # the backends raise plain RuntimeError for both cases
+        if time.monotonic() >= deadline - 1e-3 or "timed out" in str(e).lower():
+            raise BridgeTimeoutError(
+                f"bridge: {what} with rank {peer} did not finish within {timeout_s:g}s; "
+                f"is rank {peer} alive and routed to this rank?") from e
+        raise BridgeError(f"bridge: {what} with rank {peer} failed: {e}") from e
+    if done is False:
+        raise BridgeTimeoutError(f"bridge: {what} with rank {peer} did not finish within {timeout_s:g}s")
+
+
+def wait_all(works: Iterable[Any], peer: int, timeout_s: float, what: str = "transfer") -> None:
+    """Wait for a list of Works with one shared deadline."""
+    deadline = time.monotonic() + timeout_s
+    for w in works:
+        _wait(w, deadline, peer, what, timeout_s)
+
+
+# ---------------------------------------------------------------- sending
+
+
+def send_batch(bridge: BridgeGroup, dst: int, tensors: dict[str, torch.Tensor],
+               meta: dict[str, float] | None, batch_id: int, tag: int = 0) -> list[Any]:
+    """Post a batch's header and payload sends to global rank `dst`; returns the Works (asynchronous)."""
+    # The Works keep the tensors alive, but the caller must not modify them in
+    # place before the Works complete (the target allocates fresh ones per batch).
+    meta = meta or {}
+    payload = [t.contiguous() for t in tensors.values()]
+    device = payload[0].device if payload else torch.device("cpu")
+    header = encode_header(batch_id, tensors, meta).to(device)
+    htag, ptag = _tags(tag)
+    works = [bridge.send([header], dst, htag)]
+    works += [bridge.send([t], dst, ptag) for t in payload]
+    return works
+
+
+@dataclass
+class _InFlight:
+    dst: int
+    batch_id: int
+    works: list[Any]
+
+
+class AsyncSender:
+    """Keeps at most `depth` batches in flight (double buffering); waits on the oldest before posting more."""
+
+    def __init__(self, bridge: BridgeGroup, depth: int = 2, timeout_s: float = 600.0,
+                 meter: DepthSink | None = None) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.bridge, self.depth, self.timeout_s, self.meter = bridge, depth, timeout_s, meter
+        self._in_flight: deque[_InFlight] = deque()
+        self.last_block_s = 0.0  # how long the last send() waited for room: drafter-bound when > 0
+
+    def send(self, dst: int, tensors: dict[str, torch.Tensor], meta: dict[str, float] | None,
+             batch_id: int, tag: int = 0) -> None:
+        """Post a batch to `dst`, first waiting for the oldest batch when `depth` are in flight."""
+        t0 = time.monotonic()
+        while len(self._in_flight) >= self.depth:
+            old = self._in_flight.popleft()
+            wait_all(old.works, old.dst, self.timeout_s, f"sending batch {old.batch_id}")
+        self.last_block_s = time.monotonic() - t0
+        works = send_batch(self.bridge, dst, tensors, meta, batch_id, tag)
+        self._in_flight.append(_InFlight(dst, batch_id, works))
+        if self.meter is not None:
+            self.meter.update(dst, self.in_flight(dst))
+
+    def in_flight(self, dst: int | None = None) -> int:
+        """Batches posted (to `dst`, or to anyone) whose sends have not all completed."""
+        return sum(1 for f in self._in_flight
+                   if (dst is None or f.dst == dst) and not all(w.is_completed() for w in f.works))
+
+    def flush(self) -> None:
+        """Wait until every posted batch has been delivered."""
+        while self._in_flight:
+            old = self._in_flight.popleft()
+            wait_all(old.works, old.dst, self.timeout_s, f"sending batch {old.batch_id}")
+
+
+# ---------------------------------------------------------------- receiving
+
+
+def recv_batch(bridge: BridgeGroup, src: int, timeout_s: float, tag: int = 0,
+               device: torch.device | str = "cpu") -> Batch:
+    """Blocking receive of one batch from global rank `src` (header, then payload)."""
+    htag, ptag = _tags(tag)
+    header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=device)
+    deadline = time.monotonic() + timeout_s
+    _wait(bridge.recv([header], src, htag), deadline, src, "receiving a batch header", timeout_s)
+    batch_id, specs, meta = decode_header(header.cpu())
+    tensors = {name: torch.empty(shape, dtype=dtype, device=device) for name, dtype, shape in specs}
+    works = [bridge.recv([t], src, ptag) for t in tensors.values()]
+    for w in works:
+        _wait(w, deadline, src, f"receiving batch {batch_id}", timeout_s)
+    return Batch(batch_id, tensors, meta)
+
+
+@dataclass
+class _Pending:
+    batch_id: int
+    src: int
+    header: torch.Tensor
+    header_work: Any
+    tensors: dict[str, torch.Tensor] | None = None
+    meta: dict[str, float] = field(default_factory=dict)
+    works: list[Any] = field(default_factory=list)
+
+
+class Receiver:
+    """Receives a planned sequence of (batch_id, src) batches, keeping `depth` header receives posted ahead.
+
+    Call `poll()` while training on a batch to start the payload transfer of
+    any next batch whose header has already arrived (no background thread).
+    """
+
+    def __init__(self, bridge: BridgeGroup, schedule: Iterable[tuple[int, int]], depth: int = 2,
+                 timeout_s: float = 600.0, tag: int = 0, device: torch.device | str = "cpu",
+                 meter: DepthSink | None = None) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.bridge, self.depth, self.timeout_s, self.device, self.meter = bridge, depth, timeout_s, device, meter
+        self._schedule: Iterator[tuple[int, int]] = iter(schedule)
+        self._exhausted = False
+        self._tags = _tags(tag)
+        self._pending: deque[_Pending] = deque()
+        self.last_wait_s = 0.0  # how long the last next() blocked: target-bound when > 0
+        self.poll()
+
+    def __iter__(self) -> Receiver:
+        return self
+
+    def __next__(self) -> Batch:
+        """The next scheduled batch; blocks until it has arrived (or times out)."""
+        self.poll()
+        if not self._pending:
+            raise StopIteration
+        head = self._pending[0]
+        if self.meter is not None:
+            # What the target has already produced for us at the moment we ask.
+            self.meter.update(head.src, sum(p.header_work.is_completed() for p in self._pending))
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        if head.tensors is None:
+            _wait(head.header_work, deadline, head.src, f"receiving the header of batch {head.batch_id}",
+                  self.timeout_s)
+            self._post_payload(head)
+        for w in head.works:
+            _wait(w, deadline, head.src, f"receiving batch {head.batch_id}", self.timeout_s)
+        self.last_wait_s = time.monotonic() - t0
+        self._pending.popleft()
+        self.poll()
+        assert head.tensors is not None
+        return Batch(head.batch_id, head.tensors, head.meta)
+
+    def poll(self) -> None:
+        """Post header receives up to `depth` ahead and payload receives for headers that have arrived."""
+        while len(self._pending) < self.depth and not self._exhausted:
+            try:
+                batch_id, src = next(self._schedule)
+            except StopIteration:
+                self._exhausted = True
+                break
+            header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+            work = self.bridge.recv([header], src, self._tags[0])
+            self._pending.append(_Pending(batch_id, src, header, work))
+        for p in self._pending:
+            if p.tensors is not None:
+                continue
+            if not p.header_work.is_completed():
+                break  # payload receives must be posted in batch order
+            _wait(p.header_work, time.monotonic() + self.timeout_s, p.src, "receiving a batch header",
+                  self.timeout_s)  # completed: returns at once or raises the peer's error
+            self._post_payload(p)
+
+    def _post_payload(self, p: _Pending) -> None:
+        batch_id, specs, meta = decode_header(p.header.cpu())
+        if batch_id != p.batch_id:
+            raise BridgeError(f"bridge: expected batch {p.batch_id} from rank {p.src}, got batch {batch_id}: "
+                              "the target and drafter routing plans disagree")
+        p.tensors = {name: torch.empty(shape, dtype=dtype, device=self.device) for name, dtype, shape in specs}
+        p.meta = meta
+        p.works = [self.bridge.recv([t], p.src, self._tags[1]) for t in p.tensors.values()]

@@ -1,0 +1,147 @@
+"""Checkpoints: DeepSpeed shards + trainer state + HF export, written atomically.
+
+Layout under OUTPUT_DIR/checkpoints/:
+    step_00000010/            a complete checkpoint
+        ds/                   engine.save_checkpoint (sharded over drafter ranks)
+        trainer_state.json    step, data cursor, config, drafter shape
+        export/               HF export of the drafter (DESIGN §2)
+        COMPLETE              written last, before the rename
+    step_00000020.partial/    a save in progress (ignored and removed on the next start)
+    latest                    name of the newest complete checkpoint, replaced atomically
+
+A save goes into `.partial`, every drafter rank finishes its shards, then rank 0 writes the
+state and the export, marks it COMPLETE, renames it and only then moves `latest`. A crash at
+any point leaves `latest` on the previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from dflash_ds.errors import DFlashError
+
+LATEST = "latest"
+COMPLETE = "COMPLETE"
+STATE = "trainer_state.json"
+DS_TAG = "ds"
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    """OUTPUT_DIR/checkpoints."""
+    return Path(output_dir) / "checkpoints"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """Folder of the checkpoint taken after `step` completed steps."""
+    return root / f"step_{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint folder that finished saving."""
+    return (path / COMPLETE).is_file() and (path / STATE).is_file()
+
+
+def find_latest(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint: the `latest` pointer, else the highest complete step folder."""
+    root = checkpoint_root(output_dir)
+    pointer = root / LATEST
+    if pointer.is_file():
+        cand = root / pointer.read_text().strip()
+        if is_complete(cand):
+            return cand
+    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial")
+                      and is_complete(p))
+    return complete[-1] if complete else None
+
+
+def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
+    """--resume auto|none|PATH -> checkpoint folder or None (errors name the path)."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return find_latest(output_dir)
+    path = Path(resume)
+    if path.is_dir() and (path / LATEST).is_file():  # a checkpoints/ root or run folder was given
+        path = path / (path / LATEST).read_text().strip()
+    elif path.is_dir() and (path / "checkpoints").is_dir():
+        found = find_latest(path)
+        if found is None:
+            raise DFlashError(f"--resume {resume}: no complete checkpoint under {path / 'checkpoints'}")
+        path = found
+    if not is_complete(path):
+        raise DFlashError(f"--resume {resume}: {path} is not a complete checkpoint (no {COMPLETE} or {STATE})")
+    return path
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """trainer_state.json of a checkpoint (plain JSON: nothing is unpickled)."""
+    try:
+        return json.loads((path / STATE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DFlashError(f"{path / STATE}: unreadable trainer state ({exc})") from None
+
+
+def clean_partials(output_dir: str | Path) -> list[Path]:
+    """Remove leftovers of interrupted saves (rank 0, before training starts)."""
+    root = checkpoint_root(output_dir)
+    removed = []
+    for p in root.glob("*.partial"):
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def check_writable(output_dir: str | Path) -> None:
+    """Fail early with a clear message when the run folder cannot be written."""
+    root = checkpoint_root(output_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".write_probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise DFlashError(f"output folder {output_dir} is not writable ({exc.strerror})") from None
+
+
+def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, Any], keep_last: int,
+                    export_fn) -> Path:
+    """Collective over the drafter group. `export_fn(folder)` writes the HF export (rank 0 writes)."""
+    root = checkpoint_root(output_dir)
+    final = step_dir(root, step)
+    partial = final.with_name(final.name + ".partial")
+    rank = dist.get_rank()
+    try:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        dist.barrier()
+        engine.save_checkpoint(str(partial), tag=DS_TAG)
+        export_fn(partial / "export")  # gathers under ZeRO-3: every rank calls it
+        dist.barrier()  # every rank's shards are on disk
+        if rank == 0:
+            (partial / STATE).write_text(json.dumps(state, indent=2) + "\n")
+            (partial / COMPLETE).write_text(f"{step}\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            tmp = root / (LATEST + ".tmp")
+            tmp.write_text(final.name + "\n")
+            os.replace(tmp, root / LATEST)
+            _prune(root, keep_last)
+        dist.barrier()
+    except OSError as exc:
+        raise DFlashError(f"checkpoint at step {step} failed: {exc.strerror or exc} ({partial}); "
+                          f"the previous checkpoint is intact") from None
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
+    for old in complete[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,237 @@
+"""Drafter ranks: receive target states, train the drafter with DeepSpeed in lockstep, log, checkpoint.
+
+The first drafter (global rank 0) is the leader: it picks the resume point and sends it to
+every target, reduces metrics over the training group, writes metrics.jsonl / W&B, and
+orchestrates checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash_ds.components.loss import metrics_from_sums
+from dflash_ds.components.objective import TargetStates
+from dflash_ds.components.schedules import noise_std_at
+from dflash_ds.config import Config, to_dict
+from dflash_ds.data.batching import Cursor
+from dflash_ds.distributed import bridge as bridge_mod
+from dflash_ds.distributed.topology import RoleContext
+from dflash_ds.errors import DFlashError
+from dflash_ds.models.drafter import DFlashDrafter
+from dflash_ds.models.target import load_target_head
+from dflash_ds.runtime import checkpoint as ckpt
+from dflash_ds.runtime.engine import (DrafterTrainModule, build_engine, gathered_drafter_state, load_ds_config,
+                                      resolve_ds_config)
+from dflash_ds.runtime.monitor import Monitor, scrub_secrets
+from dflash_ds.runtime.plan import DataPlan, batch_seed, last_step, resolve_arch, route, torch_dtype
+from dflash_ds.runtime.target_worker import CONTROL_TAG
+
+ANCHOR_SALT, NOISE_SALT = 1, 2
+SUM_KEYS = ("valid_positions", "correct", "top4", "top8", "blocks", "streak", "tree_streak4", "tree_streak8")
+
+
+class Receiver:
+    """Background thread receiving this drafter's batches in step order from the routed targets."""
+
+    def __init__(self, ctx: RoleContext, start_step: int, max_steps: int, depth: int = 2) -> None:
+        self.ctx, self.q = ctx, queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._work, args=(start_step, max_steps), daemon=True,
+                                       name="drafter-receiver")
+        self.thread.start()
+
+    def _work(self, start: int, stop: int) -> None:
+        layout, d = self.ctx.layout, self.ctx.role_rank
+        try:
+            for step in range(start, stop):
+                src = layout.target_ranks[route(step, d, layout.num_drafters, layout.num_targets)]
+                got = bridge_mod.recv_batch(self.ctx.bridge, src, timeout_s=self.ctx.timeout_s)
+                self.q.put(got)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training loop
+            self.q.put(exc)
+
+    def get(self) -> tuple[int, dict, dict, int]:
+        """Next batch and how many were already waiting (the queue depth the step saw)."""
+        depth = self.q.qsize()
+        try:
+            item = self.q.get(timeout=self.ctx.timeout_s * 2)
+        except queue.Empty:
+            raise TimeoutError(f"no batch from any target within {self.ctx.timeout_s * 2:.0f}s") from None
+        if isinstance(item, BaseException):
+            raise item
+        return (*item, depth)
+
+
+def _load_drafter(cfg: Config, seed: int) -> DFlashDrafter:
+    if cfg.drafter:
+        return DFlashDrafter.from_pretrained(cfg.drafter)
+    drafter = DFlashDrafter(resolve_arch(cfg))
+    drafter.init_weights(seed)
+    return drafter
+
+
+def _check_resume_state(state: dict, arch, path: Path) -> None:
+    """A checkpoint whose drafter shape, block size or target layers differ from the run -> clear error."""
+    saved = state.get("arch", {})
+    for key in ("block_size", "target_layer_ids", "num_hidden_layers", "hidden_size", "vocab_size"):
+        if key in saved and saved[key] != getattr(arch, key):
+            raise DFlashError(f"checkpoint {path} has {key} = {saved[key]} but this run has {getattr(arch, key)}")
+
+
+def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan) -> None:
+    """Train until cfg.train.max_steps, then write the final checkpoint."""
+    layout = ctx.layout
+    d, n_d = ctx.role_rank, layout.num_drafters
+    leader = d == 0
+    out = Path(cfg.train.output_dir)
+    cuda = ctx.device.type == "cuda"
+    dtype = torch_dtype(cfg, cuda)
+    if leader:
+        ckpt.check_writable(out)
+        ckpt.clean_partials(out)
+
+    # Every drafter rank must agree on the resume point; the leader decides.
+    decision = [str(ckpt.resolve_resume(cfg.train.resume, out) or "")] if leader else [None]
+    dist.broadcast_object_list(decision, src=0)
+    resume_path = Path(decision[0]) if decision[0] else None
+
+    arch = resolve_arch(cfg)
+    if leader:
+        print(f"[dflash-ds] building the DeepSpeed engine on {n_d} drafter rank(s)...", flush=True)
+    embed, head = load_target_head(cfg.target)
+    module = DrafterTrainModule(_load_drafter(cfg, cfg.train.seed), embed, head)
+    engine = build_engine(module, cfg, load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16))
+
+    start_step, cursor = 0, Cursor(0, 0)
+    if resume_path is not None:
+        state = ckpt.read_state(resume_path)
+        _check_resume_state(state, arch, resume_path)
+        engine.load_checkpoint(str(resume_path), tag=ckpt.DS_TAG, load_module_strict=True)
+        start_step, cursor = int(state["step"]), Cursor(**state["cursor"])
+    if leader:
+        start = torch.tensor([start_step, cursor.epoch, cursor.batch_index], dtype=torch.long)
+        sends = [(t, bridge_mod.send_batch(ctx.bridge, t, {"start": start}, {}, batch_id=-1, tag=CONTROL_TAG))
+                 for t in layout.target_ranks]
+        for t, works in sends:
+            bridge_mod.wait_all(works, t, ctx.timeout_s, "sending the start point")
+        print(f"[dflash-ds] {layout.describe()}; ZeRO-{engine.zero_optimization_stage()}; "
+              f"{'resuming from ' + str(resume_path) if resume_path else 'fresh start'} at step {start_step}",
+              flush=True)
+
+    monitor = None
+    if leader:
+        monitor = Monitor(out, cfg.train.max_steps, config=scrub_secrets(to_dict(cfg)),
+                          use_wandb=cfg.wandb.enabled, wandb_project=cfg.wandb.project,
+                          wandb_run_name=cfg.wandb.run_name, resume_step=start_step)
+    records_dir = out / "records"
+    records_dir.mkdir(parents=True, exist_ok=True)
+    record_file = (records_dir / f"drafter{d}.jsonl").open("a")
+
+    def export_fn(folder: Path) -> None:
+        state_dict = gathered_drafter_state(engine)
+        if state_dict is not None:
+            export = DFlashDrafter(arch)
+            export.load_state_dict(state_dict, strict=False)
+            export.save_pretrained(folder)
+
+    def trainer_state(step: int, cur: Cursor) -> dict:
+        return {"step": step, "cursor": asdict(cur), "seed": cfg.train.seed, "num_drafters": n_d,
+                "arch": {"block_size": arch.block_size, "target_layer_ids": arch.target_layer_ids,
+                         "num_hidden_layers": arch.num_hidden_layers, "hidden_size": arch.hidden_size,
+                         "vocab_size": arch.vocab_size},
+                "rng": "per-batch generators seeded by (seed, global batch id): nothing else to restore",
+                "config": scrub_secrets(to_dict(cfg))}
+
+    stop = last_step(cfg)
+    receiver = Receiver(ctx, start_step, stop, depth=2)
+    n_buckets = len(data.boundaries)
+    acc = torch.zeros(32 + n_buckets, dtype=torch.float64)
+    t_last, steps_in_window, run_start = time.perf_counter(), 0, time.perf_counter()
+    last_cursor = cursor
+    last_saved = start_step if resume_path is not None else -1
+    for step in range(start_step, stop):
+        batch_id, tensors, meta, depth = receiver.get()
+        expected = step * n_d + d
+        if batch_id != expected:
+            raise RuntimeError(f"drafter {d} expected global batch {expected} at step {step}, got {batch_id}")
+        states = TargetStates(tensors["input_ids"], tensors["loss_mask"], tensors["lengths"],
+                              tensors["context"].to(dtype), tensors.get("last_hidden"))
+        noise = noise_std_at(step, max_std=cfg.noise.max_std, min_std=cfg.noise.min_std,
+                             warmup_steps=cfg.noise.warmup_steps, total_steps=cfg.train.max_steps)
+        lr = engine.get_lr()[0]
+        terms, sums = engine(states, cfg.loss, batch_seed(cfg.train.seed, batch_id, ANCHOR_SALT), noise,
+                             batch_seed(cfg.train.seed, batch_id, NOISE_SALT))
+        engine.backward(terms.loss)
+        engine.step()
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else math.nan
+        loss = terms.loss.item()
+        record_file.write(json.dumps({"step": step, "batch_id": batch_id, "bucket": int(meta["bucket"]),
+                                      "epoch_after": int(meta["epoch_after"]), "loss": loss}) + "\n")
+        record_file.flush()
+        last_cursor = Cursor(int(meta["epoch_after"]), int(meta["index_after"]))
+        vec = [loss, 1.0] + [float(sums[k]) for k in SUM_KEYS] + [
+            meta["real_tokens"], meta["padded_tokens"], meta["num_seqs"], float(depth), meta["tgt_batch_per_s"],
+            meta["tgt_forward_s"], grad_norm, lr, noise]
+        acc[: len(vec)] += torch.tensor(vec, dtype=torch.float64)
+        acc[32 + int(meta["bucket"])] += 1
+        pos = sums["pos_correct"], sums["pos_valid"]
+        if steps_in_window == 0:
+            pos_acc = [torch.zeros_like(pos[0], dtype=torch.float64), torch.zeros_like(pos[1], dtype=torch.float64)]
+        pos_acc[0] += pos[0].double().cpu()
+        pos_acc[1] += pos[1].double().cpu()
+        steps_in_window += 1
+        done = step + 1
+        if done % cfg.train.log_interval == 0 or done == stop:
+            total = torch.cat([acc, pos_acc[0], pos_acc[1]])
+            dist.all_reduce(total)
+            now = time.perf_counter()
+            window = now - t_last
+            if leader:
+                monitor.log(_record(total, n_buckets, len(pos_acc[0]), done, last_cursor.epoch, window, n_d,
+                                    cfg.train.max_steps, (now - run_start) / max(done - start_step, 1)))
+            acc.zero_()
+            steps_in_window, t_last = 0, now
+        if done % cfg.train.save_interval == 0 or done == stop:
+            ckpt.save_checkpoint(engine, done, out, trainer_state(done, last_cursor), cfg.train.keep_last, export_fn)
+            last_saved = done
+    record_file.close()
+    if monitor is not None:
+        monitor.close()
+        print(f"[dflash-ds] done: step {stop} of {cfg.train.max_steps}; metrics {out / 'metrics.jsonl'}; "
+              f"checkpoint {ckpt.find_latest(out)}", flush=True)
+    del last_saved
+
+
+def _record(total: torch.Tensor, n_buckets: int, k: int, step: int, epoch: int, window: float, n_d: int,
+            max_steps: int, sec_per_step: float) -> dict:
+    """Reduced sums of a log window -> one metrics.jsonl record."""
+    v = total.tolist()
+    loss_sum, n = v[0], v[1]  # n = steps x drafters in the window
+    sums = {key: torch.tensor(v[2 + i]) for i, key in enumerate(SUM_KEYS)}
+    real, padded, seqs, depth, tgt_rate, tgt_fwd, gnorm, lr, noise = v[10:19]
+    buckets = v[32:32 + n_buckets]
+    sums["pos_correct"] = torch.tensor(v[32 + n_buckets: 32 + n_buckets + k])
+    sums["pos_valid"] = torch.tensor(v[32 + n_buckets + k: 32 + n_buckets + 2 * k])
+    m = metrics_from_sums(sums)
+    steps = n / n_d
+    return {
+        "step": step, "epoch": epoch, "loss": loss_sum / n, **{key: m[key] for key in (
+            "accuracy", "avg_streak", "tau", "top4_accuracy", "top8_accuracy", "tree_streak4", "tree_streak8")},
+        "accuracy_per_position": m["accuracy_per_position"],
+        "lr": lr / n, "noise_std": noise / n, "grad_norm": gnorm / n,
+        "tgt_batch_per_sec": tgt_rate / n * 1.0, "dft_batch_per_sec": n / window, "tok_per_sec": real / window,
+        "hs_queue_depth": depth / n, "tgt_forward_s": tgt_fwd / n,
+        "avg_seq_len": real / max(seqs, 1), "padding_efficiency": real / max(padded, 1),
+        "bucket_pct": {str(b): c / n for b, c in enumerate(buckets)},
+        "real_tokens": real, "padded_tokens": padded,
+        "eta_s": sec_per_step * (max_steps - step), "step_time_s": window / max(steps, 1),
+    }

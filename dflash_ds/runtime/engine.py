@@ -1,0 +1,130 @@
+"""The drafter's DeepSpeed engine: DS JSON resolution, the trainable module, AdamW and the LR schedule."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_ds.components.objective import TargetStates, drafter_objective
+from dflash_ds.components.schedules import lr_at
+from dflash_ds.config import Config
+from dflash_ds.errors import DFlashError
+from dflash_ds.models.drafter import DFlashDrafter
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def resolve_ds_config(cfg: Config) -> Path:
+    """`train.ds_config` if given, else ds_configs/zero{N}.json (cwd first, then the repo)."""
+    if cfg.train.ds_config:
+        path = Path(cfg.train.ds_config)
+        if not path.is_file():
+            raise DFlashError(f"--ds-config {path} does not exist")
+        return path
+    name = Path("ds_configs") / f"zero{cfg.train.zero_stage}.json"
+    for base in (Path.cwd(), REPO_ROOT):
+        if (base / name).is_file():
+            return base / name
+    raise DFlashError(f"DeepSpeed config {name} not found (looked in {Path.cwd()} and {REPO_ROOT}); "
+                      f"pass --ds-config FILE")
+
+
+def load_ds_config(path: Path, cfg: Config, bf16: bool) -> dict[str, Any]:
+    """Read the DS JSON and fill the fields the trainer owns (batching, clipping, precision)."""
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DFlashError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(ds, dict):
+        raise DFlashError(f"{path}: top level must be an object")
+    # One micro-batch per drafter per step: the router hands each drafter exactly one.
+    ds["train_micro_batch_size_per_gpu"] = 1
+    ds["gradient_accumulation_steps"] = 1
+    ds.pop("train_batch_size", None)
+    ds["gradient_clipping"] = float(cfg.optim.grad_clip)
+    ds["bf16"] = {"enabled": bool(bf16)}
+    ds.pop("fp16", None)
+    ds["zero_allow_untested_optimizer"] = True
+    # save_checkpoint's tag all_reduce must stay inside the drafter group (DESIGN §5).
+    ds.setdefault("checkpoint", {})["tag_validation"] = "Ignore"
+    ds.setdefault("steps_per_print", 10**9)
+    return ds
+
+
+class DrafterTrainModule(nn.Module):
+    """What DeepSpeed wraps: the drafter plus the target's frozen embedding and LM head."""
+
+    def __init__(self, drafter: DFlashDrafter, embed: nn.Embedding, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.embed = embed
+        self.lm_head = lm_head
+        for p in (*embed.parameters(), *lm_head.parameters()):
+            p.requires_grad_(False)
+
+    def forward(self, states: TargetStates, loss_cfg, anchor_seed: int, noise_std: float, noise_seed: int):
+        anchor_gen = torch.Generator().manual_seed(anchor_seed)
+        dev = states.context.device
+        noise_gen = torch.Generator(device=dev).manual_seed(noise_seed) if noise_std > 0 else None
+        return drafter_objective(self.drafter, self.embed, self.lm_head, states, loss_cfg,
+                                 anchor_gen=anchor_gen, noise_std=noise_std, noise_gen=noise_gen)
+
+
+def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
+    """Torch waits forever on an op-build lock left by a killed build: name it instead of hanging silently."""
+    import os
+    import time
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    stale = [p for p in root.glob("*/*/lock") if time.time() - p.stat().st_mtime > max_age_s]
+    for p in stale:
+        print(f"warning: {p} is {int(time.time() - p.stat().st_mtime)}s old: a killed op build may have left it; "
+              f"if DeepSpeed start-up hangs, delete it", flush=True)
+    return stale
+
+
+def build_engine(module: DrafterTrainModule, cfg: Config, ds_config: dict[str, Any]):
+    """deepspeed.initialize over the trainable drafter parameters only, with AdamW and warmup+cosine LR."""
+    import deepspeed
+
+    warn_stale_build_locks()
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                            weight_decay=cfg.optim.weight_decay)
+    peak = cfg.optim.lr
+
+    def factor(step: int) -> float:
+        return lr_at(step, peak=peak, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.train.max_steps,
+                     min_ratio=cfg.optim.min_lr_ratio) / peak
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched, config=ds_config)
+    return engine
+
+
+def gathered_drafter_state(engine) -> dict[str, torch.Tensor] | None:
+    """The full drafter state dict on rank 0 (gathered under ZeRO-3); collective over the drafter group."""
+    import deepspeed
+    import torch.distributed as dist
+
+    drafter = engine.module.drafter
+    params = list(drafter.parameters())
+    zero3 = engine.zero_optimization_stage() == 3
+    ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else _null()
+    with ctx:
+        if dist.get_rank() != 0:
+            return None
+        return {k: v.detach().float().cpu().clone() for k, v in drafter.state_dict().items()
+                if not k.startswith("rotary_emb.")}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -1,0 +1,132 @@
+"""What every rank agrees on before training: the drafter shape, the data, the step plan.
+
+Each rank derives the same facts from the config alone, so nothing but the resume point
+(step and data cursor, sent by the leader) has to travel at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from dflash_ds.config import Config
+from dflash_ds.data.batching import BatchSampler, BatchSpec, Cursor, bucket_boundaries
+from dflash_ds.data.loader import COLUMNS, collate
+from dflash_ds.errors import DFlashError
+from dflash_ds.models.drafter import DrafterArch, read_drafter_arch
+
+
+def resolve_arch(cfg: Config) -> DrafterArch:
+    """The drafter shape: from --drafter's config.json, else derived from the target and cfg.model."""
+    from dflash_ds.init_drafter import drafter_arch_from_target
+
+    if cfg.drafter:
+        arch = read_drafter_arch(cfg.drafter)
+        tgt = drafter_arch_from_target(cfg.target, num_layers=arch.num_hidden_layers, block_size=arch.block_size,
+                                       mask_token_id=arch.mask_token_id, target_layer_ids=arch.target_layer_ids)
+        check_arch_matches_target(arch, tgt, cfg.drafter, cfg.target)
+        return arch
+    return drafter_arch_from_target(cfg.target, num_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
+                                    mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids)
+
+
+def check_arch_matches_target(arch: DrafterArch, tgt: DrafterArch, drafter_dir, target_dir) -> None:
+    """A drafter whose width, vocab or target depth differs from the target's -> one clear error."""
+    for name in ("num_target_layers", "hidden_size", "vocab_size"):
+        a, b = getattr(arch, name), getattr(tgt, name)
+        if a != b:
+            raise DFlashError(f"drafter {drafter_dir} has {name} = {a} but target {target_dir} has {b}")
+
+
+def torch_dtype(cfg: Config, cuda: bool) -> torch.dtype:
+    """Compute dtype: bf16 on GPU, fp32 on CPU unless the config says otherwise."""
+    if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cuda):
+        return torch.bfloat16
+    return torch.float32
+
+
+@dataclass
+class DataPlan:
+    """The prepared dataset and its batch stream, identical on every rank."""
+
+    dataset: object  # datasets.Dataset, memory-mapped
+    lengths: np.ndarray
+    boundaries: list[int]
+    num_drafters: int
+    seed: int
+    token_budget: int
+
+    def sampler(self, drafter_idx: int) -> BatchSampler:
+        """Drafter d's consumer view of the global stream (global batch g -> drafter g % D)."""
+        return BatchSampler(self.lengths, self.token_budget, self.boundaries, self.seed,
+                            dp_rank=drafter_idx, dp_size=self.num_drafters)
+
+    def steps(self, cursor: Cursor) -> Iterator[tuple[Cursor, list[BatchSpec]]]:
+        """Per step from `cursor`: (cursor after the step, one batch per drafter)."""
+        its = [self.sampler(d).iterate(cursor) for d in range(self.num_drafters)]
+        while True:
+            items = [next(it) for it in its]
+            yield items[0][0], [spec for _, spec in items]
+
+
+def open_data(cfg: Config, num_drafters: int, vocab_size: int) -> DataPlan:
+    """Load the prepared dataset (memory-mapped) and check it fits the run; errors name the folder."""
+    from datasets import load_from_disk
+
+    path = Path(cfg.data.path)
+    if not path.is_dir():
+        raise DFlashError(f"data folder {path} does not exist (run `dflash-ds prepare` first)")
+    try:
+        ds = load_from_disk(str(path))
+    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds
+        raise DFlashError(f"data folder {path} is not a prepared dataset ({exc})") from None
+    missing = {"input_ids", "loss_mask", "length"} - set(ds.column_names)
+    if missing:
+        raise DFlashError(f"data folder {path}: missing columns {sorted(missing)}")
+    if len(ds) == 0:
+        raise DFlashError(f"data folder {path} holds no rows (were all rows dropped by prepare?)")
+    lengths = np.asarray(ds.data.column("length").to_numpy(), dtype=np.int64)
+    too_long = int((lengths > cfg.data.max_length).sum())
+    if too_long:
+        raise DFlashError(f"data folder {path}: {too_long} rows are longer than data.max_length = "
+                          f"{cfg.data.max_length}; prepare with --max-length {cfg.data.max_length}")
+    import pyarrow.compute as pc
+
+    top = pc.max(pc.list_flatten(ds.data.column("input_ids"))).as_py()
+    if top is not None and top >= vocab_size:
+        raise DFlashError(f"data folder {path}: token id {top} >= the target vocabulary size {vocab_size} "
+                          f"(prepared with another tokenizer?)")
+    boundaries = bucket_boundaries(cfg.data.max_length, cfg.data.num_buckets)
+    return DataPlan(ds, lengths, boundaries, num_drafters, cfg.train.seed, cfg.data.token_budget)
+
+
+def load_batch(dataset, spec: BatchSpec, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded tensors of one batch, read from the memory-mapped dataset (no prefetch)."""
+    rows = dataset.select_columns(list(COLUMNS)).with_format(None)[spec.sample_ids]
+    input_ids, loss_mask, attention_mask, lengths = collate(rows, spec, pad_id)
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask, "lengths": lengths}
+
+
+def route(step: int, drafter_idx: int, num_drafters: int, num_targets: int) -> int:
+    """Target index that computes drafter d's batch of a step: global batch g = step*D + d goes to g % T.
+
+    Targets are loaded evenly for any T:D, and each target computes its batches in increasing g,
+    which every drafter also receives in increasing g: FIFO channels never deadlock.
+    """
+    return (step * num_drafters + drafter_idx) % num_targets
+
+
+def batch_seed(seed: int, global_batch: int, salt: int) -> int:
+    """Seed of a per-batch generator (anchors, noise): a pure function, so resume is exact."""
+    return (seed * 1_000_003 + global_batch * 7919 + salt) % (2**63 - 1)
+
+
+def last_step(cfg: Config) -> int:
+    """Steps this invocation runs up to: train.stop_at if set (and earlier), else train.max_steps."""
+    if cfg.train.stop_at and cfg.train.stop_at < cfg.train.max_steps:
+        return cfg.train.stop_at
+    return cfg.train.max_steps

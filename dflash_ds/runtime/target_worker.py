@@ -1,0 +1,81 @@
+"""Target ranks: frozen target forward, capture of the selected layers, asynchronous send to drafters.
+
+A loader thread keeps the next batches read and padded; the main thread runs the target and
+posts each batch's send (header + payload) without waiting, so batch i+1 is computed while
+batch i is on the wire (the sender keeps at most `depth` batches in flight).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from dflash_ds.config import Config
+from dflash_ds.data.batching import Cursor
+from dflash_ds.data.loader import PrefetchLoader
+from dflash_ds.distributed import bridge as bridge_mod
+from dflash_ds.distributed.topology import RoleContext
+from dflash_ds.models.target import capture_hidden, load_target
+from dflash_ds.runtime.plan import DataPlan, last_step, resolve_arch, route, torch_dtype
+
+CONTROL_TAG = 7
+
+
+def receive_start(ctx: RoleContext, leader: int, timeout_s: float) -> tuple[int, Cursor]:
+    """The resume point (start step, data cursor) chosen by the leader once its engine is up."""
+    _, tensors, _ = bridge_mod.recv_batch(ctx.bridge, leader, timeout_s=timeout_s, tag=CONTROL_TAG)
+    start = tensors["start"].tolist()
+    return int(start[0]), Cursor(int(start[1]), int(start[2]))
+
+
+def run_target(ctx: RoleContext, cfg: Config, data: DataPlan) -> None:
+    """Serve every batch routed to this target until the last step."""
+    layout = ctx.layout
+    t_idx, n_t, n_d = ctx.role_rank, layout.num_targets, layout.num_drafters
+    arch = resolve_arch(cfg)
+    dtype = torch_dtype(cfg, ctx.device.type == "cuda")
+    target = load_target(cfg.target, dtype=dtype, device=ctx.device)
+    start_step, cursor = receive_start(ctx, layout.drafter_ranks[0], cfg.train.startup_timeout_s)
+    send_last_hidden = cfg.loss.kl_weight > 0
+
+    # (step, drafter) of each batch handed to the loader thread, consumed in the same order.
+    routed: deque[tuple[int, int]] = deque()
+
+    def my_batches():
+        step = start_step
+        for after, specs in data.steps(cursor):
+            if step >= last_step(cfg):
+                return
+            for d, spec in enumerate(specs):
+                if route(step, d, n_d, n_t) == t_idx:
+                    routed.append((step, d))
+                    yield after, spec
+            step += 1
+
+    sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.timeout_s)
+    served, t_start = 0, time.perf_counter()
+    loader = PrefetchLoader(data.dataset, my_batches(), depth=cfg.data.prefetch)
+    for batch in loader:
+        step, d = routed.popleft()
+        spec, after = batch.spec, batch.cursor
+        t0 = time.perf_counter()
+        ids = batch.input_ids.to(ctx.device)
+        context, last = capture_hidden(target, ids, batch.attention_mask.to(ctx.device), arch.target_layer_ids)
+        fwd = time.perf_counter() - t0
+        served += 1
+        tensors = {"input_ids": ids, "loss_mask": batch.loss_mask.to(ctx.device),
+                   "lengths": batch.lengths.to(ctx.device), "context": context.contiguous()}
+        if send_last_hidden:
+            tensors["last_hidden"] = last.contiguous()
+        # Header meta keys are at most 16 ASCII bytes (see bridge.py).
+        meta = {
+            "bucket": spec.bucket, "epoch_after": after.epoch, "index_after": after.batch_index,
+            "real_tokens": spec.real_tokens, "padded_tokens": spec.padded_tokens, "num_seqs": spec.num_seqs,
+            "tgt_forward_s": fwd, "tgt_batch_per_s": served / max(time.perf_counter() - t_start, 1e-9),
+            "in_flight": sender.in_flight(),
+        }
+        sender.send(layout.drafter_ranks[d], tensors, meta, batch_id=step * n_d + d)
+    loader.close()
+    sender.flush()

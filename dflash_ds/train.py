@@ -1,0 +1,99 @@
+"""`python -m dflash_ds.train --config FILE [flags] [--section.key value ...]`
+
+Started by torchrun or the deepspeed launcher, one rank per GPU (CPU processes with gloo
+when there is no GPU). The layout decides which ranks run the target and which train the
+drafter; everything is validated before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+# (flag, config field, type, help)
+FLAGS = [
+    ("--target", "target", str, "local HF folder of the frozen target model"),
+    ("--data", "data.path", str, "prepared dataset folder (dflash-ds prepare)"),
+    ("--drafter", "drafter", str, "start from this exported drafter instead of a fresh init"),
+    ("--output-dir", "train.output_dir", str, "run folder: metrics.jsonl, checkpoints, exports"),
+    ("--max-steps", "train.max_steps", int, "optimizer steps to run"),
+    ("--seed", "train.seed", int, "seed of data order, anchors, noise and init"),
+    ("--resume", "train.resume", str, "auto (latest complete checkpoint), none, or a checkpoint path"),
+    ("--zero-stage", "train.zero_stage", int, "DeepSpeed ZeRO stage 0..3 (ds_configs/zero{N}.json)"),
+    ("--ds-config", "train.ds_config", str, "explicit DeepSpeed JSON (overrides --zero-stage)"),
+    ("--gamma", "loss.gamma", float, "position decay gamma of the loss"),
+    ("--num-target-ranks", "topology.num_target_ranks", int, "ranks that run the target (the last ones)"),
+    ("--targets-per-node", "topology.targets_per_node", int, "per-node layout: the last N local ranks are targets"),
+    ("--wandb-project", "wandb.project", str, "W&B project"),
+    ("--wandb-run-name", "wandb.run_name", str, "W&B run name"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of the training entry point; any other `--section.key value` is a config override."""
+    p = argparse.ArgumentParser(prog="python -m dflash_ds.train", description=__doc__.splitlines()[0],
+                                epilog="Any config field can be set with --section.key VALUE "
+                                       "(e.g. --optim.lr 3e-4); see dflash_ds/config.py.")
+    p.add_argument("--config", help="YAML/JSON run config (defaults: dflash_ds/config.py)")
+    for flag, _, tp, help_text in FLAGS:
+        p.add_argument(flag, type=tp, default=None, help=help_text)
+    p.add_argument("--no-wandb", action="store_true", help="do not log to W&B")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(argv: list[str]):
+    """Config = defaults < --config file < named flags < --section.key overrides."""
+    from dflash_ds.config import load_config
+
+    args, rest = build_parser().parse_known_args(argv)
+    overrides: dict = {}
+    for flag, dotted, _, _ in FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            node = overrides
+            parts = dotted.split(".")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = value
+    if args.no_wandb:
+        overrides.setdefault("wandb", {})["enabled"] = False
+    from dflash_ds.config import parse_overrides
+
+    extra = parse_overrides(rest)
+    _merge(overrides, extra)
+    return load_config(args.config, overrides)
+
+
+def _merge(into: dict, other: dict) -> None:
+    for k, v in other.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Validate everything cheap, then join the role groups and run this rank's role."""
+    from dflash_ds.errors import DFlashError
+
+    argv = sys.argv[1:] if argv is None else argv
+    rank = os.environ.get("RANK", "?")
+    try:
+        from dflash_ds.runtime.launch import run_job
+
+        cfg = config_from_args(argv)
+        return run_job(cfg)
+    except DFlashError as exc:
+        print(f"dflash-ds train (rank {rank}): error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except Exception as exc:  # noqa: BLE001 - name the rank, then fail non-zero
+        traceback.print_exc()
+        print(f"dflash-ds train (rank {rank}): failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The deepspeed launcher over a hostfile (passwordless ssh to every host, pdsh):
+#   HOSTFILE=hostfile launch/train_deepspeed.sh --config C --target T --data D --targets-per-node 4
+# Without ssh on a single machine: NO_SSH=1 launch/train_deepspeed.sh ...
+set -euo pipefail
+HOSTFILE=${HOSTFILE:-hostfile}
+MASTER_PORT=${MASTER_PORT:-29500}
+if [[ -n "${NO_SSH:-}" ]]; then
+    exec deepspeed --hostfile "$HOSTFILE" --no_ssh --node_rank "${NODE_RANK:-0}" --num_nodes "${NUM_NODES:-1}" \
+        --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "$MASTER_PORT" \
+        --module dflash_ds.train "$@"
+fi
+exec deepspeed --hostfile "$HOSTFILE" --master_port "$MASTER_PORT" --module dflash_ds.train "$@"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Many nodes, torchrun with c10d rendezvous. Run the same command on every node:
+#   NNODES=2 NPROC=8 RDZV_HOST=node0 launch/train_multinode.sh --config C --target T --data D --targets-per-node 4
+# RDZV_HOST must resolve to the same machine on every node (it hosts the rendezvous and
+# global rank 0, which also hosts the dflash-ds store on MASTER_PORT+1).
+set -euo pipefail
+: "${NNODES:?set NNODES}" "${RDZV_HOST:?set RDZV_HOST}"
+NPROC=${NPROC:-8}
+RDZV_PORT=${RDZV_PORT:-29400}
+exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC" \
+    --rdzv_backend c10d --rdzv_endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv_id "${RDZV_ID:-dflash}" \
+    ${MAX_RESTARTS:+--max-restarts "$MAX_RESTARTS"} \
+    -m dflash_ds.train "$@"

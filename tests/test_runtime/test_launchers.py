@@ -1,0 +1,72 @@
+"""Launch paths (two torchrun agents, the deepspeed launcher) and the errors caught before any model loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from runtime_utils import REPO, env_for_children, free_port, make_dataset, read_jsonl, torchrun
+
+SHORT = ["--config", str(REPO / "configs/tiny.yaml"), "--max-steps", "3", "--train.log_interval", "1",
+         "--data.token_budget", "1024", "--train.timeout_s", "90", "--no-wandb"]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target_factory, tmp_path_factory):
+    target = tiny_target_factory(layers=6)
+    data = make_dataset(target, tmp_path_factory.mktemp("data") / "prepared", n=64, max_length=256, block_size=8)
+    return target, data
+
+
+def test_two_torchrun_agents_nnodes_2(setup, tmp_path):
+    """Two agents with c10d rendezvous on localhost: 2 nodes x 2 ranks, one target per node."""
+    target, data = setup
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "t",
+           "--master_port", str(port), "-m", "dflash_ds.train", *SHORT, "--target", str(target),
+           "--data", str(data), "--output-dir", str(tmp_path), "--targets-per-node", "1"]
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env_for_children(), cwd=tmp_path) for _ in range(2)]
+    try:
+        outs = [a.communicate(timeout=360) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    for a, (out, err) in zip(agents, outs):
+        assert a.returncode == 0, out[-2000:] + err[-4000:]
+    text = "".join(o for o, _ in outs)
+    assert "4 ranks: targets [1, 3], drafters [0, 2]" in text
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_deepspeed_launcher_with_hostfile(setup, tmp_path):
+    """`deepspeed --hostfile` (no ssh on this machine: --no_ssh, one node) runs a short job."""
+    target, data = setup
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=3\n")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
+           "--node_rank", "0", "--num_nodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           "--module", "dflash_ds.train", *SHORT, "--target", str(target), "--data", str(data),
+           "--output-dir", str(tmp_path / "run")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=360, env=env_for_children(), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert [x["step"] for x in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num-target-ranks", "3"], "--num-target-ranks 3 leaves 0 drafter ranks in a world of 3"),
+    (["--num-target-ranks", "5"], "--num-target-ranks 5 leaves 0 drafter ranks in a world of 3"),
+    (["--ds-config", "/nonexistent/zero.json"], "--ds-config /nonexistent/zero.json does not exist"),
+])
+def test_bad_layout_or_ds_config_fails_before_loading(setup, tmp_path, extra, message):
+    target, data = setup
+    r = torchrun(3, [*SHORT, "--target", str(target), "--data", str(data), "--output-dir", str(tmp_path), *extra],
+                 timeout=120, cwd=tmp_path)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if "dflash-ds train (rank" in line]
+    assert errors and all(message in line for line in errors), r.stderr[-3000:]
+    assert "Loading weights" not in r.stderr + r.stdout  # no model was loaded
+    assert not (tmp_path / "checkpoints").exists()
