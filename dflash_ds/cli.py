@@ -21,6 +21,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("dflash_ds.data.prepare", "tokenize conversations with the target's chat template into an Arrow dataset"),
     "regenerate": ("dflash_ds.data.regenerate", "rewrite assistant turns with the target's own answers"),
     "bench": ("dflash_ds.bench.cli", "benchmarks (batching, comm, pipeline, zero)"),
+    "eval": ("dflash_ds.eval.cli", "acceptance length of a drafter by real speculative decoding"),
+    "report": ("dflash_ds.report", "PNG plots and a text summary from a run's metrics.jsonl"),
+    "plan": ("dflash_ds.plan_capacity", "recommend target/drafter ranks, bytes per token and link bandwidth"),
 }
 
 

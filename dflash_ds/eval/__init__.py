@@ -1,0 +1,1 @@
+"""Evaluation of a drafter by real speculative decoding against its target (chain and tree drafting)."""

@@ -1,0 +1,189 @@
+"""`dflash-ds eval`: acceptance length of a drafter by real speculative decoding against its target.
+
+Per prompt: plain greedy decoding (the lossless reference, at temperature 0), the single-path
+speculative run, and one tree run per `--tree-budget`. The tables report tau (tokens per decode
+step, bonus included), the accepted-length histogram, P(position k accepted) and target forwards per
+generated token. Any speculative output that differs from greedy decoding is an error (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from dflash_ds.errors import DFlashError
+from dflash_ds.eval.speculative import (SpecOutput, check_drafter_matches_target, eos_token_ids, first_mismatch,
+                                        greedy_generate, speculative_generate, summarize)
+
+
+def load_prompts(data: str | Path, target_dir: str | Path, num_prompts: int) -> list[list[int]]:
+    """Prompt token ids from a prepared dataset folder or a JSONL/JSON conversation file."""
+    data = Path(data)
+    if not data.exists():
+        raise DFlashError(f"--data {data}: no such file or folder")
+    prompts = _prepared_prompts(data, num_prompts) if data.is_dir() else _file_prompts(data, target_dir, num_prompts)
+    if not prompts:
+        raise DFlashError(f"--data {data}: no usable prompt (need a user turn, or tokens before the first loss token)")
+    return prompts
+
+
+def _prepared_prompts(folder: Path, num_prompts: int) -> list[list[int]]:
+    # A prepared row's prompt is everything before the first loss-mask token (chat header included).
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError) as exc:
+        raise DFlashError(f"--data {folder}: not a prepared dataset folder ({str(exc).splitlines()[0]})") from None
+    missing = {"input_ids", "loss_mask"} - set(ds.column_names)
+    if missing:
+        raise DFlashError(f"--data {folder}: dataset has no column(s) {sorted(missing)}")
+    prompts = []
+    for row in ds.select_columns(["input_ids", "loss_mask"]):
+        first = next((i for i, m in enumerate(row["loss_mask"]) if m), 0)
+        if first > 0:
+            prompts.append(list(row["input_ids"][:first]))
+        if len(prompts) == num_prompts:
+            break
+    return prompts
+
+
+def _file_prompts(path: Path, target_dir: str | Path, num_prompts: int) -> list[list[int]]:
+    # The conversation up to its last user turn, rendered with the generation prompt.
+    from dflash_ds.data import formats
+    from dflash_ds.data.prepare import load_tokenizer
+
+    tok = load_tokenizer(str(target_dir))
+    prompts = []
+    for _line, raw in formats.iter_raw_rows(path):
+        try:
+            messages = formats.to_messages(formats.parse_row(raw), require_assistant=False)
+        except formats.RowError:
+            continue
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if last_user is None:
+            continue
+        text = tok.apply_chat_template(messages[: last_user + 1], tokenize=False, add_generation_prompt=True)
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+        if len(prompts) == num_prompts:
+            break
+    return prompts
+
+
+def parse_budgets(text: str) -> list[int]:
+    """'16,64,256' -> [16, 64, 256]; '' -> []."""
+    try:
+        budgets = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise DFlashError(f"--tree-budget {text!r}: expected comma-separated integers, e.g. 16,64,256") from None
+    if any(b < 1 for b in budgets):
+        raise DFlashError(f"--tree-budget {text!r}: every budget must be >= 1")
+    return budgets
+
+
+def evaluate(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+             tree_budgets: Sequence[int] = (), seed: int = 0, log=print) -> dict:
+    """Run every prompt through greedy, single-path and tree decoding; return the results dict."""
+    eos = eos_token_ids(target)
+    block = drafter.arch.block_size
+    runs: dict[str, list[SpecOutput]] = {"chain": [], **{f"tree{b}": [] for b in tree_budgets}}
+    mismatches: list[dict] = []
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        reference = greedy_generate(target, prompt, max_new_tokens, eos) if temperature <= 0 else None
+        for name in runs:
+            budget = None if name == "chain" else int(name[4:])
+            gen = torch.Generator().manual_seed(seed + i)  # the same prompt samples the same way across runs
+            out = speculative_generate(target, prompt, drafter=drafter, max_new_tokens=max_new_tokens, eos_ids=eos,
+                                       temperature=temperature, tree_budget=budget, generator=gen)
+            runs[name].append(out)
+            at = None if reference is None else first_mismatch(out.tokens, reference)
+            if at is not None:
+                mismatches.append({"prompt": i, "mode": name, "token": at,
+                                   "speculative": out.tokens[at:at + 1], "greedy": reference[at:at + 1]})
+        chain = runs["chain"][-1]
+        tau = summarize([chain], block)["tau"]
+        log(f"eval: prompt {i + 1}/{len(prompts)}: {len(chain.tokens)} tokens, tau {tau:.2f} "
+            f"({time.perf_counter() - t0:.1f}s)")
+    results = {"num_prompts": len(prompts), "block_size": block, "max_new_tokens": max_new_tokens,
+               "temperature": temperature, "lossless_checked": temperature <= 0,
+               **summarize(runs["chain"], block),
+               "tree": {str(b): summarize(runs[f"tree{b}"], block) for b in tree_budgets},
+               "mismatches": mismatches}
+    return results
+
+
+def format_table(r: dict) -> str:
+    """A short text table of the results."""
+    rows = [("single path", "-", r)] + [("tree", b, t) for b, t in r["tree"].items()]
+    lines = [f"{'mode':<12} {'budget':>6} {'tau':>6} {'steps':>6} {'fwd/token':>9}"]
+    lines += [f"{m:<12} {b:>6} {x['tau']:>6.3f} {x['decode_steps']:>6} {x['target_forwards_per_token']:>9.3f}"
+              for m, b, x in rows]
+    lines.append("accepted length histogram (1.." + str(r["block_size"]) + "): "
+                 + " ".join(str(n) for n in r["accept_length_histogram"]))
+    lines.append("P(position k accepted), k = 1..: " + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the eval flags."""
+    parser.add_argument("--target", required=True, help="local HF folder of the target model")
+    parser.add_argument("--drafter", required=True, help="drafter export folder (config.json + model.safetensors)")
+    parser.add_argument("--data", required=True, help="prepared dataset folder (prompt = tokens before the first "
+                        "loss token) or a .jsonl/.json conversation file (prompt = up to the last user turn)")
+    parser.add_argument("--num-prompts", type=int, default=32, help="prompts to evaluate (default 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, checked lossless against plain "
+                        "greedy decoding; > 0 = speculative sampling (no tree, no lossless check)")
+    parser.add_argument("--tree-budget", default="", help="comma-separated draft-node budgets for tree drafting, "
+                        "e.g. 16,64,256 (default: single path only)")
+    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed for --temperature > 0 (default 0)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="weights dtype of target and drafter (default float32: low precision can flip "
+                             "near-tied greedy choices between block and one-token forwards)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """CLI entry: check the pair, evaluate, print the table, write --json; exit 2 on a lossless mismatch."""
+    from dflash_ds.models.drafter import DFlashDrafter, read_drafter_arch
+    from dflash_ds.models.target import load_target, read_target_config
+
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise DFlashError("--num-prompts and --max-new-tokens must be >= 1")
+    if args.temperature < 0:
+        raise DFlashError(f"--temperature {args.temperature}: must be >= 0")
+    budgets = parse_budgets(args.tree_budget)
+    if budgets and args.temperature > 0:
+        raise DFlashError("--tree-budget needs --temperature 0 (tree verification accepts greedy matches only)")
+    check_drafter_matches_target(read_drafter_arch(args.drafter), read_target_config(args.target),
+                                 args.drafter, args.target)
+    prompts = load_prompts(args.data, args.target, args.num_prompts)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    target = load_target(args.target, dtype=dtype, device=device)
+    if budgets and target.config._attn_implementation not in ("sdpa", "eager"):
+        target.set_attn_implementation("sdpa")  # flash kernels take no custom 4D tree mask
+    drafter = DFlashDrafter.from_pretrained(args.drafter, device=device).to(dtype).eval()
+    print(f"eval: {len(prompts)} prompts, block {drafter.arch.block_size}, max {args.max_new_tokens} new tokens, "
+          f"temperature {args.temperature}, tree budgets {budgets or 'none'}", flush=True)
+    results = evaluate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       tree_budgets=budgets, seed=args.seed, log=lambda s: print(s, flush=True))
+    results.update({"target": str(args.target), "drafter": str(args.drafter), "data": str(args.data)})
+    print(format_table(results))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"eval: results -> {args.json}")
+    if results["mismatches"]:
+        m = results["mismatches"][0]
+        raise DFlashError(f"prompt {m['prompt']} ({m['mode']}): speculative output differs from greedy decoding at "
+                          f"generated token {m['token']} ({m['speculative']} vs {m['greedy']}); "
+                          f"{len(results['mismatches'])} mismatching run(s) in all")
+    return 0

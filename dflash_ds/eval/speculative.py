@@ -1,0 +1,303 @@
+"""Real speculative decoding with a DFlash drafter: the target verifies each drafted block in one forward.
+
+One decode step, at block start `s` (the target's KV cache holds positions < s):
+- the block is `[anchor, MASK x (B-1)]`: the anchor is the last token the target chose, not yet in its cache;
+- the drafter reads the context features of positions < s (incrementally, through a DrafterCache) and
+  proposes tokens for positions s+1..s+B-1 in one forward;
+- the target runs `[anchor, draft...]` once; the longest draft prefix that matches the target's own
+  choices is accepted, plus the target's token after it (the bonus), so a step yields 1..B tokens
+  (tau counts them, bonus included, as the DFlash paper does);
+- the cache keeps the K/V of the anchor and the accepted tokens; their target features feed the next draft.
+The last step may run past max_new_tokens or an eos: its accepted length is counted in full (as the
+reference does) and only the returned tokens are cut.
+
+Temperature > 0 uses standard speculative sampling: draft x_k ~ q_k = softmax(draft_logits_k / T), accepted
+with probability min(1, p_k(x_k) / q_k(x_k)); on rejection the token is drawn from norm(max(p_k - q_k, 0)),
+and after a fully accepted block the bonus is drawn from p. The output is then distributed exactly as
+sampling from the target. (A drafter's block positions are drafted independently of each other, so q_k
+is the distribution x_k was drawn from whatever the earlier draft tokens were: the rule applies as is.)
+A draft function that returns token ids is a one-hot q, and the rule reduces to the reference's
+"accept while the target's own sample equals the draft".
+
+Target features are read with forward hooks on the decoder layers, exactly as training captures them
+(`models.target.capture_hidden`): HF's `hidden_states[-1]` is the *normed* final state, not the output of
+the last layer, so `output_hidden_states` would disagree with training for a drafter that reads layer L-1.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from dflash_ds.errors import DFlashError
+from dflash_ds.eval.tree import verify_tree
+from dflash_ds.models.drafter import DFlashDrafter, DrafterArch, DrafterCache
+from dflash_ds.models.target import decoder_layers
+
+# draft_fn(new_context [C, n*H] | None, block_tokens [B] (anchor + MASKs), start) -> either proposed
+# token ids [B-1] (long) or logits over the vocabulary [B-1, V] (float) for block positions 1..B-1.
+# `new_context` holds the target features of the positions the drafter has not seen yet (up to start-1).
+DraftFn = Callable[[torch.Tensor | None, torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class SpecOutput:
+    """One prompt's speculative generation."""
+
+    tokens: list[int]  # generated tokens (after the prompt), cut at max_new_tokens and the first eos
+    accept_lengths: list[int] = field(default_factory=list)  # tokens per decode step, bonus included
+    target_forwards: int = 0  # prefill + one per decode step
+
+
+def check_drafter_matches_target(arch: DrafterArch, target_cfg: dict, drafter_name: str, target_name: str) -> None:
+    """DFlashError naming both values when the drafter was built for a different target."""
+    pairs = [("num_target_layers", arch.num_target_layers, "num_hidden_layers"),
+             ("hidden_size", arch.hidden_size, "hidden_size"),
+             ("vocab_size", arch.vocab_size, "vocab_size")]
+    for name, mine, key in pairs:
+        theirs = int(target_cfg[key])
+        if mine != theirs:
+            raise DFlashError(f"drafter {drafter_name} has {name} = {mine} but target {target_name} has {theirs}")
+    bad = [i for i in arch.target_layer_ids if not 0 <= i < arch.num_target_layers]
+    if bad:
+        raise DFlashError(f"drafter {drafter_name} reads target layers {bad}, outside the target's "
+                          f"{arch.num_target_layers} layers")
+
+
+class TargetSession:
+    """The target with one prompt's KV cache and hooks on the layers the drafter reads."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.layer_ids = list(layer_ids)
+        self.cache = DynamicCache()
+        self.device = next(model.parameters()).device
+        # transformers 5.2x renamed `past_key_values` to `cache`; accept both spellings.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._captured: dict[int, torch.Tensor] = {}
+        layers = decoder_layers(model)
+        self._hooks = [layers[i].register_forward_hook(self._keep(i)) for i in sorted(set(self.layer_ids))]
+
+    def _keep(self, idx: int):
+        def hook(_mod, _inp, out):
+            self._captured[idx] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    def __enter__(self) -> "TargetSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    @property
+    def length(self) -> int:
+        """Positions held in the KV cache."""
+        return self.cache.get_seq_length()
+
+    @torch.no_grad()
+    def forward(self, ids: Iterable[int] | torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ids at positions on top of the cache; return logits [N or 1, V] and features [N, n*H] (or None)."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
+        out = self.model(input_ids=ids, position_ids=positions.to(self.device).view(1, -1), attention_mask=mask,
+                         use_cache=True, logits_to_keep=1 if last_only else 0, **{self._cache_kw: self.cache})
+        feats = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+        return out.logits[0].float(), feats
+
+    def keep(self, length: int, extra: torch.Tensor | None = None) -> None:
+        """Keep cache positions < length, then append the entries at indices `extra` (the accepted tree path)."""
+        for layer in self.cache.layers:
+            if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
+                raise DFlashError(f"target cache layer {type(layer).__name__} cannot be rolled back "
+                                  f"(sliding-window / linear attention targets are not supported)")
+            # Written against the layer tensors, not Cache.crop, whose argument changed meaning within 5.x.
+            k, v = layer.keys, layer.values
+            if extra is None:
+                layer.keys, layer.values = k[..., :length, :], v[..., :length, :]
+            else:
+                idx = extra.to(k.device)
+                layer.keys = torch.cat([k[..., :length, :], k[..., idx, :]], dim=-2)
+                layer.values = torch.cat([v[..., :length, :], v[..., idx, :]], dim=-2)
+
+
+def eos_token_ids(target: nn.Module) -> list[int]:
+    """The target's end-of-sequence ids (generation config first, then model config)."""
+    for cfg in (getattr(target, "generation_config", None), target.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if eos is not None:
+            return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    return []
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+
+@torch.no_grad()
+def greedy_generate(target: nn.Module, prompt_ids: list[int], max_new_tokens: int,
+                    eos_ids: Iterable[int] = ()) -> list[int]:
+    """Plain greedy decoding, one target forward per token with a KV cache: the lossless reference."""
+    eos = set(eos_ids)
+    with TargetSession(target, []) as tgt:
+        logits, _ = tgt.forward(prompt_ids, torch.arange(len(prompt_ids)), last_only=True)
+        out = [int(logits[-1].argmax())]
+        while len(out) < max_new_tokens and out[-1] not in eos:
+            pos = torch.tensor([len(prompt_ids) + len(out) - 1])
+            logits, _ = tgt.forward([out[-1]], pos)
+            out.append(int(logits[-1].argmax()))
+    return _finish(out, max_new_tokens, eos)
+
+
+def drafter_draft_fn(drafter: DFlashDrafter, target: nn.Module) -> DraftFn:
+    """The real drafter as a DraftFn, with its own DrafterCache: make a fresh one per prompt."""
+    cache = DrafterCache(drafter.arch.num_hidden_layers)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    dtype = next(drafter.parameters()).dtype
+
+    @torch.no_grad()
+    def draft(new_context: torch.Tensor | None, block_tokens: torch.Tensor, start: int) -> torch.Tensor:
+        block = embed(block_tokens.view(1, -1).to(embed.weight.device)).to(dtype)
+        ctx = None if new_context is None else new_context.unsqueeze(0).to(dtype)
+        hidden = drafter.forward_infer(ctx, block, start, cache)
+        return head(hidden[0, 1:].to(head.weight.dtype)).float()
+
+    return draft
+
+
+def _as_logits(draft: torch.Tensor, vocab: int) -> torch.Tensor:
+    # Token ids from an oracle become one-hot "logits" (0 on the token, -inf elsewhere): argmax and
+    # top-k pick the token, and softmax is a one-hot q for speculative sampling.
+    if draft.dtype.is_floating_point:
+        return draft.float().cpu()
+    logits = torch.full((draft.numel(), vocab), float("-inf"))
+    logits[torch.arange(draft.numel()), draft.long().cpu().view(-1)] = 0.0
+    return logits
+
+
+def _accept_sampled(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling over a chain: (accepted draft tokens, next token)."""
+    for k, x in enumerate(draft):
+        if float(torch.rand((), generator=gen)) * float(q[k, x]) < float(p[k, x]):  # u < p/q without dividing
+            continue
+        resid = (p[k] - q[k]).clamp(min=0)
+        resid = resid if float(resid.sum()) > 0 else p[k]
+        return k, int(torch.multinomial(resid / resid.sum(), 1, generator=gen))
+    return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=gen))
+
+
+def _verify_chain(tgt: TargetSession, anchor: int, draft_logits: torch.Tensor, start: int, temperature: float,
+                  gen: torch.Generator | None) -> tuple[list[int], int, torch.Tensor | None]:
+    """Draft a chain, verify it in one forward, roll the cache back: (accepted tokens, bonus, their features)."""
+    if temperature <= 0:
+        draft = draft_logits.argmax(-1).tolist()
+    else:
+        q = torch.softmax(draft_logits / temperature, dim=-1)
+        draft = torch.multinomial(q, 1, generator=gen).view(-1).tolist()
+    ids = [anchor] + draft
+    logits, feats = tgt.forward(ids, torch.arange(start, start + len(ids)))
+    if temperature <= 0:
+        choice = logits.argmax(-1).tolist()
+        a = 0
+        while a < len(draft) and draft[a] == choice[a]:
+            a += 1
+        bonus = choice[a]
+    else:
+        p = torch.softmax(logits.cpu() / temperature, dim=-1)
+        a, bonus = _accept_sampled(draft, q, p, gen)
+    tgt.keep(start + a + 1)  # anchor + accepted tokens; the bonus is the next anchor, not yet in the cache
+    return draft[:a], bonus, None if feats is None else feats[: a + 1]
+
+
+def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: DFlashDrafter | None = None,
+                         draft_fn: DraftFn | None = None, block_size: int | None = None,
+                         layer_ids: list[int] | None = None, mask_token_id: int | None = None,
+                         max_new_tokens: int = 128, eos_ids: Iterable[int] = (), temperature: float = 0.0,
+                         tree_budget: int | None = None, tree_top_k: int | None = None,
+                         generator: torch.Generator | None = None) -> SpecOutput:
+    """Speculative decoding of one prompt; a tree_budget switches to tree drafting (temperature 0 only).
+
+    Block size, target layers and MASK id come from the drafter unless given; `draft_fn` replaces the
+    drafter's drafting step (oracles in tests), `drafter` alone builds the real one.
+    """
+    if drafter is not None:
+        a = drafter.arch
+        block_size = a.block_size if block_size is None else block_size
+        layer_ids = a.target_layer_ids if layer_ids is None else layer_ids
+        mask_token_id = a.mask_token_id if mask_token_id is None else mask_token_id
+        draft_fn = draft_fn or drafter_draft_fn(drafter, target)
+    if draft_fn is None or block_size is None:
+        raise ValueError("speculative_generate needs a drafter, or a draft_fn and a block_size")
+    if tree_budget is not None and temperature > 0:
+        raise DFlashError("tree drafting is evaluated at temperature 0 only")
+    if not prompt_ids:
+        raise DFlashError("empty prompt: speculative decoding needs at least one prompt token")
+    eos, vocab = set(eos_ids), int(target.config.vocab_size)
+    mask_id = 0 if mask_token_id is None else int(mask_token_id)
+    with TargetSession(target, list(layer_ids or [])) as tgt:
+        logits, new_ctx = tgt.forward(prompt_ids, torch.arange(len(prompt_ids)), last_only=True)
+        out = SpecOutput(tokens=[_pick(logits[-1], temperature, generator)], target_forwards=1)
+        start = len(prompt_ids)
+        while len(out.tokens) < max_new_tokens and not eos & set(out.tokens):
+            anchor = out.tokens[-1]
+            block = torch.full((block_size,), mask_id, dtype=torch.long)
+            block[0] = anchor
+            draft_logits = _as_logits(draft_fn(new_ctx, block, start), vocab)
+            if draft_logits.shape[0] != block_size - 1:
+                raise ValueError(f"draft_fn returned {draft_logits.shape[0]} positions, expected {block_size - 1}")
+            if tree_budget is None:
+                accepted, bonus, new_ctx = _verify_chain(tgt, anchor, draft_logits, start, temperature, generator)
+            else:
+                accepted, bonus, new_ctx = verify_tree(tgt, anchor, draft_logits, start, tree_budget, tree_top_k)
+            out.target_forwards += 1
+            out.accept_lengths.append(len(accepted) + 1)
+            out.tokens += accepted + [bonus]
+            start += len(accepted) + 1
+            if tgt.length != start:
+                raise RuntimeError(f"target cache holds {tgt.length} positions after a step, expected {start}")
+    out.tokens = _finish(out.tokens, max_new_tokens, eos)
+    return out
+
+
+def first_mismatch(spec: list[int], reference: list[int]) -> int | None:
+    """Index of the first generated token where two outputs differ (a length difference counts), or None."""
+    for i, (a, b) in enumerate(zip(spec, reference)):
+        if a != b:
+            return i
+    return None if len(spec) == len(reference) else min(len(spec), len(reference))
+
+
+def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
+    """tau, accepted-length histogram, per-position acceptance and target forwards per token over prompts."""
+    lengths = [n for o in outputs for n in o.accept_lengths]
+    steps = max(len(lengths), 1)
+    tokens = sum(len(o.tokens) for o in outputs)
+    hist = [sum(1 for n in lengths if n == k) for k in range(1, block_size + 1)]
+    return {
+        "tau": sum(lengths) / steps,
+        "decode_steps": len(lengths),
+        "generated_tokens": tokens,
+        # histogram[i] = steps that yielded i+1 tokens (i accepted draft tokens + the bonus)
+        "accept_length_histogram": hist,
+        # per_position_acceptance[k-1] = P(draft position k accepted) = P(accept length >= k + 1)
+        "per_position_acceptance": [sum(1 for n in lengths if n >= k + 1) / steps for k in range(1, block_size)],
+        "target_forwards_per_token": sum(o.target_forwards for o in outputs) / max(tokens, 1),
+    }
