@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("dflash_ds.bench.cli", "benchmarks (batching, comm, pipeline, zero)"),
     "eval": ("dflash_ds.eval.cli", "acceptance length of a drafter by real speculative decoding"),
     "report": ("dflash_ds.report", "PNG plots and a text summary from a run's metrics.jsonl"),
+    "check-hostfile": ("dflash_ds.check_hostfile", "validate a deepspeed hostfile (HOST slots=N lines) before launching"),
     "plan": ("dflash_ds.plan_capacity", "recommend target/drafter ranks, bytes per token and link bandwidth"),
 }
 

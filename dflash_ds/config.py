@@ -127,6 +127,10 @@ class TrainConfig:
     """Timeout of blocking receives and collectives (seconds)."""
     startup_timeout_s: float = 900.0
     """Timeout of the start-up handshake (model loading, DeepSpeed init, first-run op builds)."""
+    heartbeat_timeout_s: float = 60.0
+    """A rank whose heartbeat stalls this long is reported lost and the job exits."""
+    max_bad_steps: int = 5
+    """Consecutive steps with a non-finite loss or grad norm before the run stops with an error."""
     stop_at: int = 0
     """If > 0: stop at this step with a checkpoint, keeping max_steps' schedules (staged runs)."""
 
@@ -206,6 +210,8 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("train.timeout_s", "must be > 0", lambda v: v > 0),
     ("train.stop_at", "must be >= 0", lambda v: v >= 0),
     ("train.startup_timeout_s", "must be > 0", lambda v: v > 0),
+    ("train.heartbeat_timeout_s", "must be > 0", lambda v: v > 0),
+    ("train.max_bad_steps", "must be >= 1", lambda v: v >= 1),
     ("topology.num_target_ranks", "must be >= 1", lambda v: v >= 1),
     ("topology.targets_per_node", "must be >= 0", lambda v: v >= 0),
 ]

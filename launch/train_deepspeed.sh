@@ -5,6 +5,8 @@
 set -euo pipefail
 HOSTFILE=${HOSTFILE:-hostfile}
 MASTER_PORT=${MASTER_PORT:-29500}
+# The launcher only warns on a missing hostfile and reports a bad line late: check it first.
+dflash-ds check-hostfile "$HOSTFILE"
 if [[ -n "${NO_SSH:-}" ]]; then
     exec deepspeed --hostfile "$HOSTFILE" --no_ssh --node_rank "${NODE_RANK:-0}" --num_nodes "${NUM_NODES:-1}" \
         --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "$MASTER_PORT" \

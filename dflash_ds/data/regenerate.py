@@ -86,12 +86,13 @@ class Generator:
             self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         try:
             self.tok = AutoTokenizer.from_pretrained(target, padding_side="left")
+            # Checked before the model loads: a target without a template should not cost a model load.
+            if not self.tok.chat_template:
+                raise DFlashError(f"--target {target}: the tokenizer has no chat_template")
             dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
             self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(self.device).eval()
         except (OSError, ValueError) as exc:
             raise DFlashError(f"--target {target}: cannot load ({str(exc).splitlines()[0]})") from None
-        if not self.tok.chat_template:
-            raise DFlashError(f"--target {target}: the tokenizer has no chat_template")
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
         # Stop on the tokenizer's eos and on every eos the model's generation config lists (Qwen3 has two).

@@ -208,8 +208,7 @@ class AsyncSender:
         """Post a batch to `dst`, first waiting for the oldest batch when `depth` are in flight."""
         t0 = time.monotonic()
         while len(self._in_flight) >= self.depth:
-            old = self._in_flight.popleft()
-            wait_all(old.works, old.dst, self.timeout_s, f"sending batch {old.batch_id}")
+            self._retire(self._in_flight.popleft())
         self.last_block_s = time.monotonic() - t0
         works = send_batch(self.bridge, dst, tensors, meta, batch_id, tag)
         self._in_flight.append(_InFlight(dst, batch_id, works))
@@ -224,8 +223,11 @@ class AsyncSender:
     def flush(self) -> None:
         """Wait until every posted batch has been delivered."""
         while self._in_flight:
-            old = self._in_flight.popleft()
-            wait_all(old.works, old.dst, self.timeout_s, f"sending batch {old.batch_id}")
+            self._retire(self._in_flight.popleft())
+
+    def _retire(self, old: _InFlight) -> None:
+        # A plain wait: gloo marks a send complete only inside wait(), so is_completed() cannot be polled.
+        wait_all(old.works, old.dst, self.timeout_s, f"sending batch {old.batch_id}")
 
 
 # ---------------------------------------------------------------- receiving

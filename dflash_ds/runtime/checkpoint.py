@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dflash_ds.errors import DFlashError
+from dflash_ds.runtime import faults
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
@@ -87,6 +90,36 @@ def read_state(path: Path) -> dict[str, Any]:
         raise DFlashError(f"{path / STATE}: unreadable trainer state ({exc})") from None
 
 
+def _deepspeed_safe_globals() -> list:
+    # The only non-tensor objects DeepSpeed 0.19 puts in ZeRO 0-3 shards (loss scaler, stage
+    # enum, bf16 slice map); allow-listing these classes lets them be rebuilt without pickle's
+    # arbitrary callables.
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def safe_torch_load(path: str | Path, map_location: Any = None) -> Any:
+    """torch.load(weights_only=True) of a DeepSpeed shard: tensors and DeepSpeed's few types, nothing else."""
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL (\S+)", str(exc))  # torch's multi-line message names the offending global
+        what = f"it holds {found.group(1)}, which" if found else "it holds an object that"
+        raise DFlashError(f"checkpoint shard {path}: refused to unpickle: {what} a weights-only load does not "
+                          f"allow; resume only from checkpoints this trainer wrote") from None
+
+
+def use_safe_loading(engine) -> None:
+    """Make engine.load_checkpoint read shards with weights_only=True (DeepSpeed passes weights_only=False)."""
+    engine.checkpoint_engine.load = safe_torch_load
+
+
 def clean_partials(output_dir: str | Path) -> list[Path]:
     """Remove leftovers of interrupted saves (rank 0, before training starts)."""
     root = checkpoint_root(output_dir)
@@ -122,6 +155,7 @@ def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, 
             partial.mkdir(parents=True)
         dist.barrier()
         engine.save_checkpoint(str(partial), tag=DS_TAG)
+        faults.in_save(step)
         export_fn(partial / "export")  # gathers under ZeRO-3: every rank calls it
         dist.barrier()  # every rank's shards are on disk
         if rank == 0:

@@ -103,6 +103,9 @@ def build_engine(module: DrafterTrainModule, cfg: Config, ds_config: dict[str, A
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched, config=ds_config)
+    from dflash_ds.runtime.checkpoint import use_safe_loading
+
+    use_safe_loading(engine)  # DeepSpeed's TorchCheckpointEngine.load passes weights_only=False
     return engine
 
 

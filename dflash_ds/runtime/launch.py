@@ -8,6 +8,7 @@ import sys
 from dflash_ds.config import Config
 from dflash_ds.distributed.topology import Layout, init_role_groups, make_layout, read_launch_env, shutdown
 from dflash_ds.errors import DFlashError
+from dflash_ds.runtime.watchdog import Watchdog
 
 
 def job_layout(cfg: Config, world_size: int, local_world_size: int | None) -> Layout:
@@ -46,6 +47,9 @@ def run_job(cfg: Config) -> int:
     from dflash_ds.runtime.plan import open_data, resolve_arch
 
     arch = resolve_arch(cfg)  # before any group: a bad drafter/target pair fails fast on every rank
+    # Memory-mapped and cheap: an empty dataset or out-of-vocabulary ids fail here on every rank,
+    # before a rank waits in a rendezvous for peers that have already exited.
+    data = open_data(cfg, layout.num_drafters, arch.vocab_size)
     import torch
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -53,17 +57,40 @@ def run_job(cfg: Config) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ctx = init_role_groups(layout, env.rank, env.master_addr, env.master_port, backend=backend,
                            timeout_s=cfg.train.timeout_s, local_rank=env.local_rank)
+
+    def describe(rank: int) -> str:
+        return f"rank {rank} ({layout.role_of(rank)} {layout.local_rank_in_role(rank)})"
+
+    watchdog = Watchdog(ctx.store, env.rank, layout.world_size, describe, cfg.train.heartbeat_timeout_s).start()
     try:
-        data = open_data(cfg, layout.num_drafters, arch.vocab_size)
         if ctx.is_target:
             from dflash_ds.runtime.target_worker import run_target
 
-            run_target(ctx, cfg, data)
+            status = run_target(ctx, cfg, data, watchdog)
         else:
             from dflash_ds.runtime.drafter_worker import run_drafter
 
-            run_drafter(ctx, cfg, data)
+            status = run_drafter(ctx, cfg, data, watchdog)
+    except BaseException:
+        _name_lost_peers(watchdog, describe)
+        raise
     finally:
         sys.stdout.flush()
+    watchdog.mark_done()
+    watchdog.close()
     shutdown(ctx)
-    return 0
+    return status
+
+
+def _name_lost_peers(watchdog: Watchdog, describe) -> None:
+    """After a failure, say which peers stopped beating (the likely cause), waiting a few beats to see."""
+    import time
+
+    deadline = time.monotonic() + 4 * watchdog.interval_s
+    lost: list[int] = []
+    while time.monotonic() < deadline and not lost:
+        time.sleep(watchdog.interval_s / 2)
+        lost = watchdog.stalled_peers(min_age_s=2.5 * watchdog.interval_s)
+    for peer in lost:
+        print(f"[dflash-ds] rank {watchdog.rank} at step {watchdog.step}: lost {describe(peer)} "
+              f"(no heartbeat since about step {watchdog.peer_step(peer)})", file=sys.stderr, flush=True)

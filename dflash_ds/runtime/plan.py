@@ -6,6 +6,7 @@ Each rank derives the same facts from the config alone, so nothing but the resum
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -80,6 +81,9 @@ def open_data(cfg: Config, num_drafters: int, vocab_size: int) -> DataPlan:
     path = Path(cfg.data.path)
     if not path.is_dir():
         raise DFlashError(f"data folder {path} does not exist (run `dflash-ds prepare` first)")
+    empty = f"data folder {path} holds no rows (were all rows dropped by prepare?)"
+    if _saved_without_rows(path):  # datasets itself fails on it with an IndexError
+        raise DFlashError(empty)
     try:
         ds = load_from_disk(str(path))
     except Exception as exc:  # noqa: BLE001 - datasets raises many kinds
@@ -88,7 +92,7 @@ def open_data(cfg: Config, num_drafters: int, vocab_size: int) -> DataPlan:
     if missing:
         raise DFlashError(f"data folder {path}: missing columns {sorted(missing)}")
     if len(ds) == 0:
-        raise DFlashError(f"data folder {path} holds no rows (were all rows dropped by prepare?)")
+        raise DFlashError(empty)
     lengths = np.asarray(ds.data.column("length").to_numpy(), dtype=np.int64)
     too_long = int((lengths > cfg.data.max_length).sum())
     if too_long:
@@ -102,6 +106,14 @@ def open_data(cfg: Config, num_drafters: int, vocab_size: int) -> DataPlan:
                           f"(prepared with another tokenizer?)")
     boundaries = bucket_boundaries(cfg.data.max_length, cfg.data.num_buckets)
     return DataPlan(ds, lengths, boundaries, num_drafters, cfg.train.seed, cfg.data.token_budget)
+
+
+def _saved_without_rows(path: Path) -> bool:
+    # save_to_disk of a 0-row dataset writes a state.json listing no Arrow files.
+    try:
+        return json.loads((path / "state.json").read_text()).get("_data_files") == []
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def load_batch(dataset, spec: BatchSpec, pad_id: int = 0) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ batch i is on the wire (the sender keeps at most `depth` batches in flight).
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 
@@ -18,6 +19,8 @@ from dflash_ds.data.loader import PrefetchLoader
 from dflash_ds.distributed import bridge as bridge_mod
 from dflash_ds.distributed.topology import RoleContext
 from dflash_ds.models.target import capture_hidden, load_target
+from dflash_ds.runtime import faults
+from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
 from dflash_ds.runtime.plan import DataPlan, last_step, resolve_arch, route, torch_dtype
 
 CONTROL_TAG = 7
@@ -30,8 +33,8 @@ def receive_start(ctx: RoleContext, leader: int, timeout_s: float) -> tuple[int,
     return int(start[0]), Cursor(int(start[1]), int(start[2]))
 
 
-def run_target(ctx: RoleContext, cfg: Config, data: DataPlan) -> None:
-    """Serve every batch routed to this target until the last step."""
+def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog) -> int:
+    """Serve every batch routed to this target until the last step (or the drafters' stop step)."""
     layout = ctx.layout
     t_idx, n_t, n_d = ctx.role_rank, layout.num_targets, layout.num_drafters
     arch = resolve_arch(cfg)
@@ -54,11 +57,39 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan) -> None:
                     yield after, spec
             step += 1
 
+    def stop_step() -> int | None:
+        # Set by the leader once the drafters agreed to stop (preemption): later batches are never taken.
+        if watchdog.stop_event.is_set() and ctx.store.check([STOP_STEP_KEY]):
+            return int(ctx.store.get(STOP_STEP_KEY))
+        return None
+
+    def abandon(batch_id: int) -> bool:
+        s = stop_step()
+        return s is not None and batch_id // n_d >= s
+
+    def exit_once_drafters_stopped() -> None:
+        # This rank may be blocked sending a batch no drafter will take: once every drafter has
+        # checkpointed and finished, leave from the watchdog thread (a target holds no state).
+        if stop_step() is not None and all(ctx.store.check([f"dflash/done/{r}"]) for r in layout.drafter_ranks):
+            print(f"[dflash-ds] target rank {ctx.global_rank}: drafters stopped at step {stop_step()}; exiting with "
+                  f"status {EXIT_PREEMPTED}", flush=True)
+            ctx.store.add("dflash/shutdown", 1)
+            os._exit(EXIT_PREEMPTED)
+
+    watchdog.tick_hooks.append(exit_once_drafters_stopped)
     sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.timeout_s)
     served, t_start = 0, time.perf_counter()
     loader = PrefetchLoader(data.dataset, my_batches(), depth=cfg.data.prefetch)
+    stopped = False
     for batch in loader:
         step, d = routed.popleft()
+        watchdog.step = step
+        faults.at_step(step)
+        # Keep serving after a stop request: the drafters need this step's batches to reach the step
+        # at which they all agree to stop; only what lies past that step is dropped.
+        if abandon(step * n_d + d):
+            stopped = True
+            break
         spec, after = batch.spec, batch.cursor
         t0 = time.perf_counter()
         ids = batch.input_ids.to(ctx.device)
@@ -78,4 +109,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan) -> None:
         }
         sender.send(layout.drafter_ranks[d], tensors, meta, batch_id=step * n_d + d)
     loader.close()
+    if stopped:
+        return EXIT_PREEMPTED  # batches still in flight belong to steps nobody will train
     sender.flush()
+    return 0

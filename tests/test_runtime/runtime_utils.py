@@ -65,13 +65,13 @@ def env_for_children() -> dict[str, str]:
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 420, extra: list[str] | None = None,
-             cwd: Path | None = None) -> subprocess.CompletedProcess:
+             cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node N -m dflash_ds.train ARGS` with a bound; a hang fails the test."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), *(extra or []), "-m", "dflash_ds.train", *args]
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_children(),
-                              cwd=cwd or REPO)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env={**env_for_children(), **(env or {})}, cwd=cwd or REPO)
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"torchrun timed out after {timeout}s\nstdout:\n{exc.stdout}\nstderr:\n{exc.stderr}")
 

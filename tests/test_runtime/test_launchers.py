@@ -7,17 +7,10 @@ import sys
 
 import pytest
 
-from runtime_utils import REPO, env_for_children, free_port, make_dataset, read_jsonl, torchrun
+from runtime_utils import REPO, env_for_children, free_port, read_jsonl, torchrun
 
 SHORT = ["--config", str(REPO / "configs/tiny.yaml"), "--max-steps", "3", "--train.log_interval", "1",
          "--data.token_budget", "1024", "--train.timeout_s", "90", "--no-wandb"]
-
-
-@pytest.fixture(scope="module")
-def setup(tiny_target_factory, tmp_path_factory):
-    target = tiny_target_factory(layers=6)
-    data = make_dataset(target, tmp_path_factory.mktemp("data") / "prepared", n=64, max_length=256, block_size=8)
-    return target, data
 
 
 def test_two_torchrun_agents_nnodes_2(setup, tmp_path):

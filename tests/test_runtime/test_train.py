@@ -7,34 +7,12 @@ One uninterrupted 1-target + 2-drafter ZeRO-2 run (20 steps) is the reference; o
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
-from runtime_utils import REPO, make_dataset, read_jsonl, torchrun, wandb_history_keys
-
-STEPS = 20
-COMMON = ["--config", str(REPO / "configs/tiny.yaml"), "--max-steps", str(STEPS), "--train.save_interval", "10",
-          "--train.log_interval", "5", "--data.token_budget", "1024", "--train.timeout_s", "90"]
-
-
-@pytest.fixture(scope="module")
-def setup(tiny_target_factory, tmp_path_factory):
-    target = tiny_target_factory(layers=6)
-    data = make_dataset(target, tmp_path_factory.mktemp("data") / "prepared", n=96, max_length=256, block_size=8)
-    return target, data
-
-
-@pytest.fixture(scope="module")
-def reference(setup, tmp_path_factory):
-    """1 target + 2 drafters, ZeRO-2, 20 uninterrupted steps, W&B offline."""
-    target, data = setup
-    out = tmp_path_factory.mktemp("ref")
-    r = torchrun(3, [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(out),
-                     "--zero-stage", "2", "--wandb.enabled", "true"], cwd=out)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return out, r
+from conftest_runtime import COMMON, STEPS
+from runtime_utils import REPO, read_jsonl, torchrun, wandb_history_keys
 
 
 def losses(out, rank):

@@ -1,0 +1,56 @@
+"""The deepspeed launcher's hostfile: one `HOST slots=N` line per node, `#` comments, blank lines.
+
+The deepspeed launcher reads a hostfile loosely: a missing file only warns (and the job runs
+on local GPUs alone), `slots=0` and trailing garbage are accepted, and a bad line is reported
+after its ssh checks have started. We parse it strictly up front so that a typo fails with
+`file:line` before any process starts.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from dflash_ds.errors import DFlashError
+
+_HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]@]+$")  # hostnames, IPv4/IPv6 addresses, user@host
+
+
+def parse_hostfile(path: str | Path) -> list[tuple[str, int]]:
+    """(host, slots) per node, in file order; DFlashError naming `file:line` on any malformed line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DFlashError(f"hostfile {path} does not exist (one 'HOST slots=N' line per node)")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DFlashError(f"hostfile {path}: cannot read it ({exc})") from None
+    hosts: list[tuple[str, int]] = []
+    first_line: dict[str, int] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()  # a trailing comment is allowed, as in the example hostfile
+        if not line:
+            continue
+        where = f"{path}:{lineno}"
+        parts = line.split()
+        host = parts[0]
+        if host.startswith("slots="):
+            raise DFlashError(f"{where}: missing host name before {host!r} (expected 'HOST slots=N')")
+        if not _HOST.match(host):
+            raise DFlashError(f"{where}: {host!r} is not a host name (expected 'HOST slots=N')")
+        if len(parts) == 1:
+            raise DFlashError(f"{where}: host {host!r} has no slots (expected '{host} slots=N', N = GPUs on it)")
+        if not parts[1].startswith("slots="):
+            raise DFlashError(f"{where}: expected 'slots=N' after host {host!r}, got {parts[1]!r}")
+        value = parts[1][len("slots="):]
+        if not value.isdigit() or int(value) < 1:
+            raise DFlashError(f"{where}: slots={value} for host {host!r} is not a positive integer")
+        if len(parts) > 2:
+            raise DFlashError(f"{where}: unexpected text {' '.join(parts[2:])!r} after '{host} slots={value}'")
+        if host in first_line:
+            raise DFlashError(f"{where}: duplicate host {host!r} (first listed on line {first_line[host]})")
+        first_line[host] = lineno
+        hosts.append((host, int(value)))
+    if not hosts:
+        raise DFlashError(f"hostfile {path} lists no hosts (expected one 'HOST slots=N' line per node)")
+    return hosts

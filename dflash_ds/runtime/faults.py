@@ -1,0 +1,38 @@
+"""Fault injection for the reliability tests, driven by environment variables (off by default).
+
+DFLASH_FAULT_RANK     global rank the faults apply to (default: none)
+DFLASH_FAULT_KILL_AT  SIGKILL that rank when it starts this step (first attempt only: a
+                      torchrun restart does not repeat it)
+DFLASH_FAULT_TERM_AT  send SIGTERM to that rank when it starts this step
+DFLASH_FAULT_KILL_IN_SAVE  SIGKILL that rank in the middle of the checkpoint of this step
+(DFLASH_INJECT_NAN_STEPS, read by the drafter loop, makes the leader's loss NaN at those steps.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def _mine() -> bool:
+    return os.environ.get("DFLASH_FAULT_RANK") == os.environ.get("DFLASH_GLOBAL_RANK") is not None
+
+
+def _first_attempt() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def at_step(step: int) -> None:
+    """Called by every rank as it starts a step."""
+    if not _mine():
+        return
+    if os.environ.get("DFLASH_FAULT_KILL_AT") == str(step) and _first_attempt():
+        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("DFLASH_FAULT_TERM_AT") == str(step) and _first_attempt():
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def in_save(step: int) -> None:
+    """Called by every drafter rank between writing its shards and the checkpoint's completion."""
+    if _mine() and os.environ.get("DFLASH_FAULT_KILL_IN_SAVE") == str(step) and _first_attempt():
+        os.kill(os.getpid(), signal.SIGKILL)

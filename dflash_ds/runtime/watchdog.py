@@ -1,0 +1,130 @@
+"""Heartbeats, lost-rank detection and coordinated stop (preemption), over the shared TCPStore.
+
+Every rank runs one daemon thread that, once a second:
+- bumps its own heartbeat counter and publishes its current step;
+- turns a local SIGTERM/SIGINT into the job-wide stop request `dflash/stop`;
+- sees a stop request from any other rank and sets this rank's stop event;
+- notices a peer whose counter has not moved for `heartbeat_timeout_s` and ends this
+  rank (non-zero) after printing which rank was lost and at which step.
+
+Counters, not wall-clock times, so clocks of different nodes never need to agree.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; `--resume auto` continues
+EXIT_LOST_RANK = 3
+STOP_KEY = "dflash/stop"
+STOP_STEP_KEY = "dflash/stop_step"
+
+
+class Watchdog:
+    """The per-rank heartbeat/stop thread (see module docstring)."""
+
+    def __init__(self, store, rank: int, world: int, describe_rank, heartbeat_timeout_s: float,
+                 interval_s: float = 1.0) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.describe_rank = describe_rank
+        self.timeout_s, self.interval_s = heartbeat_timeout_s, interval_s
+        self.stop_event = threading.Event()  # a job-wide stop was requested (any rank)
+        self.local_signal: str | None = None  # the signal this rank received, if any
+        self.step = 0
+        self._beats = 0
+        self._seen: dict[int, tuple[int, float]] = {}
+        self.tick_hooks: list = []  # called from the thread every interval (role-specific checks)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dflash-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        """Install the signal handlers (main thread) and start the thread."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
+        self._beat()
+        self._thread.start()
+        return self
+
+    def _on_signal(self, signum, _frame) -> None:
+        # Only set flags here: the thread talks to the store, the training loop decides when.
+        self.local_signal = signal.Signals(signum).name
+        self.stop_event.set()
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self.store.set(f"dflash/hb/{self.rank}", f"{self._beats}:{self.step}")
+
+    def _run(self) -> None:
+        try:
+            while not self._closed.wait(self.interval_s):
+                self._beat()
+                if self.local_signal and not self.store.check([STOP_KEY]):
+                    self.store.set(STOP_KEY, f"{self.local_signal} on rank {self.rank}")
+                if not self.stop_event.is_set() and self.store.check([STOP_KEY]):
+                    self.stop_event.set()
+                self._check_peers()
+                for hook in self.tick_hooks:
+                    hook()
+        except Exception as exc:  # noqa: BLE001 - the store is gone: its host (global rank 0) died
+            if self._closed.is_set():
+                return
+            self._die(0, f"lost contact with the job store on {self.describe_rank(0)} ({type(exc).__name__}); "
+                         f"rank 0 is probably lost")
+
+    def _check_peers(self) -> None:
+        now = time.monotonic()
+        for peer in range(self.world):
+            if peer == self.rank:
+                continue
+            key = f"dflash/hb/{peer}"
+            if not self.store.check([key]):
+                continue
+            beats, step = self.store.get(key).decode().split(":")
+            last = self._seen.get(peer)
+            if last is None or last[0] != int(beats):
+                self._seen[peer] = (int(beats), now)
+            elif now - last[1] > self.timeout_s:
+                if self.store.check([f"dflash/done/{peer}"]):
+                    continue  # finished normally
+                self._die(peer, f"lost {self.describe_rank(peer)}: no heartbeat for {now - last[1]:.0f}s "
+                                f"(its last step was {step})")
+
+    def stalled_peers(self, min_age_s: float = 3.0) -> list[int]:
+        """Peers whose heartbeat has not moved for `min_age_s` (for naming the culprit after a failure)."""
+        now = time.monotonic()
+        return [p for p, (_, t) in self._seen.items() if now - t > min_age_s
+                and not self._safe_check(f"dflash/done/{p}")]
+
+    def peer_step(self, peer: int) -> str:
+        """The last step a peer published ('?' if unknown)."""
+        try:
+            return self.store.get(f"dflash/hb/{peer}").decode().split(":")[1]
+        except Exception:  # noqa: BLE001
+            return "?"
+
+    def _safe_check(self, key: str) -> bool:
+        try:
+            return self.store.check([key])
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _die(self, peer: int, message: str) -> None:
+        print(f"[dflash-ds] rank {self.rank} at step {self.step}: {message}; exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_LOST_RANK)  # the main thread may be blocked inside a collective
+
+    def mark_done(self) -> None:
+        """This rank finished its work normally: peers must not call it lost."""
+        try:
+            self.store.set(f"dflash/done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def close(self) -> None:
+        """Stop the thread (before the store goes away)."""
+        self._closed.set()
+        self._thread.join(timeout=5)

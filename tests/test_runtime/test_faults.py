@@ -1,0 +1,101 @@
+"""Reliability with real torchrun, gloo and DeepSpeed: lost ranks, restarts, preemption, crashes in a
+save, non-finite losses. Faults are injected by environment (dflash_ds/runtime/faults.py); every
+comparison is against the uninterrupted reference run of conftest.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+from conftest_runtime import COMMON, STEPS
+from runtime_utils import read_jsonl, torchrun
+
+
+def records(out, d):
+    return read_jsonl(out / "records" / f"drafter{d}.jsonl")
+
+
+def assert_tail_matches_reference(out, ref_out, from_step):
+    """After `from_step`, the trained batches and losses equal the uninterrupted run's."""
+    for d in (0, 1):
+        got = [r for r in records(out, d)]
+        # the record keeps the interrupted attempt too: take the last occurrence of each step
+        last = {r["step"]: r for r in got}
+        want = {r["step"]: r for r in records(ref_out, d)}
+        assert sorted(last) == list(range(STEPS))
+        for step in range(from_step, STEPS):
+            assert last[step]["batch_id"] == want[step]["batch_id"], (d, step)
+            assert abs(last[step]["loss"] - want[step]["loss"]) < 1e-5, (d, step, last[step], want[step])
+
+
+def args_for(setup, out, *extra):
+    target, data = setup
+    return [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(out), "--no-wandb", *extra]
+
+
+def test_sigkill_drafter_every_rank_exits_and_names_it(setup, tmp_path):
+    t0 = time.monotonic()
+    r = torchrun(3, args_for(setup, tmp_path, "--train.timeout_s", "20", "--train.heartbeat_timeout_s", "10"),
+                 env={"DFLASH_FAULT_RANK": "1", "DFLASH_FAULT_KILL_AT": "6"}, timeout=300, cwd=tmp_path)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "lost rank 1 (drafter 1)" in r.stderr, r.stderr[-4000:]
+    assert elapsed < 240  # start-up plus at most about twice the timeouts; torchrun never hung
+
+
+def test_restart_after_kill_resumes_exactly(setup, reference, tmp_path):
+    ref_out, _ = reference
+    r = torchrun(3, args_for(setup, tmp_path), extra=["--max-restarts", "1"],
+                 env={"DFLASH_FAULT_RANK": "1", "DFLASH_FAULT_KILL_AT": "15"}, timeout=420, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-5000:]
+    assert "resuming from" in r.stdout and "step_00000010" in r.stdout
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000020"
+    assert_tail_matches_reference(tmp_path, ref_out, from_step=10)
+
+
+def test_sigterm_checkpoints_and_resume_continues(setup, reference, tmp_path):
+    ref_out, _ = reference
+    # SIGTERM the target rank (global rank 2) when it starts its step 7
+    r1 = torchrun(3, args_for(setup, tmp_path), env={"DFLASH_FAULT_RANK": "2", "DFLASH_FAULT_TERM_AT": "7"},
+                  timeout=300, cwd=tmp_path)
+    assert r1.returncode != 0
+    assert "exitcode  : 75" in r1.stderr, r1.stderr[-4000:]
+    assert "stop requested (SIGTERM on rank 2)" in r1.stdout, r1.stdout[-3000:]
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    stop_step = int(latest.split("_")[1])
+    assert 1 <= stop_step < STEPS
+    assert max(r["step"] for r in records(tmp_path, 0)) == stop_step - 1  # finished the current step, no more
+    r2 = torchrun(3, args_for(setup, tmp_path, "--resume", "auto"), timeout=300, cwd=tmp_path)
+    assert r2.returncode == 0, r2.stderr[-4000:]
+    assert_tail_matches_reference(tmp_path, ref_out, from_step=stop_step)
+
+
+def test_kill_during_save_keeps_previous_checkpoint(setup, reference, tmp_path):
+    ref_out, _ = reference
+    r1 = torchrun(3, args_for(setup, tmp_path), env={"DFLASH_FAULT_RANK": "1", "DFLASH_FAULT_KILL_IN_SAVE": "20"},
+                  timeout=300, cwd=tmp_path)
+    assert r1.returncode != 0
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000010"
+    assert not (root / "step_00000020").exists()
+    r2 = torchrun(3, args_for(setup, tmp_path, "--resume", "auto"), timeout=300, cwd=tmp_path)
+    assert r2.returncode == 0, r2.stderr[-4000:]
+    assert "resuming from" in r2.stdout and "step_00000010" in r2.stdout
+    assert not list(root.glob("*.partial"))
+    assert_tail_matches_reference(tmp_path, ref_out, from_step=10)
+
+
+def test_nan_step_skipped_then_too_many_stop(setup, tmp_path):
+    one = tmp_path / "one"
+    r = torchrun(3, args_for(setup, one, "--train.stop_at", "6"), env={"DFLASH_INJECT_NAN_STEPS": "3"},
+                 timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for d in (0, 1):
+        assert [x["skipped"] for x in records(one, d)] == [False, False, False, True, False, False]
+    assert read_jsonl(one / "metrics.jsonl")[-1]["skipped_steps"] == 1
+    many = tmp_path / "many"
+    r = torchrun(3, args_for(setup, many, "--train.save_interval", "2", "--train.max_bad_steps", "3"),
+                 env={"DFLASH_INJECT_NAN_STEPS": "4,5,6"}, timeout=300, cwd=tmp_path)
+    assert r.returncode != 0
+    assert "3 consecutive steps with a non-finite loss or gradient norm (last at step 6)" in r.stderr
+    assert (many / "checkpoints" / "latest").read_text().strip() == "step_00000004"
