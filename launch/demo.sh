@@ -68,6 +68,8 @@ after = json.load(open(f"{out}/eval_after.json"))["tau"]
 print()
 print(f"tau (mean accepted tokens per target forward, held-out prompts): untrained {before:.2f} -> trained {after:.2f} "
       f"({after / before:.2f}x)")
+print("verdict: " + ("the trained drafter at least doubles tau" if after >= 2 * before
+                     else "WARNING: less than 2x; train longer (DEMO_STEPS)"))
 print(f"run folder: {out}/run   metrics: {out}/run/metrics.jsonl   plots: {out}/run/plots/")
 print(f"export (loads in SGLang / vLLM / DFlashDraftModel): {export}")
 PY
