@@ -50,6 +50,10 @@ def run_job(cfg: Config) -> int:
     # Memory-mapped and cheap: an empty dataset or out-of-vocabulary ids fail here on every rank,
     # before a rank waits in a rendezvous for peers that have already exited.
     data = open_data(cfg, layout.num_drafters, arch.vocab_size)
+    if env.rank == 0:  # rank 0 writes metrics and checkpoints: an unwritable run folder fails now
+        from dflash_ds.runtime.checkpoint import check_writable
+
+        check_writable(cfg.train.output_dir)
     import torch
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
