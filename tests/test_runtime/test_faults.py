@@ -99,3 +99,32 @@ def test_nan_step_skipped_then_too_many_stop(setup, tmp_path):
     assert by_step[5]["skipped_steps"] == 2
     # no checkpoint inside the streak: the last good one (after step 3) stays the latest
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+
+
+def test_sigterm_to_the_launcher_checkpoints_current_step(setup, tmp_path):
+    """torchrun forwards SIGTERM to every rank: they finish the step, checkpoint it and exit 75."""
+    import signal
+    import subprocess
+    import sys
+
+    from runtime_utils import env_for_children, free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
+           "-m", "dflash_ds.train", *args_for(setup, tmp_path, "--max-steps", "1000", "--train.log_interval", "1")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for_children(),
+                            cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        metrics = tmp_path / "metrics.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "exiting with status 75" in out, out[-2000:] + err[-3000:]
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    step = int(latest.split("_")[1])
+    assert step >= 3 and max(r["step"] for r in records(tmp_path, 0)) == step - 1
