@@ -11,41 +11,12 @@ from dflash_ds.eval.speculative import (TargetSession, eos_token_ids, greedy_gen
                                         summarize)
 from dflash_ds.eval.tree import accept_path, ancestor_matrix, build_tree, tree_attention_mask
 
-BS = 8
+BS = 8  # drafter block size, as the random_drafter fixture (conftest.py)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_target):
-    from dflash_ds.models.target import load_target
-
-    return load_target(tiny_target)
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_target):
-    from transformers import AutoTokenizer
-
-    from dflash_ds.tiny_target import tiny_prompts
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_target))
-    texts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False)
-             for r in tiny_prompts(3)]
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-
-
-@pytest.fixture(scope="module")
-def drafter(tiny_target, tmp_path_factory):
-    from dflash_ds.init_drafter import init_drafter
-
-    return init_drafter(tiny_target, tmp_path_factory.mktemp("tree") / "drafter", num_layers=2, block_size=BS).eval()
+@pytest.fixture
+def drafter(random_drafter):
+    return random_drafter
 
 
 def _paths(tree) -> list[tuple[int, ...]]:
