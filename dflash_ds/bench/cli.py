@@ -16,6 +16,18 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_ds.bench.batching",
         "padding efficiency of length-bucketed token-budget batching vs random pad-to-longest batches",
     ),
+    "comm": (
+        "dflash_ds.bench.comm",
+        "point-to-point bandwidth of every target->drafter pair: raw send/recv vs the training exchange",
+    ),
+    "pipeline": (
+        "dflash_ds.bench.pipeline",
+        "target and drafter capacity, the real pipeline's tokens/s, and a colocated baseline",
+    ),
+    "zero": (
+        "dflash_ds.bench.zero",
+        "per-rank parameter, gradient and optimizer bytes, peak memory and step time for ZeRO 0/1/2/3",
+    ),
 }
 
 

@@ -11,7 +11,6 @@ import os
 import time
 from collections import deque
 
-import torch
 
 from dflash_ds.config import Config
 from dflash_ds.data.batching import Cursor

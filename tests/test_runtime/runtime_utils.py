@@ -59,6 +59,8 @@ def env_for_children() -> dict[str, str]:
     """Environment for launched ranks: the repo on the path, CPU DeepSpeed, no W&B network."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    # The venv's tools first: its ninja, not the system's, builds DeepSpeed's op (they disagree on build logs).
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.update({"DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
     return env
@@ -113,3 +115,13 @@ def wandb_history_keys(run_file: Path) -> set[str]:
         if rec.WhichOneof("record_type") == "history":
             keys |= {item.key or "/".join(item.nested_key) for item in rec.history.item}
     return keys
+
+
+def bench_torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N -m dflash_ds bench ARGS`, bounded: a hang fails the test."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), "-m", "dflash_ds", "bench", *args]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_children(), cwd=REPO)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"timed out after {timeout}s\nstdout:\n{exc.stdout}\nstderr:\n{exc.stderr}")

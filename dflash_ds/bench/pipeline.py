@@ -1,0 +1,478 @@
+"""`dflash-ds bench pipeline`: is the target -> drafter pipeline as fast as its slower stage?
+
+Launched like training (`torchrun --nproc_per_node N -m dflash_ds bench pipeline --target T
+--data D`), with training's layout (drafters first, targets last; rank 0 prints). One job, the
+same ranks and the same global batch stream for four measurements, in this order:
+
+(d) colocated: every rank is a colocated worker running the target forward and then the
+    drafter step in series, one DeepSpeed engine data-parallel over all ranks, as colocated
+    trainers do. It runs in a child process per rank that joins a fresh world-wide group on
+    the job's store: this job's default groups are role-local (DeepSpeed sees only drafters),
+    and a fresh process keeps DeepSpeed's global state its own. It runs before the parent
+    loads any model.
+(a) target capacity: each target rank runs forward + capture of the batches routed to it.
+(b) drafter capacity: each drafter rank runs the DeepSpeed step on the states of its batches,
+    captured by an untimed pass of the targets and held in memory.
+    (a) and (b) are timed one after the other, the other ranks idle; with --concurrent at the
+    same time, every rank kept busy until all are done. On dedicated devices the two agree;
+    on shared CPU cores the first overstates a stage's capacity and the second understates it.
+(c) pipeline: the trainer itself (`run_target` / `run_drafter`) on the same groups, writing
+    metrics.jsonl to a scratch folder; tokens/s is read from its records.
+
+Each phase runs `--steps` steps and times all but the first `--warmup-steps` (for (c), the
+first log window, which is dropped). Tokens are real (non-padding) tokens, summed over the
+ranks of a phase and divided by the slowest rank's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from dflash_ds.bench.comm import print_table, quiet_stdout, store_barrier
+from dflash_ds.config import Config  # light (dataclasses, yaml): fine for the --help import
+
+BENCH_CHANNEL = 40
+STORE_PORT_OFFSET = 1  # topology's shared TCPStore
+COLOCATED_PORT_OFFSET = 5  # MASTER_PORT seen by the colocated children (DeepSpeed names shm segments after it)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `dflash-ds bench pipeline`."""
+    parser.add_argument("--target", required=True, help="local HF folder of the frozen target model")
+    parser.add_argument("--data", required=True, help="prepared dataset folder (dflash-ds prepare)")
+    parser.add_argument("--config", default=None, help="YAML/JSON run config, as for training")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="config override, repeatable (e.g. --set model.num_layers=2)")
+    parser.add_argument("--steps", type=int, default=30, help="steps per phase (each drafter trains one batch a step; "
+                        "(b) holds the states of all of them in the drafter's memory)")
+    parser.add_argument("--warmup-steps", type=int, default=5, help="first steps of every phase left out of the timing")
+    parser.add_argument("--num-target-ranks", type=int, default=None, help="target ranks (the last ones)")
+    parser.add_argument("--output-dir", default="", help="scratch folder of phase (c) (default: a temporary one, removed)")
+    parser.add_argument("--no-colocated", action="store_true", help="skip the colocated baseline (d)")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="time (a) and (b) at the same time, every rank kept busy until all are done "
+                             "(default: one after the other, the other ranks idle)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="timeout of transfers and of each phase")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (last stdout line) instead of a table")
+
+
+def bench_config(args: argparse.Namespace) -> Config:
+    """The run config of every phase: --config < --set < what the bench must own."""
+    from dflash_ds.config import load_config, parse_overrides
+    from dflash_ds.errors import DFlashError
+
+    if args.warmup_steps < 1 or args.steps <= args.warmup_steps:
+        raise DFlashError(f"need --steps ({args.steps}) > --warmup-steps ({args.warmup_steps}) >= 1")
+    overrides = parse_overrides([f"--{item}" for item in args.set])
+    overrides.update({"target": args.target})
+    overrides.setdefault("data", {})["path"] = args.data
+    if args.num_target_ranks is not None:
+        overrides.setdefault("topology", {})["num_target_ranks"] = args.num_target_ranks
+    train = overrides.setdefault("train", {})
+    # The first log window of (c) is exactly the warm-up; no checkpoint but the final one.
+    train.update({"max_steps": args.steps, "log_interval": args.warmup_steps, "save_interval": 10**9,
+                  "resume": "none", "stop_at": 0, "timeout_s": args.timeout_s})
+    overrides.setdefault("wandb", {})["enabled"] = False
+    return load_config(args.config, overrides)
+
+
+def drafter_batches(data, steps: int, num_drafters: int) -> list[tuple[int, int, Any]]:
+    """(step, drafter index, BatchSpec) of the first `steps` steps, as the trainer routes them."""
+    from dflash_ds.data.batching import Cursor
+
+    out = []
+    for step, (_, specs) in zip(range(steps), data.steps(Cursor(0, 0))):
+        out += [(step, d, spec) for d, spec in enumerate(specs)]
+    return out
+
+
+def capture(target, batch: dict, arch, device, keep_last: bool) -> dict:
+    """Target forward + capture of one loaded batch, as a target rank does it."""
+    import torch
+
+    from dflash_ds.models.target import capture_hidden
+
+    ids = batch["input_ids"].to(device)
+    attn = (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None]).long().to(device)
+    context, last = capture_hidden(target, ids, attn, arch.target_layer_ids)
+    out = {"input_ids": ids, "loss_mask": batch["loss_mask"].to(device), "lengths": batch["lengths"].to(device),
+           "context": context.contiguous()}
+    if keep_last:
+        out["last_hidden"] = last.contiguous()
+    return out
+
+
+def make_engine(cfg: Config, dtype: Any) -> Any:
+    """The drafter's DeepSpeed engine over the current default process group, as run_drafter builds it."""
+    import torch
+
+    from dflash_ds.models.drafter import DFlashDrafter
+    from dflash_ds.models.target import load_target_head
+    from dflash_ds.runtime.engine import DrafterTrainModule, build_engine, load_ds_config, resolve_ds_config
+    from dflash_ds.runtime.plan import resolve_arch
+
+    if cfg.drafter:
+        drafter = DFlashDrafter.from_pretrained(cfg.drafter)
+    else:
+        drafter = DFlashDrafter(resolve_arch(cfg))
+        drafter.init_weights(cfg.train.seed)
+    embed, head = load_target_head(cfg.target)
+    module = DrafterTrainModule(drafter, embed, head)
+    return build_engine(module, cfg, load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16))
+
+
+def train_step(engine: Any, cfg: Config, tensors: dict, batch_id: int, step: int, dtype) -> float:
+    """One drafter step exactly as run_drafter takes it (anchors and noise seeded per batch); returns the loss."""
+    from dflash_ds.components.objective import TargetStates
+    from dflash_ds.components.schedules import noise_std_at
+    from dflash_ds.runtime.drafter_worker import ANCHOR_SALT, NOISE_SALT
+    from dflash_ds.runtime.plan import batch_seed
+
+    states = TargetStates(tensors["input_ids"], tensors["loss_mask"], tensors["lengths"],
+                          tensors["context"].to(dtype), tensors.get("last_hidden"))
+    noise = noise_std_at(step, max_std=cfg.noise.max_std, min_std=cfg.noise.min_std,
+                         warmup_steps=cfg.noise.warmup_steps, total_steps=cfg.train.max_steps)
+    terms, _ = engine(states, cfg.loss, batch_seed(cfg.train.seed, batch_id, ANCHOR_SALT), noise,
+                      batch_seed(cfg.train.seed, batch_id, NOISE_SALT))
+    engine.backward(terms.loss)
+    engine.step()
+    engine.get_global_grad_norm()
+    return terms.loss.item()
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _put(store, key: str, value: Any) -> None:
+    store.set(key, json.dumps(value))
+
+
+def _gather(store, key: str, ranks: list[int], window: int) -> dict[str, Any]:
+    """Ranks' [tokens, seconds, items] -> summed tokens / slowest seconds, and summed per-rank median rates."""
+    # The median over windows of `window` items (what one of (c)'s log windows holds) moves less than
+    # the mean under bursts of load from other processes on a shared machine.
+    parts = [json.loads(store.get(f"{key}/{r}")) for r in ranks]
+    tokens, seconds = sum(p[0] for p in parts), max(p[1] for p in parts)
+    rate = tokens / seconds if seconds > 0 else 0.0
+    medians = []
+    for _, _, items in parts:
+        chunks = [items[i:i + window] for i in range(0, len(items), window)]
+        medians.append(_median([sum(n for n, _ in c) / sum(t for _, t in c) for c in chunks if len(c) == window]
+                               or [sum(n for n, _ in items) / max(sum(t for _, t in items), 1e-9)]))
+    return {"tok_per_s": rate, "tok_per_s_per_rank": rate / len(ranks), "ranks": len(ranks),
+            "tokens": tokens, "seconds": seconds, "tok_per_s_median": sum(medians)}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return 0.0 if not xs else (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
+
+
+def _timed(work: list[tuple[int, int, Callable[[], Any]]], warmup: int, device) -> list:
+    """Run (step, real tokens, fn) items in order; [real tokens, seconds, [(tokens, seconds)]] from step `warmup` on."""
+    tokens, seconds, items = 0, 0.0, []
+    for step, n, fn in work:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if step >= warmup:
+            dt = time.perf_counter() - t0
+            tokens, seconds = tokens + n, seconds + dt
+            items.append((n, dt))
+    return [tokens, seconds, items]
+
+
+def _target_work(ctx, cfg, data, batches) -> tuple[list, list]:
+    """(a)'s work on a target rank (forward + capture of each routed batch), and the states of an untimed pass."""
+    from dflash_ds.models.target import load_target
+    from dflash_ds.runtime.plan import load_batch, resolve_arch, route, torch_dtype
+
+    lay, arch, keep = ctx.layout, resolve_arch(cfg), cfg.loss.kl_weight > 0
+    model = load_target(cfg.target, dtype=torch_dtype(cfg, ctx.device.type == "cuda"), device=ctx.device)
+    mine = [(s, d, spec, load_batch(data.dataset, spec)) for s, d, spec in batches
+            if route(s, d, lay.num_drafters, lay.num_targets) == ctx.role_rank]
+    captured = [(s, d, capture(model, b, arch, ctx.device, keep)) for s, d, _, b in mine]
+    work = [(s, spec.real_tokens, functools.partial(capture, model, b, arch, ctx.device, keep)) for s, _, spec, b in mine]
+    return work, captured
+
+
+def _drafter_work(ctx, cfg, batches, received: list) -> tuple[list, Any]:
+    """(b)'s work on a drafter rank (one DeepSpeed step per held batch), and the engine."""
+    from dflash_ds.runtime.plan import torch_dtype
+
+    dtype = torch_dtype(cfg, ctx.device.type == "cuda")
+    engine = make_engine(cfg, dtype)
+    tokens = {s: spec.real_tokens for s, d, spec in batches if d == ctx.role_rank}
+    return [(s, tokens[s], functools.partial(train_step, engine, cfg, got.tensors, got.batch_id, s, dtype))
+            for s, got in enumerate(received)], engine
+
+
+def _measure_stages(ctx, work: list, args) -> None:
+    """(a) and (b): one after the other (targets' turn, then drafters'), or at the same time with --concurrent."""
+    world = ctx.layout.world_size
+    turns = [None] if args.concurrent else [True, False]
+    for k, turn in enumerate(turns):
+        store_barrier(ctx.store, f"bench/pipeline/ab{k}", world, args.timeout_s)
+        if turn is None or turn == ctx.is_target:
+            _put(ctx.store, f"bench/pipeline/{'a' if ctx.is_target else 'b'}/{ctx.global_rank}",
+                 _timed(work, args.warmup_steps, ctx.device))
+        if turn is None:
+            # Keep this rank busy (untimed) until every rank is done, so no stage is timed on an idle machine.
+            key, i = "bench/pipeline/ab_done", 0
+            ctx.store.add(key, 1)
+            while ctx.store.add(key, 0) < world:
+                if work:
+                    work[i % len(work)][2]()
+                    i += 1
+                else:
+                    time.sleep(0.01)
+
+
+def _exchange_states(ctx, captured: list, steps: int) -> list:
+    """Targets hand the states of (a) to their drafters, in the order the trainer would (untimed)."""
+    from dflash_ds.distributed import bridge as bridge_mod
+    from dflash_ds.runtime.plan import route
+
+    lay = ctx.layout
+    if ctx.is_target:
+        sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.timeout_s)
+        for s, d, tensors in captured:
+            sender.send(lay.drafter_ranks[d], tensors, {}, batch_id=s * lay.num_drafters + d, tag=BENCH_CHANNEL)
+        sender.flush()
+        return []
+    d = ctx.role_rank
+    return [bridge_mod.recv_batch(ctx.bridge, lay.target_ranks[route(s, d, lay.num_drafters, lay.num_targets)],
+                                  ctx.timeout_s, tag=BENCH_CHANNEL, device=ctx.device) for s in range(steps)]
+
+
+def _pipeline_rate(out: Path, warmup: int) -> dict[str, Any]:
+    """(c) from metrics.jsonl: real tokens over wall time of every window after the warm-up one."""
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    timed = [r for r in records if r["step"] > warmup]
+    tokens = int(sum(r["real_tokens"] for r in timed))
+    seconds = sum(r["real_tokens"] / r["tok_per_sec"] for r in timed if r["tok_per_sec"] > 0)
+    return {"tok_per_s": tokens / seconds if seconds > 0 else 0.0, "tokens": tokens, "seconds": seconds,
+            "tok_per_s_median": _median([r["tok_per_sec"] for r in timed]),
+            "hs_queue_depth": sum(r["hs_queue_depth"] for r in timed) / max(len(timed), 1),
+            "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"]}
+
+
+def _run_colocated(ctx, env, cfg, args) -> None:
+    """(d): one child process per rank; they meet on the shared store in a fresh world-wide group."""
+    from dataclasses import asdict
+
+    child_env = dict(os.environ, RANK=str(ctx.global_rank), WORLD_SIZE=str(ctx.layout.world_size),
+                     LOCAL_RANK=str(env.local_rank), LOCAL_SIZE=str(env.local_world_size or ctx.layout.world_size),
+                     MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port + COLOCATED_PORT_OFFSET),
+                     DFLASH_BENCH_STORE=f"{env.master_addr}:{env.master_port + STORE_PORT_OFFSET}",
+                     DFLASH_BENCH_CONFIG=json.dumps(asdict(cfg)),
+                     DFLASH_BENCH_PHASE=json.dumps({"steps": args.steps, "warmup": args.warmup_steps,
+                                                    "drafters": ctx.layout.num_drafters,
+                                                    "timeout_s": args.timeout_s}))
+    child_env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    proc = subprocess.run([sys.executable, "-m", "dflash_ds.bench.pipeline"], env=child_env, stdout=sys.stderr,
+                          timeout=args.timeout_s * 2)
+    if proc.returncode != 0:
+        from dflash_ds.errors import DFlashError
+
+        raise DFlashError(f"colocated baseline failed on rank {ctx.global_rank} (exit {proc.returncode})")
+
+
+def _colocated_child() -> int:
+    """Body of one colocated worker: target forward then drafter step, DP over every rank."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from dflash_ds.config import load_config
+    from dflash_ds.data.batching import Cursor
+    from dflash_ds.models.target import load_target
+    from dflash_ds.runtime.plan import load_batch, open_data, resolve_arch, torch_dtype
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    phase = json.loads(os.environ["DFLASH_BENCH_PHASE"])
+    cfg = load_config(None, json.loads(os.environ["DFLASH_BENCH_CONFIG"]))
+    addr, port = os.environ["DFLASH_BENCH_STORE"].rsplit(":", 1)
+    timeout = datetime.timedelta(seconds=phase["timeout_s"])
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("bench/pipeline/colocated", store),
+                            rank=rank, world_size=world, timeout=timeout)
+    arch, dtype = resolve_arch(cfg), torch_dtype(cfg, cuda)
+    target = load_target(cfg.target, dtype=dtype, device=device)
+    engine = make_engine(cfg, dtype)
+    data = open_data(cfg, world, arch.vocab_size)
+    # The same global batch stream as the pipeline's first steps x drafters batches, `world` per step.
+    n_steps = -(-phase["steps"] * phase["drafters"] // world)
+    warmup = -(-phase["warmup"] * phase["drafters"] // world)
+    mine = [(k, specs[rank]) for k, (_, specs) in zip(range(n_steps), data.steps(Cursor(0, 0)))]
+    loaded = [(k, spec, load_batch(data.dataset, spec)) for k, spec in mine]  # loading is not timed, as in (a)
+
+    def forward_then_step(k: int, batch: dict) -> None:
+        """What a colocated worker does per batch."""
+        train_step(engine, cfg, capture(target, batch, arch, device, cfg.loss.kl_weight > 0), k * world + rank, k, dtype)
+
+    work = [(k, spec.real_tokens, functools.partial(forward_then_step, k, batch)) for k, spec, batch in loaded]
+    _put(store, f"bench/pipeline/d/{rank}", _timed(work, warmup, device))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `dflash-ds bench pipeline` (one process per rank)."""
+    import torch
+
+    from dflash_ds.distributed.topology import init_role_groups, read_launch_env, shutdown
+    from dflash_ds.runtime.launch import validate_job
+    from dflash_ds.runtime.plan import open_data, resolve_arch
+
+    env = read_launch_env()
+    cfg = bench_config(args)
+    layout = validate_job(cfg, env.world_size, env.local_world_size)
+    arch = resolve_arch(cfg)
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        # One thread per rank: ranks share the cores, and each stage must get its own.
+        torch.set_num_threads(1)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    ctx = init_role_groups(layout, env.rank, env.master_addr, env.master_port, backend="nccl" if cuda else "gloo",
+                           timeout_s=args.timeout_s, local_rank=env.local_rank)
+    world, lead = layout.world_size, ctx.global_rank == 0
+    # As in training: heartbeats name a lost rank instead of leaving the others waiting at a barrier.
+    from dflash_ds.runtime.watchdog import Watchdog
+
+    watchdog = Watchdog(ctx.store, env.rank, world, lambda r: f"rank {r} ({layout.role_of(r)})",
+                        cfg.train.heartbeat_timeout_s).start()
+    if lead:
+        out = Path(args.output_dir or tempfile.mkdtemp(prefix="dflash_bench_pipeline_"))
+        ctx.store.set("bench/pipeline/out", str(out))
+    out = Path(ctx.store.get("bench/pipeline/out").decode())
+    cfg.train.output_dir = str(out)
+    result = None
+    with quiet_stdout(enabled=args.json):
+        data = open_data(cfg, layout.num_drafters, arch.vocab_size)
+        batches = drafter_batches(data, args.steps, layout.num_drafters)
+        wall = {"start": time.perf_counter()}
+        if not args.no_colocated:
+            _run_colocated(ctx, env, cfg, args)
+        store_barrier(ctx.store, "bench/pipeline/a", world, args.timeout_s)
+        wall["d"] = time.perf_counter()
+        work, captured = _target_work(ctx, cfg, data, batches) if ctx.is_target else ([], [])
+        received = _exchange_states(ctx, captured, args.steps)
+        del captured
+        engine = None
+        if not ctx.is_target:
+            work, engine = _drafter_work(ctx, cfg, batches, received)
+        wall["setup"] = time.perf_counter()
+        _measure_stages(ctx, work, args)
+        if engine is not None and hasattr(engine, "destroy"):
+            engine.destroy()  # release DeepSpeed's hooks and buffers before (c) builds the trainer's engine
+        del work, received, engine
+        gc.collect()
+        store_barrier(ctx.store, "bench/pipeline/c", world, args.timeout_s)
+        wall["ab"] = time.perf_counter()
+        if ctx.is_target:
+            from dflash_ds.runtime.target_worker import run_target
+
+            run_target(ctx, cfg, data, watchdog)
+        else:
+            from dflash_ds.runtime.drafter_worker import run_drafter
+
+            run_drafter(ctx, cfg, data, watchdog)
+        wall["c"] = time.perf_counter()
+        if lead:
+            result = _result(ctx, cfg, args, arch, out)
+            # Wall time of each phase, start-up included (model loads, engine builds, the final checkpoint).
+            order = ["start", "d", "setup", "ab", "c"]
+            result["phase_wall_s"] = {k: round(wall[k] - wall[p], 2) for p, k in zip(order, order[1:])}
+    watchdog.mark_done()
+    watchdog.close()
+    shutdown(ctx)
+    if lead:
+        if not args.output_dir:
+            shutil.rmtree(out, ignore_errors=True)
+        if args.json:
+            print(json.dumps(result), flush=True)
+        else:
+            _print(result)
+    return 0
+
+
+def _result(ctx, cfg, args, arch, out: Path) -> dict[str, Any]:
+    lay = ctx.layout
+    w = args.warmup_steps  # (c)'s log window, in steps
+    a = _gather(ctx.store, "bench/pipeline/a", lay.target_ranks, max(1, w * lay.num_drafters // lay.num_targets))
+    b = _gather(ctx.store, "bench/pipeline/b", lay.drafter_ranks, w)
+    c = _pipeline_rate(out, args.warmup_steps)
+    c["tok_per_s_per_rank"] = c["tok_per_s"] / lay.world_size
+    d = None if args.no_colocated else _gather(ctx.store, "bench/pipeline/d", list(range(lay.world_size)),
+                                                max(1, w * lay.num_drafters // lay.world_size))
+    import torch
+
+    from dflash_ds.models.target import read_target_config
+
+    return {
+        "config": {"target": cfg.target, "data": cfg.data.path, "steps": args.steps, "warmup_steps": args.warmup_steps,
+                   "num_target_ranks": lay.num_targets, "num_drafter_ranks": lay.num_drafters,
+                   "target_layers": int(read_target_config(cfg.target)["num_hidden_layers"]),
+                   "hidden_size": arch.hidden_size, "drafter_layers": arch.num_hidden_layers,
+                   "block_size": arch.block_size, "num_anchors": cfg.loss.num_anchors,
+                   "token_budget": cfg.data.token_budget, "zero_stage": cfg.train.zero_stage,
+                   "backend": ctx.backend, "threads_per_rank": torch.get_num_threads(),
+                   "stage_timing": "concurrent" if args.concurrent else "one after the other"},
+        "target_capacity": a, "drafter_capacity": b, "pipeline": c, "colocated": d,
+        "target_over_drafter": a["tok_per_s"] / b["tok_per_s"] if b["tok_per_s"] else None,
+        "efficiency": c["tok_per_s"] / min(a["tok_per_s"], b["tok_per_s"]) if min(a["tok_per_s"], b["tok_per_s"]) else None,
+        "speedup": c["tok_per_s"] / d["tok_per_s"] if d and d["tok_per_s"] else None,
+        # The same ratios from median rates (per step; per log window for (c)): steadier on shared machines.
+        "efficiency_median": c["tok_per_s_median"] / min(a["tok_per_s_median"], b["tok_per_s_median"]),
+        "speedup_median": c["tok_per_s_median"] / d["tok_per_s_median"] if d else None,
+    }
+
+
+def _print(r: dict[str, Any]) -> None:
+    c = r["config"]
+    rows = [["(a) target capacity (forward + capture)", r["target_capacity"], f"{c['num_target_ranks']} target"],
+            ["(b) drafter capacity (step from memory)", r["drafter_capacity"], f"{c['num_drafter_ranks']} drafter"],
+            ["(c) pipeline (the trainer)", r["pipeline"], f"{c['num_target_ranks']}+{c['num_drafter_ranks']}"]]
+    if r["colocated"]:
+        rows.append(["(d) colocated, target then step, DP", r["colocated"], f"{r['colocated']['ranks']} colocated"])
+    table = [[name, ranks, f"{x['tok_per_s']:,.0f}", f"{x['tok_per_s_median']:,.0f}", f"{x['tokens']:,}",
+              f"{x['seconds']:.2f}"] for name, x, ranks in rows]
+    print_table(f"bench pipeline: target {c['target_layers']} layers, drafter {c['drafter_layers']} layers, "
+                f"hidden {c['hidden_size']}, token budget {c['token_budget']}, ZeRO-{c['zero_stage']}, "
+                f"{c['backend']}, {c['threads_per_rank']} thread(s)/rank, steps {c['warmup_steps']}..{c['steps']} timed, "
+                f"(a) and (b) timed {c['stage_timing']}",
+                ["phase", "ranks", "tok/s", "median tok/s", "tokens", "seconds"], table,
+                f"tokens = real (non-padding) tokens; median = over windows of {c['warmup_steps']} steps "
+                "((c): its log windows)")
+    print(f"a/b = {r['target_over_drafter']:.2f}; efficiency = (c) / min(a, b) = {r['efficiency']:.3f} "
+          f"(medians: {r['efficiency_median']:.3f})"
+          + (f"; speed-up = (c) / (d) = {r['speedup']:.2f}x (medians: {r['speedup_median']:.2f}x)"
+             if r["speedup"] else ""), flush=True)
+
+
+if __name__ == "__main__":  # the colocated worker started by _run_colocated
+    raise SystemExit(_colocated_child())

@@ -1,0 +1,190 @@
+"""`dflash-ds plan`: how many target and drafter ranks, and what the links between them must carry.
+
+Pure arithmetic, no GPU and no process group:
+
+- split: per node, try every t targets + (G - t) drafters (G GPUs per node) and keep the split
+  that maximises min(T * a, D * b), with a and b the tokens/s one target rank and one drafter
+  rank sustain (measured by `dflash-ds bench pipeline`, or given);
+- wire: bytes per token = (K selected layers x H + final hidden H) x dtype bytes + ids and loss
+  mask, against shipping the target's vocabulary logits (V x dtype bytes per token);
+- links: bytes per token x tokens/s each drafter consumes (inbound) and each target produces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash_ds.errors import DFlashError
+
+QWEN3_8B = {"hidden": 4096, "vocab": 151936, "layers": 36}
+# The bridge carries input_ids and loss_mask as int64 (see target_worker): 8 + 8 bytes per token.
+ID_BYTES = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `dflash-ds plan`."""
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) in the whole job")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes; the split is the same on every node")
+    parser.add_argument("--target-tok-per-s", type=float, default=None, help="tokens/s one target rank sustains (a)")
+    parser.add_argument("--drafter-tok-per-s", type=float, default=None, help="tokens/s one drafter rank sustains (b)")
+    parser.add_argument("--from-bench", default=None, metavar="FILE.json",
+                        help="read a and b per rank from `dflash-ds bench pipeline --json` output")
+    parser.add_argument("--target", default=None, help="target HF folder: hidden size and vocabulary from its config.json")
+    parser.add_argument("--hidden", type=int, default=None,
+                        help=f"target hidden size H (default {QWEN3_8B['hidden']}, a Qwen3-8B-sized target)")
+    parser.add_argument("--vocab", type=int, default=None, help=f"target vocabulary V (default {QWEN3_8B['vocab']})")
+    parser.add_argument("--drafter-layers", type=int, default=5, help="drafter layers (= target layers read, by default)")
+    parser.add_argument("--num-target-layers-read", type=int, default=None,
+                        help="target layers whose outputs are sent, K (default: --drafter-layers)")
+    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per hidden-state element (2 = bf16)")
+    parser.add_argument("--id-bytes", type=int, default=ID_BYTES,
+                        help="bytes per token of input_ids + loss_mask (16: both int64, as the bridge sends them)")
+    parser.add_argument("--no-last-hidden", action="store_true",
+                        help="the final hidden state is not sent (loss.kl_weight = 0: no soft labels)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def wire_bytes(hidden: int, layers_read: int, dtype_bytes: int, vocab: int, id_bytes: int = ID_BYTES,
+               last_hidden: bool = True) -> dict[str, Any]:
+    """Bytes per token on the target -> drafter link, and what shipping logits would cost instead."""
+    context = layers_read * hidden * dtype_bytes
+    last = hidden * dtype_bytes if last_hidden else 0
+    total = context + last + id_bytes
+    logits = vocab * dtype_bytes
+    alternative = context + logits + id_bytes  # context features plus logits in place of the last hidden
+    return {"context": context, "last_hidden": last, "ids": id_bytes, "total": total, "logits": logits,
+            "logits_over_total": logits / total, "alternative_total": alternative,
+            "alternative_over_total": alternative / total, "saved_per_token": logits - last,
+            "fp32_logits_over_total": 2 * logits / total if dtype_bytes == 2 else None}
+
+
+def best_split(gpus: int, nodes: int, a: float, b: float) -> dict[str, Any]:
+    """Targets per node maximising min(T a, D b); ties go to the split with less idle capacity."""
+    if nodes < 1 or gpus % nodes:
+        raise DFlashError(f"--gpus {gpus} is not a multiple of --nodes {nodes}")
+    per_node = gpus // nodes
+    if per_node < 2:
+        raise DFlashError(f"{per_node} GPU(s) per node cannot hold a target and a drafter: need at least 2")
+    if a <= 0 or b <= 0:
+        raise DFlashError("target and drafter tokens/s must be > 0")
+    options = []
+    for t in range(1, per_node):
+        tt, dd = t * nodes, (per_node - t) * nodes
+        options.append({"targets_per_node": t, "target_ranks": tt, "drafter_ranks": dd, "target_tok_per_s": tt * a,
+                        "drafter_tok_per_s": dd * b, "tok_per_s": min(tt * a, dd * b),
+                        "bottleneck": "target" if tt * a < dd * b else "drafter"})
+    best = max(options, key=lambda o: (o["tok_per_s"], -abs(o["target_tok_per_s"] - o["drafter_tok_per_s"])))
+    return {"best": best, "options": options}
+
+
+def _rates(args: argparse.Namespace) -> tuple[float | None, float | None, str]:
+    if args.from_bench:
+        try:
+            r = json.loads(Path(args.from_bench).read_text().strip().splitlines()[-1])
+            a, b = r["target_capacity"]["tok_per_s_per_rank"], r["drafter_capacity"]["tok_per_s_per_rank"]
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise DFlashError(f"--from-bench {args.from_bench}: not `bench pipeline --json` output ({exc})") from None
+        return a, b, f"bench pipeline ({args.from_bench})"
+    if (args.target_tok_per_s is None) != (args.drafter_tok_per_s is None):
+        raise DFlashError("give both --target-tok-per-s and --drafter-tok-per-s (or --from-bench)")
+    return args.target_tok_per_s, args.drafter_tok_per_s, "given"
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole recommendation as a JSON-ready dict."""
+    hidden, vocab, source = args.hidden, args.vocab, "flags"
+    if args.target:
+        from dflash_ds.models.target import read_target_config
+
+        tcfg = read_target_config(args.target)
+        hidden, vocab, source = hidden or int(tcfg["hidden_size"]), vocab or int(tcfg["vocab_size"]), args.target
+    if hidden is None or vocab is None:
+        hidden, vocab = hidden or QWEN3_8B["hidden"], vocab or QWEN3_8B["vocab"]
+        source = "defaults (Qwen3-8B-sized)" if source == "flags" else source
+    k = args.num_target_layers_read or args.drafter_layers
+    if min(hidden, vocab, k, args.dtype_bytes) < 1 or args.id_bytes < 0:
+        raise DFlashError("--hidden, --vocab, layer counts and --dtype-bytes must be >= 1")
+    wire = wire_bytes(hidden, k, args.dtype_bytes, vocab, args.id_bytes, not args.no_last_hidden)
+    a, b, rate_source = _rates(args)
+    out: dict[str, Any] = {"model": {"hidden": hidden, "vocab": vocab, "layers_read": k, "dtype_bytes": args.dtype_bytes,
+                                     "source": source},
+                           "wire_bytes_per_token": wire, "gpus": args.gpus, "nodes": args.nodes, "split": None}
+    if a is None:
+        if args.gpus % args.nodes or args.gpus // args.nodes < 2:
+            best_split(args.gpus, args.nodes, 1.0, 1.0)  # the same error as with rates
+        return out
+    split = best_split(args.gpus, args.nodes, a, b)
+    best = split["best"]
+    tok = best["tok_per_s"]
+    out["split"] = {**split, "rate_source": rate_source, "target_tok_per_s_per_rank": a, "drafter_tok_per_s_per_rank": b}
+    out["links"] = {
+        "per_drafter_in_bytes_per_s": wire["total"] * tok / best["drafter_ranks"],
+        "per_target_out_bytes_per_s": wire["total"] * tok / best["target_ranks"],
+        "total_bytes_per_s": wire["total"] * tok,
+        # route() spreads every drafter's batches over all targets, wherever they are.
+        "cross_node_fraction": (args.nodes - 1) / args.nodes,
+    }
+    return out
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.3f} GB/s ({x * 8 / 1e9:,.2f} Gbit/s)"
+
+
+def report(p: dict[str, Any]) -> str:
+    """The recommendation as text, arithmetic shown."""
+    m, w = p["model"], p["wire_bytes_per_token"]
+    h, k, db, v = m["hidden"], m["layers_read"], m["dtype_bytes"], m["vocab"]
+    lines = [f"model: hidden {h}, vocabulary {v}, {k} target layers read, {db}-byte elements ({m['source']})",
+             "bytes per token, target -> drafter:",
+             f"  context features   K x H x dtype = {k} x {h} x {db} = {w['context']:,}",
+             f"  final hidden       H x dtype     = {h} x {db} = {w['last_hidden']:,}"
+             + ("" if w["last_hidden"] else "  (not sent: --no-last-hidden)"),
+             f"  ids + loss mask                  = {w['ids']:,}",
+             f"  total                            = ({k} x {h} + {h if w['last_hidden'] else 0}) x {db} + {w['ids']} "
+             f"= {w['total']:,} B/token",
+             "shipping the target's vocabulary logits instead (the drafter recomputes them from the final hidden):",
+             f"  logits             V x dtype     = {v} x {db} = {w['logits']:,} B/token "
+             f"= {w['logits_over_total']:.2f}x our whole payload",
+             f"  saved per token by recomputing   = {w['logits']:,} - {w['last_hidden']:,} = {w['saved_per_token']:,} B",
+             f"  context + logits + ids           = {w['alternative_total']:,} B/token "
+             f"= {w['alternative_over_total']:.2f}x ours"]
+    if w["fp32_logits_over_total"]:
+        lines.append(f"  logits in fp32                   = {2 * w['logits']:,} B/token = "
+                     f"{w['fp32_logits_over_total']:.2f}x ours")
+    s = p["split"]
+    if s is None:
+        lines.append("split: give --target-tok-per-s and --drafter-tok-per-s (or --from-bench) to size it")
+        return "\n".join(lines)
+    best, links = s["best"], p["links"]
+    lines.append(f"split of {p['gpus']} GPUs on {p['nodes']} node(s), a = {s['target_tok_per_s_per_rank']:,.0f} tok/s per "
+                 f"target rank, b = {s['drafter_tok_per_s_per_rank']:,.0f} per drafter rank ({s['rate_source']}):")
+    lines.append("  targets/node  T  D  T*a tok/s  D*b tok/s  min tok/s  bound by")
+    for o in s["options"]:
+        mark = " <-" if o is best else ""
+        lines.append(f"  {o['targets_per_node']:>12} {o['target_ranks']:>2} {o['drafter_ranks']:>2} "
+                     f"{o['target_tok_per_s']:>10,.0f} {o['drafter_tok_per_s']:>10,.0f} {o['tok_per_s']:>10,.0f}  "
+                     f"{o['bottleneck']}{mark}")
+    flag = (f"--num-target-ranks {best['target_ranks']}" if p["nodes"] == 1
+            else f"--targets-per-node {best['targets_per_node']}")
+    lines += [f"recommended: {best['target_ranks']} target + {best['drafter_ranks']} drafter ranks ({flag}), "
+              f"expected {best['tok_per_s']:,.0f} tok/s (drafter side assumes data-parallel scaling)",
+              f"link bandwidth at that rate ({w['total']:,} B/token):",
+              f"  into each drafter   {w['total']:,} x {best['tok_per_s']:,.0f} / {best['drafter_ranks']} = "
+              f"{_gb(links['per_drafter_in_bytes_per_s'])}",
+              f"  out of each target  {w['total']:,} x {best['tok_per_s']:,.0f} / {best['target_ranks']} = "
+              f"{_gb(links['per_target_out_bytes_per_s'])}",
+              f"  whole job           {_gb(links['total_bytes_per_s'])}"]
+    if p["nodes"] > 1:
+        lines.append(f"  about {links['cross_node_fraction']:.0%} of it crosses nodes (batches are routed over all targets)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `dflash-ds plan`."""
+    p = plan(args)
+    print(json.dumps(p) if args.json else report(p))
+    return 0
