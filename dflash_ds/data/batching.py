@@ -297,6 +297,11 @@ class BatchSampler:
         all consumers, so any of them can checkpoint it, and it may be resumed
         with another dp_size.
         """
+        for after, specs in self.iterate_steps(cursor):
+            yield after, specs[self.dp_rank]
+
+    def iterate_steps(self, cursor: Cursor = Cursor(0, 0)) -> Iterator[tuple[Cursor, list[BatchSpec]]]:
+        """Like `iterate`, but every consumer's batch of each step (index = dp rank), from one epoch build."""
         epoch, start = cursor.epoch, cursor.batch_index
         if epoch < 0 or start < 0:
             raise DFlashError(f"invalid cursor {cursor}")
@@ -310,5 +315,5 @@ class BatchSampler:
                 g = start + s * self.dp_size
                 done = s + 1 == steps
                 after = Cursor(epoch + 1, 0) if done else Cursor(epoch, g + self.dp_size)
-                yield after, specs[g + self.dp_rank]
+                yield after, specs[g: g + self.dp_size]
             epoch, start = epoch + 1, 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -117,17 +118,9 @@ def gathered_drafter_state(engine) -> dict[str, torch.Tensor] | None:
     drafter = engine.module.drafter
     params = list(drafter.parameters())
     zero3 = engine.zero_optimization_stage() == 3
-    ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else _null()
+    ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else contextlib.nullcontext()
     with ctx:
         if dist.get_rank() != 0:
             return None
         return {k: v.detach().float().cpu().clone() for k, v in drafter.state_dict().items()
                 if not k.startswith("rotary_emb.")}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -146,17 +145,3 @@ class Monitor:
                 self.wandb.finish()
             except Exception:  # noqa: BLE001
                 pass
-
-
-class RateMeter:
-    """Counts over a window for per-second rates and an ETA."""
-
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-        self.start = self.t0
-
-    def lap(self) -> float:
-        """Seconds since the last lap."""
-        now = time.perf_counter()
-        dt, self.t0 = now - self.t0, now
-        return max(dt, 1e-9)

@@ -16,7 +16,7 @@ import torch
 
 from dflash_ds.config import Config
 from dflash_ds.data.batching import BatchSampler, BatchSpec, Cursor, bucket_boundaries
-from dflash_ds.data.loader import COLUMNS, collate
+from dflash_ds.data.loader import COLUMNS, collate, load_lengths
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter import DrafterArch, read_drafter_arch
 
@@ -68,10 +68,8 @@ class DataPlan:
 
     def steps(self, cursor: Cursor) -> Iterator[tuple[Cursor, list[BatchSpec]]]:
         """Per step from `cursor`: (cursor after the step, one batch per drafter)."""
-        its = [self.sampler(d).iterate(cursor) for d in range(self.num_drafters)]
-        while True:
-            items = [next(it) for it in its]
-            yield items[0][0], [spec for _, spec in items]
+        # One sampler builds each epoch once; index d of a step is drafter d's batch.
+        return self.sampler(0).iterate_steps(cursor)
 
 
 def open_data(cfg: Config, num_drafters: int, vocab_size: int) -> DataPlan:
@@ -93,7 +91,7 @@ def open_data(cfg: Config, num_drafters: int, vocab_size: int) -> DataPlan:
         raise DFlashError(f"data folder {path}: missing columns {sorted(missing)}")
     if len(ds) == 0:
         raise DFlashError(empty)
-    lengths = np.asarray(ds.data.column("length").to_numpy(), dtype=np.int64)
+    lengths = load_lengths(ds)
     too_long = int((lengths > cfg.data.max_length).sum())
     if too_long:
         raise DFlashError(f"data folder {path}: {too_long} rows are longer than data.max_length = "
