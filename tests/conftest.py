@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
+
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_shared_memory() -> Iterator[None]:
+    """The suite must not leave DeepSpeed shared-memory segments behind (tmpfs is RAM: a leak per
+    run once filled this machine's memory and hung CI). Removes any it finds and reports them."""
+    pattern = "deepspeed_allreduce_buffer_*"
+    before = set(SHM.glob(pattern)) if SHM.is_dir() else set()
+    yield
+    leaked = sorted(set(SHM.glob(pattern)) - before) if SHM.is_dir() else []
+    for p in leaked:
+        p.unlink(missing_ok=True)
+    if leaked:
+        pytest.fail(f"{len(leaked)} shared-memory segments leaked into /dev/shm, e.g. {leaked[0].name}")
 
 
 @pytest.fixture(scope="session")

@@ -88,10 +88,25 @@ def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
     return stale
 
 
+def disable_cpu_shm_allreduce() -> None:
+    """Keep DeepSpeed's CPU shared-memory all-reduce op out of the process.
+
+    On the CPU accelerator DeepSpeed JIT-builds `deepspeed_shm_comm` when its comm backend starts and
+    each rank creates a 66 MiB `/dev/shm/deepspeed_allreduce_buffer_*` segment that is never
+    unlinked: every run leaks RAM until the machine runs out (tmpfs is memory). Its start-up also
+    spins forever waiting for a peer's segment if that peer died. Only `inference_all_reduce`
+    uses it, which training never calls; the process-group all-reduce (gloo) is used instead.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def build_engine(module: DrafterTrainModule, cfg: Config, ds_config: dict[str, Any]):
     """deepspeed.initialize over the trainable drafter parameters only, with AdamW and warmup+cosine LR."""
     import deepspeed
 
+    disable_cpu_shm_allreduce()
     warn_stale_build_locks()
     trainable = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
