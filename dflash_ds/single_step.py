@@ -14,6 +14,7 @@ import torch
 from dflash_ds.components.objective import TargetStates, drafter_objective
 from dflash_ds.components.loss import metrics_from_sums
 from dflash_ds.config import LossConfig
+from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter import DFlashDrafter
 from dflash_ds.models.target import capture_hidden, load_target
 
@@ -23,14 +24,17 @@ def target_batch(target, layer_ids: list[int], *, batch: int, prompt_len: int, n
     """Greedy target continuations of random prompts, loss mask on the continuation."""
     gen = torch.Generator().manual_seed(seed)
     vocab = target.config.vocab_size
-    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen)
+    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen).to(target.device)
     with torch.no_grad():
         ids = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, prompt_len:] = 1
     context, last = capture_hidden(target, ids, torch.ones_like(ids), layer_ids)
-    return TargetStates(ids, loss_mask, torch.full((batch,), ids.shape[1]), context, last)
+    return TargetStates(ids, loss_mask, torch.full((batch,), ids.shape[1], device=ids.device), context, last)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,11 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=float, default=7.0, help="position decay gamma (default 7)")
     p.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and anchors (default 0)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="dtype of the target and the drafter (default fp32; bf16 on GPU)")
 
 
 def run(args: argparse.Namespace) -> int:
-    target = load_target(args.target)
-    drafter = DFlashDrafter.from_pretrained(args.drafter).train()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise DFlashError(f"--device {args.device}: torch sees no CUDA GPU")
+    dtype = DTYPES[args.dtype]
+    target = load_target(args.target, dtype=dtype, device=args.device)
+    drafter = DFlashDrafter.from_pretrained(args.drafter, device=args.device).to(dtype).train()
     states = target_batch(target, drafter.arch.target_layer_ids, batch=args.batch, prompt_len=8, new_tokens=56,
                           seed=args.seed)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95))

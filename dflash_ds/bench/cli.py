@@ -12,6 +12,10 @@ import importlib
 
 # name -> (module, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "attention": (
+        "dflash_ds.bench.attention",
+        "the drafter's forward+backward under each block-sparse mask backend (dense SDPA, flex_attention)",
+    ),
     "batching": (
         "dflash_ds.bench.batching",
         "padding efficiency of length-bucketed token-budget batching vs random pad-to-longest batches",

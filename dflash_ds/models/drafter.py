@@ -33,6 +33,19 @@ except ImportError:  # pragma: no cover - older torch
 
 SAFETENSORS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+MASK_BACKENDS = ("auto", "dense", "flex")
+
+_compiled_flex = None
+
+
+def _flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
+    """flex_attention, compiled once on GPU (eager flex materialises every score and is slow)."""
+    global _compiled_flex
+    if not q.is_cuda:
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -180,7 +193,7 @@ class DrafterAttention(nn.Module):
         k = torch.cat([ctx_k, k], dim=2)
         v = torch.cat([ctx_v, v], dim=2)
         if mask is not None and not isinstance(mask, torch.Tensor):  # a flex_attention BlockMask
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+            out = _flex_attention(q, k, v, mask, enable_gqa=self.num_kv_heads != self.num_heads)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                  enable_gqa=self.num_kv_heads != self.num_heads)
@@ -232,6 +245,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # transformers' rotary embedding understands every rope_type a target config may carry.
         self.rotary_emb = Qwen3RotaryEmbedding(arch.to_hf_config())
+        # Training mask: "auto" = flex_attention BlockMask on GPU, dense boolean + SDPA on CPU.
+        self.mask_backend = "auto"
 
     @property
     def block_size(self) -> int:
@@ -279,7 +294,12 @@ class DFlashDrafter(nn.Module):
         offs = torch.arange(bs, device=anchors.device)
         pos = (anchors[:, :, None] + offs).reshape(b, a * bs)
         ctx_pos = torch.arange(s, device=anchors.device).expand(b, s)
-        mask = self.block_mask(anchors, s, bs, use_flex=x.is_cuda)
+        if self.mask_backend not in MASK_BACKENDS:
+            raise DFlashError(f"mask_backend must be one of {MASK_BACKENDS}, got {self.mask_backend!r}")
+        use_flex = self.mask_backend == "flex" or (self.mask_backend == "auto" and x.is_cuda)
+        if use_flex and create_block_mask is None:
+            raise DFlashError("mask_backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+        mask = self.block_mask(anchors, s, bs, use_flex=use_flex)
         return self._run_layers(x, pos, ctx, ctx_pos, mask).view(b, a, bs, h)
 
     @staticmethod

@@ -158,6 +158,7 @@ def test_overlong_truncate_vs_drop(tiny_target: Path, tmp_path: Path) -> None:
     ds = datasets.load_from_disk(str(tmp_path / "trunc"))
     assert m["rows_kept"] == 2 and m["rows_truncated"] == 1 and ds[0]["length"] == 96
     full = prepare(tiny_target, [data], tmp_path / "full", max_length=4096)
+    assert full["rows_truncated"] == 0 and full["rows_kept"] == 2
     assert datasets.load_from_disk(str(tmp_path / "full"))[0]["input_ids"][:96] == ds[0]["input_ids"]
     m = prepare(tiny_target, [data], tmp_path / "drop", max_length=96, overlong="drop")
     assert m["rows_kept"] == 1 and m["rows_dropped"] == {formats.OVERLONG: 1}

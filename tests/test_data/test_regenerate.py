@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_ds.data.prepare import prepare
 from dflash_ds.data.regenerate import regenerate
+from proc_utils import run_bounded
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW = 12
@@ -107,7 +107,7 @@ def test_torchrun_two_ranks_merge_equals_single(tiny_target: Path, data: Path, t
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            "-m", "dflash_ds", "regenerate", "--target", str(tiny_target), "--data", str(data), "--out", str(merged),
            "--batch-size", "2", "--max-new-tokens", str(NEW)]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    proc = run_bounded(cmd, 180, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _rows(merged) == _rows(single)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.jsonl", "prompts.jsonl", "single.jsonl"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from dflash_ds.distributed.topology import (
 )
 from dflash_ds.errors import DFlashError
 from dist_utils import child_env, free_port_block, run_ranks
+from proc_utils import run_bounded
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "_launch_bridge_script.py"
@@ -126,7 +126,7 @@ def test_torchrun_launch(tmp_path: Path) -> None:
     port = free_port_block()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(port),
            str(SCRIPT), str(tmp_path)]
-    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=120)
+    proc = run_bounded(cmd, 120, env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _check_launch_results(tmp_path, port)
     # torchrun had told the workers to use its agent store; init_role_groups dropped that.
@@ -142,6 +142,6 @@ def test_deepspeed_launcher_launch(tmp_path: Path) -> None:
            "--master_addr", "127.0.0.1", "--master_port", str(port), str(SCRIPT), str(tmp_path)]
     env = child_env()
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    proc = run_bounded(cmd, 150, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _check_launch_results(tmp_path, port)

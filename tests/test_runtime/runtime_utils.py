@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from proc_utils import run_bounded
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -71,11 +73,7 @@ def torchrun(nproc: int, args: list[str], timeout: float = 420, extra: list[str]
     """`torchrun --nproc_per_node N -m dflash_ds.train ARGS` with a bound; a hang fails the test."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), *(extra or []), "-m", "dflash_ds.train", *args]
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env={**env_for_children(), **(env or {})}, cwd=cwd or REPO)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"torchrun timed out after {timeout}s\nstdout:\n{exc.stdout}\nstderr:\n{exc.stderr}")
+    return run_bounded(cmd, timeout, env={**env_for_children(), **(env or {})}, cwd=cwd or REPO)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -121,7 +119,4 @@ def bench_torchrun(nproc: int, args: list[str], timeout: float = 300) -> subproc
     """`torchrun --nproc_per_node N -m dflash_ds bench ARGS`, bounded: a hang fails the test."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(free_port()), "-m", "dflash_ds", "bench", *args]
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_children(), cwd=REPO)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"timed out after {timeout}s\nstdout:\n{exc.stdout}\nstderr:\n{exc.stderr}")
+    return run_bounded(cmd, timeout, env=env_for_children(), cwd=REPO)

@@ -107,13 +107,13 @@ def test_sigterm_to_the_launcher_checkpoints_current_step(setup, tmp_path):
     import subprocess
     import sys
 
+    from proc_utils import process_group
     from runtime_utils import env_for_children, free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
            "-m", "dflash_ds.train", *args_for(setup, tmp_path, "--max-steps", "1000", "--train.log_interval", "1")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for_children(),
-                            cwd=tmp_path)
-    try:
+    with process_group(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for_children(),
+                       cwd=tmp_path) as proc:
         deadline = time.monotonic() + 240
         metrics = tmp_path / "metrics.jsonl"
         while time.monotonic() < deadline and proc.poll() is None:
@@ -122,8 +122,6 @@ def test_sigterm_to_the_launcher_checkpoints_current_step(setup, tmp_path):
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
     assert "exiting with status 75" in out, out[-2000:] + err[-3000:]
     latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
     step = int(latest.split("_")[1])

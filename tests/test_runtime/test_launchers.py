@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from proc_utils import process_group, run_bounded
 from runtime_utils import REPO, env_for_children, free_port, read_jsonl, torchrun
 
 SHORT = ["--config", str(REPO / "configs/tiny.yaml"), "--max-steps", "3", "--train.log_interval", "1",
@@ -21,13 +22,10 @@ def test_two_torchrun_agents_nnodes_2(setup, tmp_path):
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "t",
            "--master_port", str(port), "-m", "dflash_ds.train", *SHORT, "--target", str(target),
            "--data", str(data), "--output-dir", str(tmp_path), "--targets-per-node", "1"]
-    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=env_for_children(), cwd=tmp_path) for _ in range(2)]
-    try:
+    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for_children(), cwd=tmp_path)
+    with process_group(cmd, **kw) as a0, process_group(cmd, **kw) as a1:
+        agents = [a0, a1]
         outs = [a.communicate(timeout=360) for a in agents]
-    finally:
-        for a in agents:
-            a.kill()
     for a, (out, err) in zip(agents, outs):
         assert a.returncode == 0, out[-2000:] + err[-4000:]
     text = "".join(o for o, _ in outs)
@@ -44,7 +42,7 @@ def test_deepspeed_launcher_with_hostfile(setup, tmp_path):
            "--node_rank", "0", "--num_nodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            "--module", "dflash_ds.train", *SHORT, "--target", str(target), "--data", str(data),
            "--output-dir", str(tmp_path / "run")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=360, env=env_for_children(), cwd=tmp_path)
+    r = run_bounded(cmd, 360, env=env_for_children(), cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert [x["step"] for x in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
 
