@@ -58,7 +58,8 @@ def wire_bytes(hidden: int, layers_read: int, dtype_bytes: int, vocab: int, id_b
     return {"context": context, "last_hidden": last, "ids": id_bytes, "total": total, "logits": logits,
             "logits_over_total": logits / total, "alternative_total": alternative,
             "alternative_over_total": alternative / total, "saved_per_token": logits - last,
-            "fp32_logits_over_total": 2 * logits / total if dtype_bytes == 2 else None}
+            "fp32_logits_over_total": 2 * logits / total if dtype_bytes == 2 else None,
+            "logits_over_last_hidden": logits / (hidden * dtype_bytes)}
 
 
 def best_split(gpus: int, nodes: int, a: float, b: float) -> dict[str, Any]:
@@ -149,6 +150,8 @@ def report(p: dict[str, Any]) -> str:
              "shipping the target's vocabulary logits instead (the drafter recomputes them from the final hidden):",
              f"  logits             V x dtype     = {v} x {db} = {w['logits']:,} B/token "
              f"= {w['logits_over_total']:.2f}x our whole payload",
+             f"  final hidden in place of logits  = {w['logits']:,} / {h * db:,} = {w['logits_over_last_hidden']:.1f}x "
+             "smaller (V / H)",
              f"  saved per token by recomputing   = {w['logits']:,} - {w['last_hidden']:,} = {w['saved_per_token']:,} B",
              f"  context + logits + ids           = {w['alternative_total']:,} B/token "
              f"= {w['alternative_over_total']:.2f}x ours"]

@@ -9,7 +9,8 @@ us, algbw = bytes / time in GB/s; busbw equals algbw for point-to-point):
 - raw: one tensor, `bridge.send` / `bridge.recv`, one message at a time;
 - exchange: what training sends, a header plus a dict shaped like a training batch
   (input_ids, loss_mask, lengths, and a context tensor holding most of the bytes), posted
-  by `AsyncSender` (2 batches in flight) and received with `recv_batch`.
+  by `AsyncSender` (2 batches in flight) and received with `recv_batch` into pooled buffers,
+  as the training receiver does.
 
 Time is measured on the receiving drafter: a "go" message from the drafter starts the
 sender, so the clock starts when the first byte may move and stops when the last message
@@ -110,6 +111,7 @@ def _measure_pair(ctx, src: int, dst: int, sizes: list[int], iters: int, warmup:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     go = torch.ones(1, dtype=torch.long, device=dev)
     rows: list[dict[str, Any]] = []
+    pool = bridge_mod.BufferPool(dev)  # the drafter's receive buffers, reused as in training
     for size in sizes:
         raw = torch.empty(size, dtype=torch.uint8, device=dev)
         batch = training_like_batch(size, feature_dim, dtype, dev) if me == src else None
@@ -134,8 +136,9 @@ def _measure_pair(ctx, src: int, dst: int, sizes: list[int], iters: int, warmup:
                     if kind == "raw":
                         bridge_mod.wait_all([br.recv([raw], src, RAW_TAG)], src, timeout_s, "raw recv")
                     else:
-                        got = bridge_mod.recv_batch(br, src, timeout_s, tag=EXCHANGE_CHANNEL, device=dev)
+                        got = bridge_mod.recv_batch(br, src, timeout_s, tag=EXCHANGE_CHANNEL, pool=pool)
                         nbytes = sum(t.numel() * t.element_size() for t in got.tensors.values())
+                        pool.release(got.tensors)  # as the training loop does after its step
                 _sync(dev)
                 elapsed = time.perf_counter() - t0
             sec = elapsed / max(iters, 1)

@@ -48,6 +48,8 @@ class Receiver:
 
     def __init__(self, ctx: RoleContext, start_step: int, max_steps: int, depth: int = 2) -> None:
         self.ctx, self.q = ctx, queue.Queue(maxsize=depth)
+        # Reused receive buffers: fresh multi-MiB tensors per batch page-fault on every first touch.
+        self.pool = bridge_mod.BufferPool(ctx.device, max_free=depth + 2)
         self.thread = threading.Thread(target=self._work, args=(start_step, max_steps), daemon=True,
                                        name="drafter-receiver")
         self.thread.start()
@@ -57,7 +59,7 @@ class Receiver:
         try:
             for step in range(start, stop):
                 src = layout.target_ranks[route(step, d, layout.num_drafters, layout.num_targets)]
-                got = bridge_mod.recv_batch(self.ctx.bridge, src, timeout_s=self.ctx.timeout_s)
+                got = bridge_mod.recv_batch(self.ctx.bridge, src, timeout_s=self.ctx.timeout_s, pool=self.pool)
                 self.q.put(got)
         except BaseException as exc:  # noqa: BLE001 - handed to the training loop
             self.q.put(exc)
@@ -72,6 +74,10 @@ class Receiver:
         if isinstance(item, BaseException):
             raise item
         return (*item, depth)
+
+    def release(self, tensors: dict) -> None:
+        """The step is done with this batch: its buffer may receive a later one."""
+        self.pool.release(tensors)
 
 
 def _load_drafter(cfg: Config, seed: int) -> DFlashDrafter:
@@ -122,7 +128,8 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
         engine.load_checkpoint(str(resume_path), tag=ckpt.DS_TAG, load_module_strict=True)
         start_step, cursor = int(state["step"]), Cursor(**state["cursor"])
     if leader:
-        start = torch.tensor([start_step, cursor.epoch, cursor.batch_index], dtype=torch.long)
+        # On the bridge's device: NCCL moves only CUDA tensors.
+        start = torch.tensor([start_step, cursor.epoch, cursor.batch_index], dtype=torch.long, device=ctx.device)
         sends = [(t, bridge_mod.send_batch(ctx.bridge, t, {"start": start}, {}, batch_id=-1, tag=CONTROL_TAG))
                  for t in layout.target_ranks]
         for t, works in sends:
@@ -202,6 +209,8 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
                                   f"(last at step {step}); stopping. Last good checkpoint: {ckpt.find_latest(out)}")
         else:
             consecutive_bad = 0
+        del states
+        receiver.release(tensors)  # nothing below reads the batch's tensors
         record_file.write(json.dumps({"step": step, "batch_id": batch_id, "bucket": int(meta["bucket"]),
                                       "epoch_after": int(meta["epoch_after"]), "loss": loss,
                                       "skipped": bad}) + "\n")

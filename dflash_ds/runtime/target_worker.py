@@ -27,7 +27,7 @@ CONTROL_TAG = 7
 
 def receive_start(ctx: RoleContext, leader: int, timeout_s: float) -> tuple[int, Cursor]:
     """The resume point (start step, data cursor) chosen by the leader once its engine is up."""
-    _, tensors, _ = bridge_mod.recv_batch(ctx.bridge, leader, timeout_s=timeout_s, tag=CONTROL_TAG)
+    _, tensors, _ = bridge_mod.recv_batch(ctx.bridge, leader, timeout_s=timeout_s, tag=CONTROL_TAG, device=ctx.device)
     start = tensors["start"].tolist()
     return int(start[0]), Cursor(int(start[1]), int(start[2]))
 

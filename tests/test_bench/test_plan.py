@@ -26,6 +26,7 @@ def test_qwen3_8b_wire_bytes(capsys) -> None:
     assert w["logits_over_total"] == pytest.approx(303872 / 49168)  # 6.18x: bf16 logits alone
     assert w["alternative_over_total"] == pytest.approx((5 * 4096 * 2 + 303872 + 16) / 49168)  # 7.0x
     assert w["fp32_logits_over_total"] >= 10  # 12.4x against fp32 logits
+    assert w["logits_over_last_hidden"] == pytest.approx(151936 / 4096)  # 37.1x: what replaces the logits
     assert p["split"] is None  # no rates given
 
 

@@ -38,16 +38,6 @@ def free_port_block(n: int = 4) -> int:
     raise RuntimeError("no free block of ports found")
 
 
-def stale_jit_lock(max_age_s: float = 600.0) -> Path | None:
-    """A DeepSpeed shm-op build lock left by a killed build, if any (torch would wait on it forever)."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", "")) if os.environ.get("TORCH_EXTENSIONS_DIR") \
-        else Path.home() / ".cache" / "torch_extensions"
-    for lock in root.glob("**/deepspeed_shm_comm/lock"):
-        if time.time() - lock.stat().st_mtime > max_age_s:
-            return lock
-    return None
-
-
 def child_env() -> dict[str, str]:
     """Environment for subprocesses (torchrun, deepspeed): the repo importable, CPU DeepSpeed."""
     env = dict(os.environ, **CHILD_ENV)

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from dflash_ds.distributed.bridge import (
-    AsyncSender, BridgeError, BridgeTimeoutError, Receiver, decode_header, encode_header, recv_batch,
-    send_batch, wait_all,
+    AsyncSender, Batch, BridgeError, BridgeTimeoutError, BufferPool, Receiver, decode_header, encode_header,
+    recv_batch, send_batch, wait_all,
 )
 from dflash_ds.distributed.router import QueueDepthMeter, plan_for_drafter, plan_for_target
 from dflash_ds.distributed.topology import init_role_groups, make_layout, shutdown
-from dist_utils import free_port_block, run_ranks, stale_jit_lock
+from dist_utils import free_port_block, run_ranks
 
 
 def make_batch(g: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -56,6 +55,37 @@ def test_header_rejects_what_it_cannot_carry() -> None:
         decode_header(torch.zeros(128, dtype=torch.long))
 
 
+def test_buffer_pool_views_reuse_and_release() -> None:
+    pool = BufferPool(max_free=2)
+    specs = [("input_ids", torch.int64, (2, 7)), ("mask", torch.bool, (2, 7)), ("context", torch.bfloat16, (2, 7, 6)),
+             ("empty", torch.float32, (0, 3))]
+    a = pool.tensors(specs)
+    assert [(k, t.dtype, tuple(t.shape)) for k, t in a.items()] == specs
+    assert all(t.is_contiguous() and t.data_ptr() % BufferPool.ALIGN == 0 for t in a.values())
+    ptr = a["input_ids"].untyped_storage().data_ptr()
+    assert {t.untyped_storage().data_ptr() for t in a.values()} == {ptr}  # one buffer per batch
+    for k, t in a.items():  # views do not overlap: writing each leaves the others intact
+        t.fill_(1 if t.dtype == torch.bool else 3)
+    a["context"].fill_(-2.5)
+    assert a["input_ids"].eq(3).all() and a["mask"].all() and a["context"].eq(-2.5).all()
+    b = pool.tensors(specs)  # a not released: a new buffer
+    assert b["input_ids"].untyped_storage().data_ptr() != ptr and pool.allocations == 2
+    pool.release(a)
+    c = pool.tensors([("x", torch.float32, (5,))])  # smaller: reuses a's buffer
+    assert c["x"].untyped_storage().data_ptr() == ptr and (pool.allocations, pool.reuses) == (2, 1)
+    pool.release({"foreign": torch.zeros(3)})  # not the pool's: ignored
+    pool.release(b)
+    pool.release(c)
+    assert pool.tensors([("y", torch.uint8, (10**6,))])["y"].numel() == 10**6 and pool.allocations == 3
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 4096, 10**6, 3 * 2**20 + 1])
+def test_buffer_pool_size_class_slack_is_at_most_an_eighth(n: int) -> None:
+    c = BufferPool.size_class(n)
+    assert c >= n and c % BufferPool.ALIGN == 0
+    assert c <= max(BufferPool.ALIGN, n + n / 8 + BufferPool.ALIGN)
+
+
 # ---------------------------------------------------------------- 1 target, 2 drafters
 
 T, D, STEPS = 1, 2, 2
@@ -83,8 +113,12 @@ def _exchange_worker(rank: int, port: int, out_dir: str) -> None:
             for batch in receiver:
                 receiver.poll()  # what a trainer does mid-step
                 batches.append(batch)
-        else:  # plain blocking receive
-            batches = [recv_batch(ctx.bridge, layout.target_ranks[r.target_idx], 60, tag=3) for r in plan]
+        else:  # plain blocking receive into pooled buffers, released once copied (as the trainer does)
+            pool, batches = BufferPool(), []
+            for r in plan:
+                got = recv_batch(ctx.bridge, layout.target_ranks[r.target_idx], 60, tag=3, pool=pool)
+                batches.append(Batch(got.batch_id, {k: t.clone() for k, t in got.tensors.items()}, got.meta))
+                pool.release(got.tensors)
         result["batch_ids"] = [b.batch_id for b in batches]
         result["exact"] = [
             list(b.tensors) == list(make_batch(b.batch_id)[0])
@@ -163,6 +197,9 @@ def _deepspeed_worker(rank: int, port: int, out_dir: str, stage: int) -> None:
         return
     import deepspeed
 
+    from dflash_ds.runtime.engine import disable_cpu_shm_allreduce
+
+    disable_cpu_shm_allreduce()  # as build_engine does: no leaked /dev/shm segment, no op build
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -184,13 +221,7 @@ def _deepspeed_worker(rank: int, port: int, out_dir: str, stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_trains_and_checkpoints_without_the_target(tmp_path: Path, stage: int,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    lock = stale_jit_lock()
-    if lock is not None:  # a killed build elsewhere; rebuild privately rather than hang
-        warnings.warn(f"stale torch JIT lock {lock}; building DeepSpeed's shm op in {tmp_path}")
-        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
-    # 240 s leaves room for the one-time JIT build of DeepSpeed's shm op on a fresh machine.
+def test_deepspeed_trains_and_checkpoints_without_the_target(tmp_path: Path, stage: int) -> None:
     run_ranks(_deepspeed_worker, 3, (free_port_block(), str(tmp_path), stage), tmp_path, timeout_s=240)
     res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (1, 2)}
     # One data-parallel AdamW step on the mean of both drafters' gradients, by hand.
