@@ -14,7 +14,8 @@ us, algbw = bytes / time in GB/s; busbw equals algbw for point-to-point):
 
 Time is measured on the receiving drafter: a "go" message from the drafter starts the
 sender, so the clock starts when the first byte may move and stops when the last message
-has landed. Pairs run one at a time (a store barrier between them) so they never share links.
+has landed. raw and exchange alternate for `--rounds` rounds and the median round counts.
+Pairs run one at a time (a store barrier between them) so they never share links.
 
 The helpers at the bottom (tables, store barrier, stdout guard) are shared by the other
 multi-rank benchmarks.
@@ -43,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"on GPU, {CPU_SIZES} on CPU")
     parser.add_argument("--iters", type=int, default=None, help="timed messages per size (default 20 GPU, 5 CPU)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed messages per size first (default 5 GPU, 1 CPU)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="raw and exchange alternate this many times per size; the median round is reported")
     parser.add_argument("--num-target-ranks", type=int, default=1,
                         help="target ranks (the last ones; the others are drafters), as in training")
     parser.add_argument("--targets-per-node", type=int, default=0,
@@ -101,8 +104,13 @@ def _sync(device) -> None:
 
 
 def _measure_pair(ctx, src: int, dst: int, sizes: list[int], iters: int, warmup: int, feature_dim: int,
-                  timeout_s: float) -> list[dict[str, Any]]:
-    """Run both benchmarks of one pair; returns rows on the drafter (dst), [] on the target (src)."""
+                  timeout_s: float, rounds: int = 1) -> list[dict[str, Any]]:
+    """Run both benchmarks of one pair; returns rows on the drafter (dst), [] on the target (src).
+
+    raw and exchange alternate for `rounds` rounds of `iters` messages (warm-up before the first
+    round only); each row's time is the median round's, so a slow spell on shared cores hits
+    both kinds alike instead of whichever ran during it.
+    """
     import torch
 
     from dflash_ds.distributed import bridge as bridge_mod
@@ -110,40 +118,47 @@ def _measure_pair(ctx, src: int, dst: int, sizes: list[int], iters: int, warmup:
     me, dev, br = ctx.global_rank, ctx.device, ctx.bridge
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     go = torch.ones(1, dtype=torch.long, device=dev)
-    rows: list[dict[str, Any]] = []
     pool = bridge_mod.BufferPool(dev)  # the drafter's receive buffers, reused as in training
+    rows: list[dict[str, Any]] = []
     for size in sizes:
         raw = torch.empty(size, dtype=torch.uint8, device=dev)
         batch = training_like_batch(size, feature_dim, dtype, dev) if me == src else None
+        times: dict[str, list[float]] = {"raw": [], "exchange": []}
+        nbytes = {"raw": size, "exchange": size}
+        for r in range(rounds):
+            for kind in ("raw", "exchange"):
+                for phase_iters in ((warmup, iters) if r == 0 else (iters,)):
+                    if me == src:
+                        bridge_mod.wait_all([br.recv([go], dst, GO_TAG)], dst, timeout_s, "waiting for go")
+                        if kind == "raw":
+                            for _ in range(phase_iters):
+                                bridge_mod.wait_all([br.send([raw], dst, RAW_TAG)], dst, timeout_s, "raw send")
+                        else:
+                            sender = bridge_mod.AsyncSender(br, depth=2, timeout_s=timeout_s)
+                            for i in range(phase_iters):
+                                sender.send(dst, batch, {"i": float(i)}, batch_id=i, tag=EXCHANGE_CHANNEL)
+                            sender.flush()
+                        continue
+                    bridge_mod.wait_all([br.send([go], src, GO_TAG)], src, timeout_s, "sending go")
+                    t0 = time.perf_counter()
+                    for _ in range(phase_iters):
+                        if kind == "raw":
+                            bridge_mod.wait_all([br.recv([raw], src, RAW_TAG)], src, timeout_s, "raw recv")
+                        else:
+                            got = bridge_mod.recv_batch(br, src, timeout_s, tag=EXCHANGE_CHANNEL, pool=pool)
+                            nbytes[kind] = sum(t.numel() * t.element_size() for t in got.tensors.values())
+                            pool.release(got.tensors)  # as the training loop does after its step
+                    _sync(dev)
+                    elapsed = time.perf_counter() - t0
+                if me == dst:
+                    times[kind].append(elapsed / max(iters, 1))
+        if me != dst:
+            continue
         for kind in ("raw", "exchange"):
-            if me == src:
-                for phase_iters in (warmup, iters):
-                    bridge_mod.wait_all([br.recv([go], dst, GO_TAG)], dst, timeout_s, "waiting for go")
-                    if kind == "raw":
-                        for _ in range(phase_iters):
-                            bridge_mod.wait_all([br.send([raw], dst, RAW_TAG)], dst, timeout_s, "raw send")
-                    else:
-                        sender = bridge_mod.AsyncSender(br, depth=2, timeout_s=timeout_s)
-                        for i in range(phase_iters):
-                            sender.send(dst, batch, {"i": float(i)}, batch_id=i, tag=EXCHANGE_CHANNEL)
-                        sender.flush()
-                continue
-            for phase_iters in (warmup, iters):
-                bridge_mod.wait_all([br.send([go], src, GO_TAG)], src, timeout_s, "sending go")
-                t0 = time.perf_counter()
-                nbytes = size
-                for _ in range(phase_iters):
-                    if kind == "raw":
-                        bridge_mod.wait_all([br.recv([raw], src, RAW_TAG)], src, timeout_s, "raw recv")
-                    else:
-                        got = bridge_mod.recv_batch(br, src, timeout_s, tag=EXCHANGE_CHANNEL, pool=pool)
-                        nbytes = sum(t.numel() * t.element_size() for t in got.tensors.values())
-                        pool.release(got.tensors)  # as the training loop does after its step
-                _sync(dev)
-                elapsed = time.perf_counter() - t0
-            sec = elapsed / max(iters, 1)
-            rows.append({"src": src, "dst": dst, "size": size, "kind": kind, "bytes": nbytes,
-                         "time_us": sec * 1e6, "algbw_gbs": nbytes / sec / 1e9 if sec > 0 else 0.0})
+            sec = sorted(times[kind])[len(times[kind]) // 2]
+            rows.append({"src": src, "dst": dst, "size": size, "kind": kind, "bytes": nbytes[kind],
+                         "time_us": sec * 1e6, "algbw_gbs": nbytes[kind] / sec / 1e9 if sec > 0 else 0.0,
+                         "rounds_us": [t * 1e6 for t in times[kind]]})
     return rows
 
 
@@ -165,8 +180,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.sizes or (GPU_SIZES if cuda else CPU_SIZES))
     iters = args.iters if args.iters is not None else (20 if cuda else 5)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
-    if iters < 1 or warmup < 0:
-        raise DFlashError("--iters must be >= 1 and --warmup >= 0")
+    if iters < 1 or warmup < 0 or args.rounds < 1:
+        raise DFlashError("--iters and --rounds must be >= 1 and --warmup >= 0")
     backend = "nccl" if cuda else "gloo"
     ctx = init_role_groups(layout, env.rank, env.master_addr, env.master_port, backend=backend,
                            timeout_s=args.timeout_s, local_rank=env.local_rank)
@@ -175,14 +190,14 @@ def run(args: argparse.Namespace) -> int:
         for k, (t, d) in enumerate(pairs):
             store_barrier(ctx.store, f"bench/comm/pair{k}", layout.world_size, args.timeout_s)
             if ctx.global_rank in (t, d):
-                rows = _measure_pair(ctx, t, d, sizes, iters, warmup, args.feature_dim, args.timeout_s)
+                rows = _measure_pair(ctx, t, d, sizes, iters, warmup, args.feature_dim, args.timeout_s, args.rounds)
                 if ctx.global_rank == d:
                     ctx.store.set(f"bench/comm/result/{k}", json.dumps(rows))
         result = None
         if ctx.global_rank == 0:
             rows = [r for k in range(len(pairs)) for r in json.loads(ctx.store.get(f"bench/comm/result/{k}"))]
             result = {"backend": backend, "layout": {"targets": layout.target_ranks, "drafters": layout.drafter_ranks},
-                      "iters": iters, "warmup": warmup, "feature_dim": args.feature_dim,
+                      "iters": iters, "warmup": warmup, "rounds": args.rounds, "feature_dim": args.feature_dim,
                       "payload_dtype": "bfloat16" if cuda else "float32", "results": rows,
                       "ratio": _ratios(rows)}
     shutdown(ctx)
@@ -218,7 +233,8 @@ def _print(result: dict[str, Any]) -> None:
             rows.append([human_bytes(r["size"]), r["kind"], str(r["bytes"]), f"{r['time_us']:.1f}",
                          f"{r['algbw_gbs']:.3f}", "" if x is None else f"{x:.2f}"])
         print_table(f"bench comm: target rank {src} -> drafter rank {dst} ({result['backend']}, "
-                    f"{result['iters']} iters, exchange payload {result['payload_dtype']})",
+                    f"median of {result['rounds']} alternating rounds of {result['iters']} messages, "
+                    f"exchange payload {result['payload_dtype']})",
                     ["size", "kind", "bytes", "time (us)", "algbw (GB/s)", "exch/raw"], rows,
                     "algbw = bytes / time per message (nccl-tests units; busbw = algbw for send/recv); "
                     "exch/raw = exchange algbw / raw algbw")

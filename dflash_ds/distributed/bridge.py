@@ -265,10 +265,9 @@ class BufferPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least `nbytes` (the smallest free one that fits, else a new one)."""
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                buf = min(fits, key=torch.Tensor.numel)
-                self._free.remove(buf)
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:  # by index: list.remove would compare tensors elementwise
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
                 self.reuses += 1
             else:
                 buf = torch.empty(self.size_class(nbytes), dtype=torch.uint8, device=self.device)
@@ -291,12 +290,12 @@ class BufferPool:
         offsets, total = [], 0
         for _, dtype, shape in specs:
             offsets.append(total)
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             total += -(-nbytes // self.ALIGN) * self.ALIGN
         buf = self.take(total)
         out = {}
         for (name, dtype, shape), off in zip(specs, offsets):
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             out[name] = buf[off:off + nbytes].view(dtype).view(shape)
         if not out:  # nothing to view: hand the buffer straight back
             with self._lock:

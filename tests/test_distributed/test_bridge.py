@@ -79,6 +79,19 @@ def test_buffer_pool_views_reuse_and_release() -> None:
     assert pool.tensors([("y", torch.uint8, (10**6,))])["y"].numel() == 10**6 and pool.allocations == 3
 
 
+def test_buffer_pool_picks_the_smallest_free_buffer_that_fits() -> None:
+    pool = BufferPool(max_free=8)
+    batches = [pool.tensors([("x", torch.float32, (n,))]) for n in (1000, 4000, 2000, 8000)]
+    ptrs = [b["x"].data_ptr() for b in batches]
+    for b in batches:
+        pool.release(b)
+    for n, expect in ((1500, ptrs[2]), (100, ptrs[0]), (3000, ptrs[1]), (5000, ptrs[3])):
+        got = pool.tensors([("y", torch.float32, (n,))])["y"]
+        assert got.data_ptr() == expect, n
+    assert (pool.allocations, pool.reuses) == (4, 4)
+    assert pool.tensors([("z", torch.float32, (10,))])["z"].data_ptr() not in ptrs  # all leased: a new one
+
+
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 4096, 10**6, 3 * 2**20 + 1])
 def test_buffer_pool_size_class_slack_is_at_most_an_eighth(n: int) -> None:
     c = BufferPool.size_class(n)
