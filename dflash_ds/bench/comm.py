@@ -9,8 +9,8 @@ us, algbw = bytes / time in GB/s; busbw equals algbw for point-to-point):
 - raw: one tensor, `bridge.send` / `bridge.recv`, one message at a time;
 - exchange: what training sends, a header plus a dict shaped like a training batch
   (input_ids, loss_mask, lengths, and a context tensor holding most of the bytes), posted
-  by `AsyncSender` (2 batches in flight) and received with `recv_batch` into pooled buffers,
-  as the training receiver does.
+  by `AsyncSender` (2 batches in flight) and received as the training drafter receives
+  (`bridge.Receiver`: headers posted 2 batches ahead, payloads into pooled buffers).
 
 Time is measured on the receiving drafter: a "go" message from the drafter starts the
 sender, so the clock starts when the first byte may move and stops when the last message
@@ -141,11 +141,13 @@ def _measure_pair(ctx, src: int, dst: int, sizes: list[int], iters: int, warmup:
                         continue
                     bridge_mod.wait_all([br.send([go], src, GO_TAG)], src, timeout_s, "sending go")
                     t0 = time.perf_counter()
-                    for _ in range(phase_iters):
-                        if kind == "raw":
+                    if kind == "raw":
+                        for _ in range(phase_iters):
                             bridge_mod.wait_all([br.recv([raw], src, RAW_TAG)], src, timeout_s, "raw recv")
-                        else:
-                            got = bridge_mod.recv_batch(br, src, timeout_s, tag=EXCHANGE_CHANNEL, pool=pool)
+                    else:  # the training drafter's receiver: headers ahead, pooled buffers
+                        for got in bridge_mod.Receiver(br, [(i, src) for i in range(phase_iters)], depth=2,
+                                                       timeout_s=timeout_s, tag=EXCHANGE_CHANNEL, device=dev,
+                                                       pool=pool):
                             nbytes[kind] = sum(t.numel() * t.element_size() for t in got.tensors.values())
                             pool.release(got.tensors)  # as the training loop does after its step
                     _sync(dev)

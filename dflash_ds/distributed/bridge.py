@@ -1,9 +1,13 @@
 """Hidden-state exchange between one target rank and one drafter rank over the bridge group.
 
-Wire format. A batch is one fixed-size header, then one message per tensor:
+Wire format (version 2). A batch is one fixed-size header, then its payload:
 
 - header: int64[HEADER_SLOTS] on tag `2 * channel`;
-- payload: the tensors in header order, each on tag `2 * channel + 1`.
+- payload on tag `2 * channel + 1`: first, if any, one message packing every tensor of at
+  most SMALL_BYTES (ids, masks, lengths: each at a 64-byte aligned offset, in header order),
+  then each larger tensor (the hidden states) as its own message, in header order.
+  Both sides derive this layout from the header (`payload_layout`). Packing matters: with
+  gloo on CPU each message costs ~0.1 ms, several times the header's round trip.
 
 Header and payload use different tags because the backend matches receives to
 sends per (peer, tag) in posting order: with separate tags a drafter can post
@@ -39,13 +43,15 @@ import torch
 
 HEADER_SLOTS = 128
 MAGIC = 0x0DF1A5B
-VERSION = 1
+VERSION = 2
 MAX_TENSORS = 8
 MAX_DIMS = 4
 MAX_META = 16  # 80 + 3 * 16 = 128 slots
 NAME_BYTES = 24
 KEY_BYTES = 16
 _TENSOR_BASE, _TENSOR_SLOTS = 8, 9
+SMALL_BYTES = 1 << 18  # tensors up to 256 KiB travel packed into one message
+ALIGN = 64  # byte alignment of every tensor inside a packed message or a receive buffer
 _META_BASE, _META_SLOTS = 80, 3
 
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -142,6 +148,41 @@ def _tags(channel: int) -> tuple[int, int]:
     return 2 * channel, 2 * channel + 1
 
 
+Spec = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+@dataclass
+class PayloadLayout:
+    """Where each tensor of a batch lies in one flat byte buffer, and which messages carry them."""
+
+    offsets: list[int]  # byte offset of tensor i (header order)
+    nbytes: list[int]
+    small_end: int  # bytes [0, small_end) are the packed message of the small tensors (0: none)
+    total: int
+    large: list[int]  # indices of the tensors sent alone, in wire order
+
+
+def payload_layout(specs: list[Spec]) -> PayloadLayout:
+    """The payload layout both sides derive from the header (see the wire format above)."""
+    nbytes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in specs]
+    small = [i for i, n in enumerate(nbytes) if n <= SMALL_BYTES]
+    large = [i for i, n in enumerate(nbytes) if n > SMALL_BYTES]
+    offsets, pos = [0] * len(specs), 0
+    small_end = 0
+    for i in small + large:
+        offsets[i] = pos
+        pos += -(-nbytes[i] // ALIGN) * ALIGN
+        if i == (small[-1] if small else None):
+            small_end = pos
+    return PayloadLayout(offsets, nbytes, small_end, pos, large)
+
+
+def _views(flat: torch.Tensor, specs: list[Spec], layout: PayloadLayout) -> dict[str, torch.Tensor]:
+    """The batch's tensors as views of one flat uint8 buffer laid out by `layout`."""
+    return {name: flat[o:o + n].view(dtype).view(shape)
+            for (name, dtype, shape), o, n in zip(specs, layout.offsets, layout.nbytes)}
+
+
 # ---------------------------------------------------------------- waiting
 
 
@@ -181,9 +222,19 @@ def send_batch(bridge: BridgeGroup, dst: int, tensors: dict[str, torch.Tensor],
     payload = [t.contiguous() for t in tensors.values()]
     device = payload[0].device if payload else torch.device("cpu")
     header = encode_header(batch_id, tensors, meta).to(device)
+    specs = [(name, t.dtype, tuple(t.shape)) for name, t in zip(tensors, payload)]
+    layout = payload_layout(specs)
+    messages = []
+    if layout.small_end:  # one staging copy of the small tensors (a few KiB per batch)
+        staging = torch.empty(layout.small_end, dtype=torch.uint8, device=device)
+        for (_, dtype, shape), t, o, n in zip(specs, payload, layout.offsets, layout.nbytes):
+            if n <= SMALL_BYTES:
+                staging[o:o + n].view(dtype).view(shape).copy_(t)
+        messages.append(staging)
+    messages += [payload[i] for i in layout.large]
     htag, ptag = _tags(tag)
     works = [bridge.send([header], dst, htag)]
-    works += [bridge.send([t], dst, ptag) for t in payload]
+    works += [bridge.send([m], dst, ptag) for m in messages]
     return works
 
 
@@ -285,22 +336,26 @@ class BufferPool:
             self._free.sort(key=torch.Tensor.numel, reverse=True)
             del self._free[self.max_free:]  # keep the largest few
 
-    def tensors(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-        """Empty tensors for `specs`, all views of one pooled buffer."""
-        offsets, total = [], 0
-        for _, dtype, shape in specs:
-            offsets.append(total)
-            nbytes = math.prod(shape) * dtype.itemsize
-            total += -(-nbytes // self.ALIGN) * self.ALIGN
-        buf = self.take(total)
-        out = {}
-        for (name, dtype, shape), off in zip(specs, offsets):
-            nbytes = math.prod(shape) * dtype.itemsize
-            out[name] = buf[off:off + nbytes].view(dtype).view(shape)
-        if not out:  # nothing to view: hand the buffer straight back
-            with self._lock:
-                self._free.append(self._leased.pop(buf.data_ptr()))
-        return out
+    def tensors(self, specs: list[Spec]) -> dict[str, torch.Tensor]:
+        """Empty tensors for `specs`, all views of one pooled buffer laid out as the payload."""
+        return _alloc_payload(specs, self.device, self)[0]
+
+
+def _alloc_payload(specs: list[Spec], device: torch.device | str,
+                   pool: BufferPool | None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Receive space for a batch: its tensors (views of one buffer) and the messages to post into."""
+    layout = payload_layout(specs)
+    if pool is None:
+        flat = torch.empty(layout.total, dtype=torch.uint8, device=device)
+    else:
+        flat = pool.take(layout.total)
+    tensors = _views(flat, specs, layout)
+    if pool is not None and not tensors:  # nothing to view: hand the buffer straight back
+        with pool._lock:
+            pool._free.append(pool._leased.pop(flat.data_ptr()))
+    messages = ([flat[:layout.small_end]] if layout.small_end else []) + \
+        [tensors[specs[i][0]] for i in layout.large]
+    return tensors, messages
 
 
 def recv_batch(bridge: BridgeGroup, src: int, timeout_s: float, tag: int = 0,
@@ -314,11 +369,8 @@ def recv_batch(bridge: BridgeGroup, src: int, timeout_s: float, tag: int = 0,
     deadline = time.monotonic() + timeout_s
     _wait(bridge.recv([header], src, htag), deadline, src, "receiving a batch header", timeout_s)
     batch_id, specs, meta = decode_header(header.cpu())
-    if pool is not None:
-        tensors = pool.tensors(specs)
-    else:
-        tensors = {name: torch.empty(shape, dtype=dtype, device=device) for name, dtype, shape in specs}
-    works = [bridge.recv([t], src, ptag) for t in tensors.values()]
+    tensors, messages = _alloc_payload(specs, pool.device if pool is not None else device, pool)
+    works = [bridge.recv([m], src, ptag) for m in messages]
     for w in works:
         _wait(w, deadline, src, f"receiving batch {batch_id}", timeout_s)
     return Batch(batch_id, tensors, meta)
@@ -344,10 +396,11 @@ class Receiver:
 
     def __init__(self, bridge: BridgeGroup, schedule: Iterable[tuple[int, int]], depth: int = 2,
                  timeout_s: float = 600.0, tag: int = 0, device: torch.device | str = "cpu",
-                 meter: DepthSink | None = None) -> None:
+                 meter: DepthSink | None = None, pool: BufferPool | None = None) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.bridge, self.depth, self.timeout_s, self.device, self.meter = bridge, depth, timeout_s, device, meter
+        self.pool = pool  # with a pool: release each batch's tensors to it once done with them
         self._schedule: Iterator[tuple[int, int]] = iter(schedule)
         self._exhausted = False
         self._tags = _tags(tag)
@@ -406,6 +459,6 @@ class Receiver:
         if batch_id != p.batch_id:
             raise BridgeError(f"bridge: expected batch {p.batch_id} from rank {p.src}, got batch {batch_id}: "
                               "the target and drafter routing plans disagree")
-        p.tensors = {name: torch.empty(shape, dtype=dtype, device=self.device) for name, dtype, shape in specs}
+        p.tensors, messages = _alloc_payload(specs, self.device, self.pool)
         p.meta = meta
-        p.works = [self.bridge.recv([t], p.src, self._tags[1]) for t in p.tensors.values()]
+        p.works = [self.bridge.recv([m], p.src, self._tags[1]) for m in messages]

@@ -56,10 +56,13 @@ class Receiver:
 
     def _work(self, start: int, stop: int) -> None:
         layout, d = self.ctx.layout, self.ctx.role_rank
+        schedule = ((step * layout.num_drafters + d,
+                     layout.target_ranks[route(step, d, layout.num_drafters, layout.num_targets)])
+                    for step in range(start, stop))
         try:
-            for step in range(start, stop):
-                src = layout.target_ranks[route(step, d, layout.num_drafters, layout.num_targets)]
-                got = bridge_mod.recv_batch(self.ctx.bridge, src, timeout_s=self.ctx.timeout_s, pool=self.pool)
+            # Headers are received ahead, so a batch's header round trip overlaps the previous payload.
+            for got in bridge_mod.Receiver(self.ctx.bridge, schedule, depth=2, timeout_s=self.ctx.timeout_s,
+                                           device=self.ctx.device, pool=self.pool):
                 self.q.put(got)
         except BaseException as exc:  # noqa: BLE001 - handed to the training loop
             self.q.put(exc)

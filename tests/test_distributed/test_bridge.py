@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dflash_ds.distributed.bridge import (
-    AsyncSender, Batch, BridgeError, BridgeTimeoutError, BufferPool, Receiver, decode_header, encode_header,
-    recv_batch, send_batch, wait_all,
+    ALIGN, SMALL_BYTES, AsyncSender, Batch, BridgeError, BridgeTimeoutError, BufferPool, Receiver, decode_header,
+    encode_header, payload_layout, recv_batch, send_batch, wait_all,
 )
 from dflash_ds.distributed.router import QueueDepthMeter, plan_for_drafter, plan_for_target
 from dflash_ds.distributed.topology import init_role_groups, make_layout, shutdown
@@ -77,6 +77,19 @@ def test_buffer_pool_views_reuse_and_release() -> None:
     pool.release(b)
     pool.release(c)
     assert pool.tensors([("y", torch.uint8, (10**6,))])["y"].numel() == 10**6 and pool.allocations == 3
+
+
+def test_payload_layout_packs_small_tensors_into_one_message() -> None:
+    big = SMALL_BYTES // 2 + 1  # bf16 elements: one byte over SMALL_BYTES
+    specs = [("input_ids", torch.int64, (2, 10)), ("context", torch.bfloat16, (big,)), ("mask", torch.bool, (2, 10)),
+             ("last_hidden", torch.float32, (SMALL_BYTES // 4,)), ("lengths", torch.int64, (2,))]
+    lay = payload_layout(specs)
+    assert lay.nbytes == [160, 2 * big, 20, SMALL_BYTES, 16]
+    # small ones (<= SMALL_BYTES, last_hidden included) packed first in header order, each 64-byte aligned
+    assert [lay.offsets[i] for i in (0, 2, 3, 4)] == [0, 192, 256, 256 + SMALL_BYTES]
+    assert lay.small_end == 256 + SMALL_BYTES + ALIGN and lay.large == [1]
+    assert lay.offsets[1] == lay.small_end and lay.total == lay.small_end + -(-2 * big // ALIGN) * ALIGN
+    assert payload_layout([("x", torch.float32, (SMALL_BYTES,))]).small_end == 0  # only large: no packed message
 
 
 def test_buffer_pool_picks_the_smallest_free_buffer_that_fits() -> None:
