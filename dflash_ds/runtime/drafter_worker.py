@@ -252,7 +252,7 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
             record_file.close()
             if monitor is not None:
                 monitor.close()
-                print(f"[dflash-ds] stop requested ({ctx.store.get('dflash/stop').decode()}): checkpoint at step "
+                print(f"[dflash-ds] stop requested ({watchdog.stop_reason()}): checkpoint at step "
                       f"{done} in {ckpt.find_latest(out)}; exiting with status {EXIT_PREEMPTED}; "
                       f"--resume auto continues", flush=True)
             return EXIT_PREEMPTED

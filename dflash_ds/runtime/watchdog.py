@@ -55,6 +55,16 @@ class Watchdog:
         self.local_signal = signal.Signals(signum).name
         self.stop_event.set()
 
+    def stop_reason(self) -> str:
+        """Why the run stops, without blocking: the job-wide reason once published, else this rank's signal.
+
+        Never `store.get` a key that may not exist yet: a blocked get holds the store client that
+        this thread needs to publish the key (seen: a SIGTERM'd leader hung until torchrun killed it).
+        """
+        if self.store.check([STOP_KEY]):
+            return self.store.get(STOP_KEY).decode()
+        return f"{self.local_signal} on rank {self.rank}" if self.local_signal else "stop requested"
+
     def _beat(self) -> None:
         self._beats += 1
         self.store.set(f"dflash/hb/{self.rank}", f"{self._beats}:{self.step}")
