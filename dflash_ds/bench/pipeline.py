@@ -44,7 +44,7 @@ from dflash_ds.config import Config  # light (dataclasses, yaml): fine for the -
 
 BENCH_CHANNEL = 40
 STORE_PORT_OFFSET = 1  # topology's shared TCPStore
-COLOCATED_PORT_OFFSET = 5  # MASTER_PORT seen by the colocated children (DeepSpeed names shm segments after it)
+COLOCATED_PORT_OFFSET = 5  # MASTER_PORT seen by the colocated children (a rendezvous port of their own)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

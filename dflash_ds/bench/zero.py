@@ -39,7 +39,7 @@ from typing import Any
 
 from dflash_ds.bench.comm import print_table, quiet_stdout, store_barrier
 
-STAGE_PORT_BASE = 10  # MASTER_PORT + 10 + k for the children of stage k (names DeepSpeed's shm segments)
+STAGE_PORT_BASE = 10  # MASTER_PORT + 10 + k for the children of stage k (a rendezvous port of their own)
 GRAD_ATTRS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer")
 # fp32 partitions ZeRO-1/2, ZeRO-3 and the bf16 optimizer step on (ZeRO-3 detaches them from param_groups between steps).
 MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")

@@ -162,18 +162,21 @@ class PayloadLayout:
     large: list[int]  # indices of the tensors sent alone, in wire order
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def payload_layout(specs: list[Spec]) -> PayloadLayout:
     """The payload layout both sides derive from the header (see the wire format above)."""
     nbytes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in specs]
     small = [i for i, n in enumerate(nbytes) if n <= SMALL_BYTES]
     large = [i for i, n in enumerate(nbytes) if n > SMALL_BYTES]
     offsets, pos = [0] * len(specs), 0
-    small_end = 0
-    for i in small + large:
-        offsets[i] = pos
-        pos += -(-nbytes[i] // ALIGN) * ALIGN
-        if i == (small[-1] if small else None):
-            small_end = pos
+    for i in small:
+        offsets[i], pos = pos, pos + _round_up(nbytes[i], ALIGN)
+    small_end = pos
+    for i in large:
+        offsets[i], pos = pos, pos + _round_up(nbytes[i], ALIGN)
     return PayloadLayout(offsets, nbytes, small_end, pos, large)
 
 
@@ -296,7 +299,7 @@ class BufferPool:
     again for a later batch of at most its size. Thread-safe (the drafter receives on a thread).
     """
 
-    ALIGN = 64
+    ALIGN = ALIGN
 
     def __init__(self, device: torch.device | str = "cpu", max_free: int = 4) -> None:
         self.device, self.max_free = torch.device(device), max_free
@@ -309,9 +312,8 @@ class BufferPool:
     @staticmethod
     def size_class(nbytes: int) -> int:
         """nbytes rounded up to 1/8 of its power of two (at most 12.5% slack), at least ALIGN."""
-        n = max(nbytes, BufferPool.ALIGN)
-        step = max(1 << max(n.bit_length() - 4, 0), BufferPool.ALIGN)
-        return -(-n // step) * step
+        n = max(nbytes, ALIGN)
+        return _round_up(n, max(1 << max(n.bit_length() - 4, 0), ALIGN))
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least `nbytes` (the smallest free one that fits, else a new one)."""
@@ -345,14 +347,11 @@ def _alloc_payload(specs: list[Spec], device: torch.device | str,
                    pool: BufferPool | None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
     """Receive space for a batch: its tensors (views of one buffer) and the messages to post into."""
     layout = payload_layout(specs)
-    if pool is None:
-        flat = torch.empty(layout.total, dtype=torch.uint8, device=device)
-    else:
+    if pool is not None and layout.total:
         flat = pool.take(layout.total)
+    else:  # no pool, or nothing to receive (an empty buffer the pool need not track)
+        flat = torch.empty(layout.total, dtype=torch.uint8, device=device)
     tensors = _views(flat, specs, layout)
-    if pool is not None and not tensors:  # nothing to view: hand the buffer straight back
-        with pool._lock:
-            pool._free.append(pool._leased.pop(flat.data_ptr()))
     messages = ([flat[:layout.small_end]] if layout.small_end else []) + \
         [tensors[specs[i][0]] for i in layout.large]
     return tensors, messages

@@ -47,7 +47,7 @@ class Receiver:
     """Background thread receiving this drafter's batches in step order from the routed targets."""
 
     def __init__(self, ctx: RoleContext, start_step: int, max_steps: int, depth: int = 2) -> None:
-        self.ctx, self.q = ctx, queue.Queue(maxsize=depth)
+        self.ctx, self.depth, self.q = ctx, depth, queue.Queue(maxsize=depth)
         # Reused receive buffers: fresh multi-MiB tensors per batch page-fault on every first touch.
         self.pool = bridge_mod.BufferPool(ctx.device, max_free=depth + 2)
         self.thread = threading.Thread(target=self._work, args=(start_step, max_steps), daemon=True,
@@ -61,7 +61,7 @@ class Receiver:
                     for step in range(start, stop))
         try:
             # Headers are received ahead, so a batch's header round trip overlaps the previous payload.
-            for got in bridge_mod.Receiver(self.ctx.bridge, schedule, depth=2, timeout_s=self.ctx.timeout_s,
+            for got in bridge_mod.Receiver(self.ctx.bridge, schedule, depth=self.depth, timeout_s=self.ctx.timeout_s,
                                            device=self.ctx.device, pool=self.pool):
                 self.q.put(got)
         except BaseException as exc:  # noqa: BLE001 - handed to the training loop

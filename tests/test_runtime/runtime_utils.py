@@ -61,7 +61,7 @@ def env_for_children() -> dict[str, str]:
     """Environment for launched ranks: the repo on the path, CPU DeepSpeed, no W&B network."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    # The venv's tools first: its ninja, not the system's, builds DeepSpeed's op (they disagree on build logs).
+    # The venv's tools first (its ninja, should anything JIT-build), then the rest of the PATH.
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.update({"DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
