@@ -10,7 +10,9 @@ us, algbw = bytes / time in GB/s; busbw equals algbw for point-to-point):
 - exchange: what training sends, a header plus a dict shaped like a training batch
   (input_ids, loss_mask, lengths, and a context tensor holding most of the bytes), posted
   by `AsyncSender` (2 batches in flight) and received as the training drafter receives
-  (`bridge.Receiver`: headers posted 2 batches ahead, payloads into pooled buffers).
+  (`bridge.Receiver`: the next header posted behind each payload, payloads into pooled
+  buffers). Both send buffers hold random bytes, and the batch is built in place as the
+  target builds it (one payload message, no staging copy).
 
 Time is measured on the receiving drafter: a "go" message from the drafter starts the
 sender, so the clock starts when the first byte may move and stops when the last message
@@ -81,19 +83,27 @@ def human_bytes(n: float) -> str:
 
 
 def training_like_batch(nbytes: int, feature_dim: int, dtype, device) -> dict[str, Any]:
-    """A payload dict shaped like one training batch, of about `nbytes` bytes."""
+    """A payload dict shaped like one training batch, of about `nbytes` bytes, built in place as the target builds it.
+
+    The tensors are views of one payload buffer (`bridge.packed_empty`), so sending them copies
+    nothing, and hold random values: a never-written buffer would be read from the kernel's
+    shared zero page, which is faster than real memory and flatters a transfer.
+    """
     import torch
+
+    from dflash_ds.distributed.bridge import packed_empty
 
     per_token = feature_dim * torch.empty((), dtype=dtype).element_size() + 16  # context + int64 ids and mask
     tokens = max(1, nbytes // per_token)
     rows = max(1, tokens // 2048)  # sequences of up to ~2k tokens, as training batches hold
     seq = max(1, tokens // rows)
-    return {
-        "input_ids": torch.randint(0, 1000, (rows, seq), dtype=torch.long, device=device),
-        "loss_mask": torch.ones(rows, seq, dtype=torch.long, device=device),
-        "lengths": torch.full((rows,), seq, dtype=torch.long, device=device),
-        "context": torch.randn(rows, seq, feature_dim, device=device).to(dtype),
-    }
+    batch = packed_empty([("input_ids", torch.long, (rows, seq)), ("loss_mask", torch.long, (rows, seq)),
+                          ("lengths", torch.long, (rows,)), ("context", dtype, (rows, seq, feature_dim))], device)
+    batch["input_ids"].random_(0, 1000)
+    batch["loss_mask"].fill_(1)
+    batch["lengths"].fill_(seq)
+    batch["context"].normal_()
+    return batch
 
 
 def _sync(device) -> None:
@@ -122,6 +132,8 @@ def _measure_pair(ctx, src: int, dst: int, sizes: list[int], iters: int, warmup:
     rows: list[dict[str, Any]] = []
     for size in sizes:
         raw = torch.empty(size, dtype=torch.uint8, device=dev)
+        if me == src:  # real bytes: an unwritten buffer is read from the shared zero page (see training_like_batch)
+            raw.random_(0, 256)
         batch = training_like_batch(size, feature_dim, dtype, dev) if me == src else None
         times: dict[str, list[float]] = {"raw": [], "exchange": []}
         nbytes = {"raw": size, "exchange": size}
@@ -144,7 +156,7 @@ def _measure_pair(ctx, src: int, dst: int, sizes: list[int], iters: int, warmup:
                     if kind == "raw":
                         for _ in range(phase_iters):
                             bridge_mod.wait_all([br.recv([raw], src, RAW_TAG)], src, timeout_s, "raw recv")
-                    else:  # the training drafter's receiver: headers ahead, pooled buffers
+                    else:  # the training drafter's receiver: next header posted early, pooled buffers
                         for got in bridge_mod.Receiver(br, [(i, src) for i in range(phase_iters)], depth=2,
                                                        timeout_s=timeout_s, tag=EXCHANGE_CHANNEL, device=dev,
                                                        pool=pool):

@@ -1,19 +1,23 @@
 """Hidden-state exchange between one target rank and one drafter rank over the bridge group.
 
-Wire format (version 2). A batch is one fixed-size header, then its payload:
+Wire format (version 3). A batch is two messages:
 
 - header: int64[HEADER_SLOTS] on tag `2 * channel`;
-- payload on tag `2 * channel + 1`: first, if any, one message packing every tensor of at
-  most SMALL_BYTES (ids, masks, lengths: each at a 64-byte aligned offset, in header order),
-  then each larger tensor (the hidden states) as its own message, in header order.
-  Both sides derive this layout from the header (`payload_layout`). Packing matters: with
-  gloo on CPU each message costs ~0.1 ms, several times the header's round trip.
+- payload: one message on tag `2 * channel + 1` holding every tensor of the batch, each at a
+  64-byte aligned offset, in header order (`payload_layout`, derived from the header by both
+  sides). A target that builds its batch in place (`packed_empty`, `AsyncSender.empty`) sends
+  it without a copy; other tensors are packed into one staging buffer first.
 
-Header and payload use different tags because the backend matches receives to
-sends per (peer, tag) in posting order: with separate tags a drafter can post
-the header receives of the next batches before it knows the shapes of the
-current one (that is how `Receiver` prefetches). gloo sends are rendezvous:
-data moves only once the receiver has posted the matching receive.
+One payload message per batch matters: every gloo message costs a notification round trip
+(the receiver announces the receive, then the sender writes), about 0.1-0.4 ms on shared CPU
+cores.
+
+Both sides post their messages in the same order, header i, payload i, header i+1, ...:
+NCCL ignores tags and matches a pair's sends and receives purely by order, so a receiver
+must never post the header of batch i+1 before the payload of batch i (`Receiver` posts
+the next header right after the current payload). gloo matches per (peer, tag) in posting
+order and its sends are rendezvous: data moves only once the receiver has posted the
+matching receive.
 
 Header slots (the header is self-describing, so the bridge carries any dict of
 tensors and any float metadata, e.g. target-side timings):
@@ -36,22 +40,21 @@ import struct
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, NamedTuple, Protocol
 
 import torch
 
 HEADER_SLOTS = 128
 MAGIC = 0x0DF1A5B
-VERSION = 2
+VERSION = 3
 MAX_TENSORS = 8
 MAX_DIMS = 4
 MAX_META = 16  # 80 + 3 * 16 = 128 slots
 NAME_BYTES = 24
 KEY_BYTES = 16
 _TENSOR_BASE, _TENSOR_SLOTS = 8, 9
-SMALL_BYTES = 1 << 18  # tensors up to 256 KiB travel packed into one message
-ALIGN = 64  # byte alignment of every tensor inside a packed message or a receive buffer
+ALIGN = 64  # byte alignment of every tensor inside the payload message and its buffers
 _META_BASE, _META_SLOTS = 80, 3
 
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -153,13 +156,11 @@ Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
 @dataclass
 class PayloadLayout:
-    """Where each tensor of a batch lies in one flat byte buffer, and which messages carry them."""
+    """Where each tensor of a batch lies in the payload message (one flat byte buffer)."""
 
     offsets: list[int]  # byte offset of tensor i (header order)
     nbytes: list[int]
-    small_end: int  # bytes [0, small_end) are the packed message of the small tensors (0: none)
-    total: int
-    large: list[int]  # indices of the tensors sent alone, in wire order
+    total: int  # bytes of the message: the last tensor's end rounded up to ALIGN
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -167,23 +168,51 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def payload_layout(specs: list[Spec]) -> PayloadLayout:
-    """The payload layout both sides derive from the header (see the wire format above)."""
+    """The payload layout both sides derive from the header: tensors in order, each ALIGN-aligned."""
     nbytes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in specs]
-    small = [i for i, n in enumerate(nbytes) if n <= SMALL_BYTES]
-    large = [i for i, n in enumerate(nbytes) if n > SMALL_BYTES]
-    offsets, pos = [0] * len(specs), 0
-    for i in small:
-        offsets[i], pos = pos, pos + _round_up(nbytes[i], ALIGN)
-    small_end = pos
-    for i in large:
-        offsets[i], pos = pos, pos + _round_up(nbytes[i], ALIGN)
-    return PayloadLayout(offsets, nbytes, small_end, pos, large)
+    offsets, pos = [], 0
+    for n in nbytes:
+        offsets.append(pos)
+        pos += _round_up(n, ALIGN)
+    return PayloadLayout(offsets, nbytes, pos)
 
 
 def _views(flat: torch.Tensor, specs: list[Spec], layout: PayloadLayout) -> dict[str, torch.Tensor]:
     """The batch's tensors as views of one flat uint8 buffer laid out by `layout`."""
     return {name: flat[o:o + n].view(dtype).view(shape)
             for (name, dtype, shape), o, n in zip(specs, layout.offsets, layout.nbytes)}
+
+
+def packed_empty(specs: list[Spec], device: torch.device | str = "cpu",
+                 pool: BufferPool | None = None) -> dict[str, torch.Tensor]:
+    """Empty tensors for `specs` laid out as the payload message: filled in place, they are sent without a copy."""
+    return _alloc_payload(specs, device, pool)[0]
+
+
+def _alloc_payload(specs: list[Spec], device: torch.device | str,
+                   pool: BufferPool | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """Space for a batch: its tensors (views of one buffer, from `pool` if given) and the payload message."""
+    layout = payload_layout(specs)
+    if pool is not None and layout.total:
+        flat = pool.take(layout.total)
+    else:  # no pool, or nothing to move (an empty buffer the pool need not track)
+        flat = torch.empty(layout.total, dtype=torch.uint8, device=device)
+    return _views(flat, specs, layout), (flat[:layout.total] if layout.total else None)
+
+
+def _payload_buffer(tensors: list[torch.Tensor], layout: PayloadLayout) -> torch.Tensor | None:
+    """The uint8 buffer under `tensors` when they already lie in one storage exactly as `layout` places them."""
+    if not tensors or layout.total == 0:
+        return None
+    storage = tensors[0].untyped_storage()
+    base = tensors[0].data_ptr() - layout.offsets[0]
+    start = base - storage.data_ptr()
+    if start < 0 or start + layout.total > storage.nbytes():
+        return None
+    for t, o in zip(tensors, layout.offsets):
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.data_ptr() != base + o or not t.is_contiguous():
+            return None
+    return torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(storage, start, (layout.total,))
 
 
 # ---------------------------------------------------------------- waiting
@@ -219,26 +248,30 @@ def wait_all(works: Iterable[Any], peer: int, timeout_s: float, what: str = "tra
 def send_batch(bridge: BridgeGroup, dst: int, tensors: dict[str, torch.Tensor],
                meta: dict[str, float] | None, batch_id: int, tag: int = 0) -> list[Any]:
     """Post a batch's header and payload sends to global rank `dst`; returns the Works (asynchronous)."""
-    # The Works keep the tensors alive, but the caller must not modify them in
-    # place before the Works complete (the target allocates fresh ones per batch).
+    return _post_batch(bridge, dst, tensors, meta, batch_id, tag)[0]
+
+
+def _post_batch(bridge: BridgeGroup, dst: int, tensors: dict[str, torch.Tensor], meta: dict[str, float] | None,
+                batch_id: int, tag: int, pool: BufferPool | None = None) -> tuple[list[Any], torch.Tensor | None]:
+    """`send_batch`, also returning the payload message (the batch's own buffer, or a staging copy from `pool`)."""
+    # The Works keep the message alive, but the caller must not modify the tensors in place
+    # before the Works complete.
     meta = meta or {}
     payload = [t.contiguous() for t in tensors.values()]
     device = payload[0].device if payload else torch.device("cpu")
     header = encode_header(batch_id, tensors, meta).to(device)
     specs = [(name, t.dtype, tuple(t.shape)) for name, t in zip(tensors, payload)]
     layout = payload_layout(specs)
-    messages = []
-    if layout.small_end:  # one staging copy of the small tensors (a few KiB per batch)
-        staging = torch.empty(layout.small_end, dtype=torch.uint8, device=device)
-        for (_, dtype, shape), t, o, n in zip(specs, payload, layout.offsets, layout.nbytes):
-            if n <= SMALL_BYTES:
-                staging[o:o + n].view(dtype).view(shape).copy_(t)
-        messages.append(staging)
-    messages += [payload[i] for i in layout.large]
+    message = _payload_buffer(payload, layout)
+    if message is None and layout.total:  # not built in place: one staging copy
+        staged, message = _alloc_payload(specs, device, pool)
+        for view, t in zip(staged.values(), payload):
+            view.copy_(t)
     htag, ptag = _tags(tag)
     works = [bridge.send([header], dst, htag)]
-    works += [bridge.send([m], dst, ptag) for m in messages]
-    return works
+    if message is not None:
+        works.append(bridge.send([message], dst, ptag))
+    return works, message
 
 
 @dataclass
@@ -246,18 +279,28 @@ class _InFlight:
     dst: int
     batch_id: int
     works: list[Any]
+    message: torch.Tensor | None  # the payload buffer: back to the pool once sent
 
 
 class AsyncSender:
-    """Keeps at most `depth` batches in flight (double buffering); waits on the oldest before posting more."""
+    """Keeps at most `depth` batches in flight (double buffering); waits on the oldest before posting more.
+
+    A producer that builds each batch with `empty(specs)` fills pooled buffers laid out as the
+    payload: nothing is copied to send them, and each buffer serves a later batch once sent.
+    """
 
     def __init__(self, bridge: BridgeGroup, depth: int = 2, timeout_s: float = 600.0,
-                 meter: DepthSink | None = None) -> None:
+                 meter: DepthSink | None = None, device: torch.device | str = "cpu") -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.bridge, self.depth, self.timeout_s, self.meter = bridge, depth, timeout_s, meter
+        self.pool = BufferPool(device, max_free=depth + 1)
         self._in_flight: deque[_InFlight] = deque()
         self.last_block_s = 0.0  # how long the last send() waited for room: drafter-bound when > 0
+
+    def empty(self, specs: list[Spec]) -> dict[str, torch.Tensor]:
+        """Tensors to fill for the next batch: views of a pooled payload buffer (sent as is, then reused)."""
+        return packed_empty(specs, self.pool.device, self.pool)
 
     def send(self, dst: int, tensors: dict[str, torch.Tensor], meta: dict[str, float] | None,
              batch_id: int, tag: int = 0) -> None:
@@ -266,8 +309,8 @@ class AsyncSender:
         while len(self._in_flight) >= self.depth:
             self._retire(self._in_flight.popleft())
         self.last_block_s = time.monotonic() - t0
-        works = send_batch(self.bridge, dst, tensors, meta, batch_id, tag)
-        self._in_flight.append(_InFlight(dst, batch_id, works))
+        works, message = _post_batch(self.bridge, dst, tensors, meta, batch_id, tag, self.pool)
+        self._in_flight.append(_InFlight(dst, batch_id, works, message))
         if self.meter is not None:
             self.meter.update(dst, self.in_flight(dst))
 
@@ -284,19 +327,22 @@ class AsyncSender:
     def _retire(self, old: _InFlight) -> None:
         # A plain wait: gloo marks a send complete only inside wait(), so is_completed() cannot be polled.
         wait_all(old.works, old.dst, self.timeout_s, f"sending batch {old.batch_id}")
+        if old.message is not None:  # a no-op unless the buffer came from the pool
+            self.pool.release({"payload": old.message})
 
 
-# ---------------------------------------------------------------- receiving
+# ---------------------------------------------------------------- buffers and receiving
 
 
 class BufferPool:
-    """Receive buffers that go back into service once the consumer releases a batch.
+    """Payload buffers that go back into service once a batch is done with.
 
     A fresh multi-MiB tensor per batch costs a page fault per 4 KiB page on CPU (glibc hands large
-    blocks back to the OS on free), which made the exchange far slower than a raw receive into one
-    reused tensor. With a pool, all tensors of a batch are views of one flat byte buffer; the
-    consumer calls `release(batch.tensors)` when it is done with them and the buffer is handed out
-    again for a later batch of at most its size. Thread-safe (the drafter receives on a thread).
+    blocks back to the OS on free), which made the exchange far slower than a raw transfer from and
+    into one reused tensor. With a pool, all tensors of a batch are views of one flat byte buffer;
+    `release(tensors)` hands the buffer out again for a later batch of at most its size. The
+    drafter releases a received batch after its step; `AsyncSender` releases a sent one once its
+    send completed. Thread-safe (the drafter receives on a thread).
     """
 
     ALIGN = ALIGN
@@ -340,21 +386,7 @@ class BufferPool:
 
     def tensors(self, specs: list[Spec]) -> dict[str, torch.Tensor]:
         """Empty tensors for `specs`, all views of one pooled buffer laid out as the payload."""
-        return _alloc_payload(specs, self.device, self)[0]
-
-
-def _alloc_payload(specs: list[Spec], device: torch.device | str,
-                   pool: BufferPool | None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    """Receive space for a batch: its tensors (views of one buffer) and the messages to post into."""
-    layout = payload_layout(specs)
-    if pool is not None and layout.total:
-        flat = pool.take(layout.total)
-    else:  # no pool, or nothing to receive (an empty buffer the pool need not track)
-        flat = torch.empty(layout.total, dtype=torch.uint8, device=device)
-    tensors = _views(flat, specs, layout)
-    messages = ([flat[:layout.small_end]] if layout.small_end else []) + \
-        [tensors[specs[i][0]] for i in layout.large]
-    return tensors, messages
+        return packed_empty(specs, self.device, self)
 
 
 def recv_batch(bridge: BridgeGroup, src: int, timeout_s: float, tag: int = 0,
@@ -368,10 +400,9 @@ def recv_batch(bridge: BridgeGroup, src: int, timeout_s: float, tag: int = 0,
     deadline = time.monotonic() + timeout_s
     _wait(bridge.recv([header], src, htag), deadline, src, "receiving a batch header", timeout_s)
     batch_id, specs, meta = decode_header(header.cpu())
-    tensors, messages = _alloc_payload(specs, pool.device if pool is not None else device, pool)
-    works = [bridge.recv([m], src, ptag) for m in messages]
-    for w in works:
-        _wait(w, deadline, src, f"receiving batch {batch_id}", timeout_s)
+    tensors, message = _alloc_payload(specs, pool.device if pool is not None else device, pool)
+    if message is not None:
+        _wait(bridge.recv([message], src, ptag), deadline, src, f"receiving batch {batch_id}", timeout_s)
     return Batch(batch_id, tensors, meta)
 
 
@@ -379,18 +410,21 @@ def recv_batch(bridge: BridgeGroup, src: int, timeout_s: float, tag: int = 0,
 class _Pending:
     batch_id: int
     src: int
-    header: torch.Tensor
-    header_work: Any
-    tensors: dict[str, torch.Tensor] | None = None
-    meta: dict[str, float] = field(default_factory=dict)
-    works: list[Any] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, float]
+    work: Any  # the payload receive (None: an empty payload)
 
 
 class Receiver:
-    """Receives a planned sequence of (batch_id, src) batches, keeping `depth` header receives posted ahead.
+    """Receives a planned sequence of (batch_id, src) batches, posting each receive as early as the order allows.
 
-    Call `poll()` while training on a batch to start the payload transfer of
-    any next batch whose header has already arrived (no background thread).
+    Receives are posted in the sender's order, header i, payload i, header i+1 (NCCL matches by
+    order alone): the header of the next batch is posted right after the current payload's
+    receive, so it usually waits on arrival. Up to `depth` batches may have their payload
+    receives posted (into `pool` buffers, if given: release each batch's tensors to it when
+    done). `poll()` (called by `__next__`, or by the consumer while it trains on a batch) posts
+    the payload of a next batch whose header has arrived; with gloo, whose receives report
+    completion only inside `wait()`, that happens on the next `__next__`.
     """
 
     def __init__(self, bridge: BridgeGroup, schedule: Iterable[tuple[int, int]], depth: int = 2,
@@ -399,65 +433,60 @@ class Receiver:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.bridge, self.depth, self.timeout_s, self.device, self.meter = bridge, depth, timeout_s, device, meter
-        self.pool = pool  # with a pool: release each batch's tensors to it once done with them
+        self.pool = pool
         self._schedule: Iterator[tuple[int, int]] = iter(schedule)
-        self._exhausted = False
         self._tags = _tags(tag)
-        self._pending: deque[_Pending] = deque()
+        self._ready: deque[_Pending] = deque()  # payload receives posted, in order
+        self._header: tuple[int, int, torch.Tensor, Any] | None = None  # (batch_id, src, buffer, work)
         self.last_wait_s = 0.0  # how long the last next() blocked: target-bound when > 0
-        self.poll()
+        self._post_header()
 
     def __iter__(self) -> Receiver:
         return self
 
     def __next__(self) -> Batch:
         """The next scheduled batch; blocks until it has arrived (or times out)."""
-        self.poll()
-        if not self._pending:
-            raise StopIteration
-        head = self._pending[0]
-        if self.meter is not None:
-            # What the target has already produced for us at the moment we ask.
-            self.meter.update(head.src, sum(p.header_work.is_completed() for p in self._pending))
         t0 = time.monotonic()
-        deadline = t0 + self.timeout_s
-        if head.tensors is None:
-            _wait(head.header_work, deadline, head.src, f"receiving the header of batch {head.batch_id}",
-                  self.timeout_s)
-            self._post_payload(head)
-        for w in head.works:
-            _wait(w, deadline, head.src, f"receiving batch {head.batch_id}", self.timeout_s)
+        if not self._ready:
+            if self._header is None:
+                raise StopIteration
+            if self.meter is not None:
+                self.meter.update(self._header[1], 0)  # nothing had arrived when we asked
+            self._take_header()
+        elif self.meter is not None:
+            self.meter.update(self._ready[0].src, len(self._ready))
+        head = self._ready.popleft()
+        if head.work is not None:
+            _wait(head.work, t0 + self.timeout_s, head.src, f"receiving batch {head.batch_id}", self.timeout_s)
         self.last_wait_s = time.monotonic() - t0
-        self._pending.popleft()
         self.poll()
-        assert head.tensors is not None
         return Batch(head.batch_id, head.tensors, head.meta)
 
     def poll(self) -> None:
-        """Post header receives up to `depth` ahead and payload receives for headers that have arrived."""
-        while len(self._pending) < self.depth and not self._exhausted:
-            try:
-                batch_id, src = next(self._schedule)
-            except StopIteration:
-                self._exhausted = True
-                break
-            header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-            work = self.bridge.recv([header], src, self._tags[0])
-            self._pending.append(_Pending(batch_id, src, header, work))
-        for p in self._pending:
-            if p.tensors is not None:
-                continue
-            if not p.header_work.is_completed():
-                break  # payload receives must be posted in batch order
-            _wait(p.header_work, time.monotonic() + self.timeout_s, p.src, "receiving a batch header",
-                  self.timeout_s)  # completed: returns at once or raises the peer's error
-            self._post_payload(p)
+        """Post the payload receive of a next batch whose header has already arrived (never blocks)."""
+        while self._header is not None and len(self._ready) < self.depth and self._header[3].is_completed():
+            self._take_header()
 
-    def _post_payload(self, p: _Pending) -> None:
-        batch_id, specs, meta = decode_header(p.header.cpu())
-        if batch_id != p.batch_id:
-            raise BridgeError(f"bridge: expected batch {p.batch_id} from rank {p.src}, got batch {batch_id}: "
+    def _post_header(self) -> None:
+        try:
+            batch_id, src = next(self._schedule)
+        except StopIteration:
+            self._header = None
+            return
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        self._header = (batch_id, src, header, self.bridge.recv([header], src, self._tags[0]))
+
+    def _take_header(self) -> None:
+        """Wait for the posted header, post its payload receive, then the next header (sender order)."""
+        assert self._header is not None
+        batch_id, src, header, work = self._header
+        _wait(work, time.monotonic() + self.timeout_s, src, f"receiving the header of batch {batch_id}",
+              self.timeout_s)
+        got_id, specs, meta = decode_header(header.cpu())
+        if got_id != batch_id:
+            raise BridgeError(f"bridge: expected batch {batch_id} from rank {src}, got batch {got_id}: "
                               "the target and drafter routing plans disagree")
-        p.tensors, messages = _alloc_payload(specs, self.device, self.pool)
-        p.meta = meta
-        p.works = [self.bridge.recv([m], p.src, self._tags[1]) for m in messages]
+        tensors, message = _alloc_payload(specs, self.device, self.pool)
+        payload_work = self.bridge.recv([message], src, self._tags[1]) if message is not None else None
+        self._ready.append(_Pending(batch_id, src, tensors, meta, payload_work))
+        self._post_header()

@@ -65,6 +65,16 @@ def capture_hidden(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
     Layer i's output is `hidden_states[i + 1]` of an HF forward; the final hidden is after the
     model's last norm, so `lm_head(final)` are the target's logits. The LM head itself is not run.
     """
+    layers, last = capture_layers(target, input_ids, attention_mask, layer_ids)
+    return torch.cat(layers, dim=-1), last
+
+
+def capture_layers(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   layer_ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`capture_hidden` before the concatenation: the outputs of layer_ids (in that order) and the final hidden.
+
+    The caller concatenates them where it wants the context, e.g. straight into a send buffer.
+    """
     layers = decoder_layers(target)
     captured: dict[int, torch.Tensor] = {}
     hooks = []
@@ -84,8 +94,7 @@ def capture_hidden(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
     finally:
         for h in hooks:
             h.remove()
-    context = torch.cat([captured[i] for i in layer_ids], dim=-1)
-    return context, out.last_hidden_state
+    return [captured[i] for i in layer_ids], out.last_hidden_state
 
 
 def _tensor_index(path: Path) -> dict[str, Path]:

@@ -60,7 +60,7 @@ class Receiver:
                      layout.target_ranks[route(step, d, layout.num_drafters, layout.num_targets)])
                     for step in range(start, stop))
         try:
-            # Headers are received ahead, so a batch's header round trip overlaps the previous payload.
+            # The next header is posted right behind each payload, so it usually waits on arrival.
             for got in bridge_mod.Receiver(self.ctx.bridge, schedule, depth=self.depth, timeout_s=self.ctx.timeout_s,
                                            device=self.ctx.device, pool=self.pool):
                 self.q.put(got)

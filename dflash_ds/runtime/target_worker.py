@@ -1,8 +1,9 @@
 """Target ranks: frozen target forward, capture of the selected layers, asynchronous send to drafters.
 
 A loader thread keeps the next batches read and padded; the main thread runs the target and
-posts each batch's send (header + payload) without waiting, so batch i+1 is computed while
-batch i is on the wire (the sender keeps at most `depth` batches in flight).
+builds each batch's payload in a pooled send buffer (the selected layers are concatenated
+straight into it) and posts its send (header + payload) without waiting, so batch i+1 is
+computed while batch i is on the wire (the sender keeps at most `depth` batches in flight).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import os
 import time
 from collections import deque
 
+import torch
 
 from dflash_ds.config import Config
 from dflash_ds.data.batching import Cursor
 from dflash_ds.data.loader import PrefetchLoader
 from dflash_ds.distributed import bridge as bridge_mod
 from dflash_ds.distributed.topology import RoleContext
-from dflash_ds.models.target import capture_hidden, load_target
+from dflash_ds.models.target import capture_layers, load_target
 from dflash_ds.runtime import faults
 from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
 from dflash_ds.runtime.plan import DataPlan, last_step, resolve_arch, route, torch_dtype
@@ -76,7 +78,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
             os._exit(EXIT_PREEMPTED)
 
     watchdog.tick_hooks.append(exit_once_drafters_stopped)
-    sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.timeout_s)
+    sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.timeout_s, device=ctx.device)
     served, t_start = 0, time.perf_counter()
     loader = PrefetchLoader(data.dataset, my_batches(), depth=cfg.data.prefetch)
     stopped = False
@@ -92,13 +94,10 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
         spec, after = batch.spec, batch.cursor
         t0 = time.perf_counter()
         ids = batch.input_ids.to(ctx.device)
-        context, last = capture_hidden(target, ids, batch.attention_mask.to(ctx.device), arch.target_layer_ids)
+        layers, last = capture_layers(target, ids, batch.attention_mask.to(ctx.device), arch.target_layer_ids)
+        tensors = build_payload(sender, ids, batch.loss_mask, batch.lengths, layers, last if send_last_hidden else None)
         fwd = time.perf_counter() - t0
         served += 1
-        tensors = {"input_ids": ids, "loss_mask": batch.loss_mask.to(ctx.device),
-                   "lengths": batch.lengths.to(ctx.device), "context": context.contiguous()}
-        if send_last_hidden:
-            tensors["last_hidden"] = last.contiguous()
         # Header meta keys are at most 16 ASCII bytes (see bridge.py).
         meta = {
             "bucket": spec.bucket, "epoch_after": after.epoch, "index_after": after.batch_index,
@@ -112,3 +111,26 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
         return EXIT_PREEMPTED  # batches still in flight belong to steps nobody will train
     sender.flush()
     return 0
+
+
+def build_payload(sender: bridge_mod.AsyncSender, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                  lengths: torch.Tensor, layers: list[torch.Tensor],
+                  last_hidden: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """A batch's bridge payload, written straight into a pooled send buffer (sent without a further copy).
+
+    The selected layers are concatenated into the buffer's `context`, which the concatenation
+    needed anyway; `last_hidden` (for the KL term) is one extra copy of H values per token.
+    """
+    context_shape = (*layers[0].shape[:-1], sum(t.shape[-1] for t in layers))
+    specs = [("input_ids", input_ids.dtype, tuple(input_ids.shape)), ("loss_mask", loss_mask.dtype, tuple(loss_mask.shape)),
+             ("lengths", lengths.dtype, tuple(lengths.shape)), ("context", layers[0].dtype, context_shape)]
+    if last_hidden is not None:
+        specs.append(("last_hidden", last_hidden.dtype, tuple(last_hidden.shape)))
+    out = sender.empty(specs)
+    out["input_ids"].copy_(input_ids)
+    out["loss_mask"].copy_(loss_mask)
+    out["lengths"].copy_(lengths)
+    torch.cat(layers, dim=-1, out=out["context"])
+    if last_hidden is not None:
+        out["last_hidden"].copy_(last_hidden)
+    return out

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dflash_ds.distributed.bridge import (
-    ALIGN, SMALL_BYTES, AsyncSender, Batch, BridgeError, BridgeTimeoutError, BufferPool, Receiver, decode_header,
-    encode_header, payload_layout, recv_batch, send_batch, wait_all,
+    ALIGN, AsyncSender, Batch, BridgeError, BridgeTimeoutError, BufferPool, Receiver, _payload_buffer, decode_header,
+    encode_header, packed_empty, payload_layout, recv_batch, send_batch, wait_all,
 )
 from dflash_ds.distributed.router import QueueDepthMeter, plan_for_drafter, plan_for_target
 from dflash_ds.distributed.topology import init_role_groups, make_layout, shutdown
@@ -79,17 +79,89 @@ def test_buffer_pool_views_reuse_and_release() -> None:
     assert pool.tensors([("y", torch.uint8, (10**6,))])["y"].numel() == 10**6 and pool.allocations == 3
 
 
-def test_payload_layout_packs_small_tensors_into_one_message() -> None:
-    big = SMALL_BYTES // 2 + 1  # bf16 elements: one byte over SMALL_BYTES
-    specs = [("input_ids", torch.int64, (2, 10)), ("context", torch.bfloat16, (big,)), ("mask", torch.bool, (2, 10)),
-             ("last_hidden", torch.float32, (SMALL_BYTES // 4,)), ("lengths", torch.int64, (2,))]
+def test_payload_layout_places_every_tensor_aligned_in_header_order() -> None:
+    specs = [("input_ids", torch.int64, (2, 10)), ("context", torch.bfloat16, (3, 7)), ("mask", torch.bool, (2, 10)),
+             ("empty", torch.float32, (0, 4)), ("lengths", torch.int64, (2,))]
     lay = payload_layout(specs)
-    assert lay.nbytes == [160, 2 * big, 20, SMALL_BYTES, 16]
-    # small ones (<= SMALL_BYTES, last_hidden included) packed first in header order, each 64-byte aligned
-    assert [lay.offsets[i] for i in (0, 2, 3, 4)] == [0, 192, 256, 256 + SMALL_BYTES]
-    assert lay.small_end == 256 + SMALL_BYTES + ALIGN and lay.large == [1]
-    assert lay.offsets[1] == lay.small_end and lay.total == lay.small_end + -(-2 * big // ALIGN) * ALIGN
-    assert payload_layout([("x", torch.float32, (SMALL_BYTES,))]).small_end == 0  # only large: no packed message
+    assert lay.nbytes == [160, 42, 20, 0, 16]
+    assert lay.offsets == [0, 192, 256, 320, 320] and lay.total == 384
+    assert all(o % ALIGN == 0 for o in lay.offsets)
+    assert payload_layout([]).total == 0
+
+
+def test_a_batch_built_in_place_is_sent_without_a_copy() -> None:
+    specs = [("input_ids", torch.int64, (2, 5)), ("context", torch.float32, (2, 5, 3))]
+    lay = payload_layout(specs)
+    built = packed_empty(specs)
+    flat = _payload_buffer(list(built.values()), lay)
+    assert flat is not None and flat.numel() == lay.total
+    assert flat.data_ptr() == built["input_ids"].data_ptr()  # the message is the batch's own memory
+    # Separate tensors, a wrong order, or a non-contiguous view are not in place: they get staged.
+    loose = {k: torch.zeros(shape, dtype=dt) for k, dt, shape in specs}
+    assert _payload_buffer(list(loose.values()), lay) is None
+    assert _payload_buffer([built["context"], built["input_ids"]], payload_layout(specs[::-1])) is None
+    view = packed_empty([("x", torch.float32, (4, 4))])["x"]
+    assert _payload_buffer([view.t()], payload_layout([("x", torch.float32, (4, 4))])) is None
+
+
+class OrderMatchedLoopback:
+    """An in-process bridge group that matches receives to sends by order alone, per (src, dst), as NCCL does.
+
+    Tags are ignored; a receive whose size differs from the matched send raises (on NCCL that is
+    silent corruption or a hang). Sends complete at once; receives are matched when posted.
+    """
+
+    class _Done:
+        def wait(self, timeout=None) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+    def __init__(self, me: int) -> None:
+        self.me, self.wire = me, {}
+
+    def send(self, tensors, dst, tag):
+        self.wire.setdefault((self.me, dst), []).append(tensors[0].clone())
+        return self._Done()
+
+    def recv(self, tensors, src, tag):
+        queue = self.wire.get((src, self.me), [])
+        if not queue:
+            raise AssertionError(f"receive posted from rank {src} with nothing sent")
+        sent = queue.pop(0)
+        if sent.numel() * sent.element_size() != tensors[0].numel() * tensors[0].element_size():
+            raise AssertionError(f"receive of {tensors[0].numel() * tensors[0].element_size()} bytes matched a send of "
+                                 f"{sent.numel() * sent.element_size()}: posting orders differ")
+        tensors[0].view(-1).view(torch.uint8).copy_(sent.view(-1).view(torch.uint8))
+        return self._Done()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_receiver_posts_in_the_senders_order(depth: int) -> None:
+    """A prefetching receiver must not post batch i+1's header before batch i's payload (NCCL ignores tags)."""
+    group = OrderMatchedLoopback(me=0)
+    sender = AsyncSender(group, depth=2)
+    for g in range(6):
+        tensors, meta = make_batch(g)
+        group.me = 0  # rank 0 sends to rank 1
+        sender.send(1, tensors, meta, batch_id=g, tag=5)
+    sender.flush()
+    group.me = 1
+    pool = BufferPool()
+    receiver = Receiver(group, [(g, 0) for g in range(6)], depth=depth, tag=5, pool=pool)
+    got = []
+    for batch in receiver:
+        receiver.poll()  # the loopback completes at once: payloads get posted `depth` ahead
+        expect, meta = make_batch(batch.batch_id)
+        assert batch.meta == meta
+        assert list(batch.tensors) == list(expect)
+        assert all(torch.equal(batch.tensors[k], v) and batch.tensors[k].dtype == v.dtype for k, v in expect.items())
+        got.append(batch.batch_id)
+        pool.release(batch.tensors)
+    assert got == list(range(6))
+    assert group.wire[(0, 1)] == []  # every message received
+    assert not pool._leased  # every buffer released
 
 
 def test_buffer_pool_picks_the_smallest_free_buffer_that_fits() -> None:
@@ -126,10 +198,16 @@ def _exchange_worker(rank: int, port: int, out_dir: str) -> None:
         sender = AsyncSender(ctx.bridge, depth=2, timeout_s=60, meter=meter)
         for r in plan_for_target(ctx.role_rank, T, D, STEPS):
             tensors, meta = make_batch(r.global_batch)
+            if r.global_batch % 2 == 0:  # as the target worker builds them: in a pooled send buffer, no copy
+                built = sender.empty([(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()])
+                for k, t in tensors.items():
+                    built[k].copy_(t)
+                tensors = built
             # Drafter 1 listens on channel 3: tags keep channels apart on one pair.
             sender.send(layout.drafter_ranks[r.drafter_idx], tensors, meta, r.global_batch, tag=r.drafter_idx * 3)
         sender.flush()
         result["in_flight_after_flush"] = sender.in_flight()
+        result["send_pool"] = [sender.pool.allocations, sender.pool.reuses, len(sender.pool._leased)]
     else:
         plan = list(plan_for_drafter(ctx.role_rank, T, D, STEPS))
         if ctx.role_rank == 0:  # prefetching receiver: headers of later batches posted early
@@ -161,6 +239,9 @@ def test_target_sends_exact_batches_to_two_drafters(tmp_path: Path) -> None:
     run_ranks(_exchange_worker, T + D, (free_port_block(), str(tmp_path)), tmp_path, timeout_s=90)
     res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(T + D)}
     assert res[0]["in_flight_after_flush"] == 0
+    # 2 batches built in the pool + 2 staged; every buffer back in the pool once sent
+    allocations, reuses, leased = res[0]["send_pool"]
+    assert allocations + reuses == 4 and leased == 0
     assert set(res[0]["meter"]) >= {"queue_depth/peer1", "queue_depth/peer2"}
     assert 1 <= res[0]["meter"]["queue_depth/max"] <= 2
     for rank, ids in [(1, [0, 2]), (2, [1, 3])]:
