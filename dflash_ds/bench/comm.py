@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-node layout: the last N local ranks of every node are targets")
     parser.add_argument("--feature-dim", type=int, default=2560,
                         help="width of the exchanged context tensor (n target layers x hidden)")
+    parser.add_argument("--config", default=None,
+                        help="YAML/JSON run config (its target must exist locally): adds a row for one full training "
+                             "batch of that run (token budget x bytes per token: selected layers, final hidden if "
+                             "loss.kl_weight > 0, ids and mask, in the run's dtype), marked *")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override of --config, repeatable (e.g. --set data.token_budget=16384)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="timeout of every transfer (seconds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (last stdout line) instead of tables")
 
@@ -77,33 +83,58 @@ def parse_sizes(text: str) -> list[int]:
 def human_bytes(n: float) -> str:
     """65536 -> '64K' (binary units, as nccl-tests' size column reads)."""
     for unit in ("G", "M", "K"):
-        if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
-            return f"{int(n // _UNITS[unit])}{unit}"
+        if n >= _UNITS[unit]:
+            exact = n % _UNITS[unit] == 0
+            return f"{int(n // _UNITS[unit])}{unit}" if exact else f"{n / _UNITS[unit]:.2f}{unit}"
     return str(int(n))
 
 
-def training_like_batch(nbytes: int, feature_dim: int, dtype, device) -> dict[str, Any]:
+def training_like_batch(nbytes: int, feature_dim: int, dtype, device, last_dim: int = 0) -> dict[str, Any]:
     """A payload dict shaped like one training batch, of about `nbytes` bytes, built in place as the target builds it.
 
     The tensors are views of one payload buffer (`bridge.packed_empty`), so sending them copies
     nothing, and hold random values: a never-written buffer would be read from the kernel's
-    shared zero page, which is faster than real memory and flatters a transfer.
+    shared zero page, which is faster than real memory and flatters a transfer. `last_dim` > 0
+    adds the final hidden state (sent when the loss has a KL term).
     """
     import torch
 
     from dflash_ds.distributed.bridge import packed_empty
 
-    per_token = feature_dim * torch.empty((), dtype=dtype).element_size() + 16  # context + int64 ids and mask
+    per_token = (feature_dim + last_dim) * torch.empty((), dtype=dtype).element_size() + 16  # + int64 ids and mask
     tokens = max(1, nbytes // per_token)
     rows = max(1, tokens // 2048)  # sequences of up to ~2k tokens, as training batches hold
     seq = max(1, tokens // rows)
-    batch = packed_empty([("input_ids", torch.long, (rows, seq)), ("loss_mask", torch.long, (rows, seq)),
-                          ("lengths", torch.long, (rows,)), ("context", dtype, (rows, seq, feature_dim))], device)
+    specs = [("input_ids", torch.long, (rows, seq)), ("loss_mask", torch.long, (rows, seq)),
+             ("lengths", torch.long, (rows,)), ("context", dtype, (rows, seq, feature_dim))]
+    if last_dim:
+        specs.append(("last_hidden", dtype, (rows, seq, last_dim)))
+    batch = packed_empty(specs, device)
     batch["input_ids"].random_(0, 1000)
     batch["loss_mask"].fill_(1)
     batch["lengths"].fill_(seq)
     batch["context"].normal_()
+    if last_dim:
+        batch["last_hidden"].normal_()
     return batch
+
+
+def config_batch(config: str, overrides: list[str], cuda: bool) -> dict[str, Any]:
+    """Shape and payload bytes of one full training batch (token budget tokens) of a run config."""
+    import torch
+
+    from dflash_ds.config import load_config, parse_overrides
+    from dflash_ds.runtime.plan import resolve_arch, torch_dtype
+
+    cfg = load_config(config, parse_overrides([f"--{item}" for item in overrides]))
+    arch = resolve_arch(cfg)
+    dtype = torch_dtype(cfg, cuda)
+    feature_dim = len(arch.target_layer_ids) * arch.hidden_size
+    last_dim = arch.hidden_size if cfg.loss.kl_weight > 0 else 0
+    per_token = (feature_dim + last_dim) * torch.empty((), dtype=dtype).element_size() + 16
+    return {"config": config, "token_budget": cfg.data.token_budget, "feature_dim": feature_dim, "last_dim": last_dim,
+            "dtype": str(dtype).removeprefix("torch."), "bytes_per_token": per_token,
+            "bytes": cfg.data.token_budget * per_token}
 
 
 def _sync(device) -> None:
@@ -113,9 +144,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _measure_pair(ctx, src: int, dst: int, sizes: list[int], iters: int, warmup: int, feature_dim: int,
+def _measure_pair(ctx, src: int, dst: int, cases: list[dict[str, Any]], iters: int, warmup: int,
                   timeout_s: float, rounds: int = 1) -> list[dict[str, Any]]:
     """Run both benchmarks of one pair; returns rows on the drafter (dst), [] on the target (src).
+
+    A case is {"size", "feature_dim", "last_dim", "dtype", "training_batch"}: the exchange sends a
+    training-shaped batch of about `size` bytes with those widths.
 
     raw and exchange alternate for `rounds` rounds of `iters` messages (warm-up before the first
     round only); each row's time is the median round's, so a slow spell on shared cores hits
@@ -126,15 +160,16 @@ def _measure_pair(ctx, src: int, dst: int, sizes: list[int], iters: int, warmup:
     from dflash_ds.distributed import bridge as bridge_mod
 
     me, dev, br = ctx.global_rank, ctx.device, ctx.bridge
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     go = torch.ones(1, dtype=torch.long, device=dev)
     pool = bridge_mod.BufferPool(dev)  # the drafter's receive buffers, reused as in training
     rows: list[dict[str, Any]] = []
-    for size in sizes:
+    for case in cases:
+        size = case["size"]
         raw = torch.empty(size, dtype=torch.uint8, device=dev)
         if me == src:  # real bytes: an unwritten buffer is read from the shared zero page (see training_like_batch)
             raw.random_(0, 256)
-        batch = training_like_batch(size, feature_dim, dtype, dev) if me == src else None
+        batch = training_like_batch(size, case["feature_dim"], getattr(torch, case["dtype"]), dev,
+                                    case["last_dim"]) if me == src else None
         times: dict[str, list[float]] = {"raw": [], "exchange": []}
         nbytes = {"raw": size, "exchange": size}
         for r in range(rounds):
@@ -172,7 +207,7 @@ def _measure_pair(ctx, src: int, dst: int, sizes: list[int], iters: int, warmup:
             sec = sorted(times[kind])[len(times[kind]) // 2]
             rows.append({"src": src, "dst": dst, "size": size, "kind": kind, "bytes": nbytes[kind],
                          "time_us": sec * 1e6, "algbw_gbs": nbytes[kind] / sec / 1e9 if sec > 0 else 0.0,
-                         "rounds_us": [t * 1e6 for t in times[kind]]})
+                         "rounds_us": [t * 1e6 for t in times[kind]], "training_batch": case["training_batch"]})
     return rows
 
 
@@ -196,6 +231,14 @@ def run(args: argparse.Namespace) -> int:
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
     if iters < 1 or warmup < 0 or args.rounds < 1:
         raise DFlashError("--iters and --rounds must be >= 1 and --warmup >= 0")
+    dtype = "bfloat16" if cuda else "float32"
+    cases = [{"size": n, "feature_dim": args.feature_dim, "last_dim": 0, "dtype": dtype, "training_batch": False}
+             for n in sizes]
+    training = config_batch(args.config, args.set, cuda) if args.config else None  # before any group: errors early
+    if training is not None:
+        cases.append({"size": training["bytes"], "feature_dim": training["feature_dim"],
+                      "last_dim": training["last_dim"], "dtype": training["dtype"], "training_batch": True})
+        cases.sort(key=lambda c: c["size"])
     backend = "nccl" if cuda else "gloo"
     ctx = init_role_groups(layout, env.rank, env.master_addr, env.master_port, backend=backend,
                            timeout_s=args.timeout_s, local_rank=env.local_rank)
@@ -204,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         for k, (t, d) in enumerate(pairs):
             store_barrier(ctx.store, f"bench/comm/pair{k}", layout.world_size, args.timeout_s)
             if ctx.global_rank in (t, d):
-                rows = _measure_pair(ctx, t, d, sizes, iters, warmup, args.feature_dim, args.timeout_s, args.rounds)
+                rows = _measure_pair(ctx, t, d, cases, iters, warmup, args.timeout_s, args.rounds)
                 if ctx.global_rank == d:
                     ctx.store.set(f"bench/comm/result/{k}", json.dumps(rows))
         result = None
@@ -212,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
             rows = [r for k in range(len(pairs)) for r in json.loads(ctx.store.get(f"bench/comm/result/{k}"))]
             result = {"backend": backend, "layout": {"targets": layout.target_ranks, "drafters": layout.drafter_ranks},
                       "iters": iters, "warmup": warmup, "rounds": args.rounds, "feature_dim": args.feature_dim,
-                      "payload_dtype": "bfloat16" if cuda else "float32", "results": rows,
+                      "payload_dtype": dtype, "training_batch": training, "results": rows,
                       "ratio": _ratios(rows)}
     shutdown(ctx)
     if result is not None:
@@ -231,7 +274,7 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = raw.get((r["src"], r["dst"], r["size"]))
         if r["kind"] == "exchange" and base and base["algbw_gbs"] > 0:
             out.append({"src": r["src"], "dst": r["dst"], "size": r["size"],
-                        "ratio": r["algbw_gbs"] / base["algbw_gbs"]})
+                        "ratio": r["algbw_gbs"] / base["algbw_gbs"], "training_batch": r["training_batch"]})
     return out
 
 
@@ -244,14 +287,23 @@ def _print(result: dict[str, Any]) -> None:
             if (r["src"], r["dst"]) != (src, dst):
                 continue
             x = ratio.get((src, dst, r["size"])) if r["kind"] == "exchange" else None
-            rows.append([human_bytes(r["size"]), r["kind"], str(r["bytes"]), f"{r['time_us']:.1f}",
+            rows.append([human_bytes(r["size"]) + ("*" if r["training_batch"] else ""), r["kind"], str(r["bytes"]),
+                         f"{r['time_us']:.1f}",
                          f"{r['algbw_gbs']:.3f}", "" if x is None else f"{x:.2f}"])
         print_table(f"bench comm: target rank {src} -> drafter rank {dst} ({result['backend']}, "
                     f"median of {result['rounds']} alternating rounds of {result['iters']} messages, "
                     f"exchange payload {result['payload_dtype']})",
                     ["size", "kind", "bytes", "time (us)", "algbw (GB/s)", "exch/raw"], rows,
                     "algbw = bytes / time per message (nccl-tests units; busbw = algbw for send/recv); "
-                    "exch/raw = exchange algbw / raw algbw")
+                    "exch/raw = exchange algbw / raw algbw" + _training_caption(result["training_batch"]))
+
+
+def _training_caption(t: dict[str, Any] | None) -> str:
+    if t is None:
+        return ""
+    return (f"\n* one full training batch of {t['config']}: token budget {t['token_budget']:,} x {t['bytes_per_token']:,} "
+            f"B/token ({t['feature_dim']} context + {t['last_dim']} final hidden values in {t['dtype']}, "
+            f"16 B of ids and mask) = {t['bytes']:,} B")
 
 
 # ---------------------------------------------------------------- shared by the multi-rank benches

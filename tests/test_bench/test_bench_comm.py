@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test_runtime"))  # shared torchrun helpers
-from runtime_utils import bench_torchrun  # noqa: E402
+from runtime_utils import REPO, bench_torchrun  # noqa: E402
 
 
 
@@ -39,3 +39,28 @@ def test_bench_comm_table() -> None:
     assert "target rank 1 -> drafter rank 0" in r.stdout and "exch/raw" in r.stdout and "algbw (GB/s)" in r.stdout
     bad = bench_torchrun(2, ["comm", "--rounds", "0"])
     assert bad.returncode != 0 and "--rounds must be >= 1" in bad.stderr
+
+
+def test_bench_comm_adds_a_row_for_one_training_batch_of_a_config(tiny_target: Path) -> None:
+    """--config: one full batch of that run, token budget x (selected layers + final hidden if KL) x dtype + ids."""
+    from dflash_ds.init_drafter import drafter_arch_from_target
+
+    r = bench_torchrun(2, ["comm", "--sizes", "4K", "--iters", "2", "--warmup", "0", "--rounds", "1", "--config",
+                           str(REPO / "configs/tiny.yaml"), "--set", f"target={tiny_target}",
+                           "--set", "data.token_budget=512", "--set", "loss.kl_weight=0.5", "--json"])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    arch = drafter_arch_from_target(tiny_target, num_layers=2, block_size=8)
+    k, h = len(arch.target_layer_ids), arch.hidden_size
+    per_token = (k * h + h) * 4 + 16  # fp32 on CPU: context + final hidden (KL on), int64 ids and mask
+    t = result["training_batch"]
+    assert (t["feature_dim"], t["last_dim"], t["dtype"], t["token_budget"]) == (k * h, h, "float32", 512)
+    assert t["bytes_per_token"] == per_token and t["bytes"] == 512 * per_token
+    marked = [x for x in result["results"] if x["training_batch"]]
+    assert [(x["size"], x["kind"]) for x in marked] == [(512 * per_token, "raw"), (512 * per_token, "exchange")]
+    exchange = marked[1]
+    assert exchange["bytes"] == t["bytes"] + 8  # one row of 512 tokens: the batch's tensors plus its int64 length
+    assert [x["training_batch"] for x in result["ratio"]] == [False, True]
+    bad = bench_torchrun(2, ["comm", "--sizes", "4K", "--config", str(REPO / "configs/tiny.yaml"),
+                             "--set", "target=/nonexistent/target"])
+    assert bad.returncode != 0 and "/nonexistent/target" in bad.stderr
