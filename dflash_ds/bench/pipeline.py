@@ -2,7 +2,7 @@
 
 Launched like training (`torchrun --nproc_per_node N -m dflash_ds bench pipeline --target T
 --data D`), with training's layout (drafters first, targets last; rank 0 prints). One job, the
-same ranks and the same global batch stream for four measurements, in this order:
+same ranks and the same global batch stream for five measurements, in this order:
 
 (d) colocated: every rank is a colocated worker running the target forward and then the
     drafter step in series, one DeepSpeed engine data-parallel over all ranks, as colocated
@@ -10,6 +10,8 @@ same ranks and the same global batch stream for four measurements, in this order
     the job's store: this job's default groups are role-local (DeepSpeed sees only drafters),
     and a fresh process keeps DeepSpeed's global state its own. It runs before the parent
     loads any model.
+(d') serial: one colocated worker alone on rank 0 (the other ranks idle), the same work in
+    series on one rank: what overlapping the two stages gains, on twice the ranks.
 (a) target capacity: each target rank runs forward + capture of the batches routed to it.
 (b) drafter capacity: each drafter rank runs the DeepSpeed step on the states of its batches,
     captured by an untimed pass of the targets and held in memory.
@@ -272,16 +274,16 @@ def _pipeline_rate(out: Path, warmup: int) -> dict[str, Any]:
             "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"]}
 
 
-def _run_colocated(ctx, env, cfg, args) -> None:
-    """(d): one child process per rank; they meet on the shared store in a fresh world-wide group."""
+def _run_colocated(ctx, env, cfg, args, phase: str, world: int) -> None:
+    """(d) or (d'): one child process per rank below `world`; they meet on the shared store in a fresh group."""
     from dataclasses import asdict
 
-    child_env = dict(os.environ, RANK=str(ctx.global_rank), WORLD_SIZE=str(ctx.layout.world_size),
+    child_env = dict(os.environ, RANK=str(ctx.global_rank), WORLD_SIZE=str(world),
                      LOCAL_RANK=str(env.local_rank), LOCAL_SIZE=str(env.local_world_size or ctx.layout.world_size),
                      MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port + COLOCATED_PORT_OFFSET),
                      DFLASH_BENCH_STORE=f"{env.master_addr}:{env.master_port + STORE_PORT_OFFSET}",
                      DFLASH_BENCH_CONFIG=json.dumps(asdict(cfg)),
-                     DFLASH_BENCH_PHASE=json.dumps({"steps": args.steps, "warmup": args.warmup_steps,
+                     DFLASH_BENCH_PHASE=json.dumps({"name": phase, "steps": args.steps, "warmup": args.warmup_steps,
                                                     "drafters": ctx.layout.num_drafters,
                                                     "timeout_s": args.timeout_s}))
     child_env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
@@ -290,7 +292,7 @@ def _run_colocated(ctx, env, cfg, args) -> None:
     if proc.returncode != 0:
         from dflash_ds.errors import DFlashError
 
-        raise DFlashError(f"colocated baseline failed on rank {ctx.global_rank} (exit {proc.returncode})")
+        raise DFlashError(f"colocated baseline ({phase}) failed on rank {ctx.global_rank} (exit {proc.returncode})")
 
 
 def _colocated_child() -> int:
@@ -317,7 +319,8 @@ def _colocated_child() -> int:
     if cuda:
         torch.cuda.set_device(device)
     store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout)
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("bench/pipeline/colocated", store),
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(f"bench/pipeline/colocated/{phase['name']}",
+                                                                              store),
                             rank=rank, world_size=world, timeout=timeout)
     arch, dtype = resolve_arch(cfg), torch_dtype(cfg, cuda)
     target = load_target(cfg.target, dtype=dtype, device=device)
@@ -334,7 +337,7 @@ def _colocated_child() -> int:
         train_step(engine, cfg, capture(target, batch, arch, device, cfg.loss.kl_weight > 0), k * world + rank, k, dtype)
 
     work = [(k, spec.real_tokens, functools.partial(forward_then_step, k, batch)) for k, spec, batch in loaded]
-    _put(store, f"bench/pipeline/d/{rank}", _timed(work, warmup, device))
+    _put(store, f"bench/pipeline/{phase['name']}/{rank}", _timed(work, warmup, device))
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -376,7 +379,10 @@ def run(args: argparse.Namespace) -> int:
         batches = drafter_batches(data, args.steps, layout.num_drafters)
         wall = {"start": time.perf_counter()}
         if not args.no_colocated:
-            _run_colocated(ctx, env, cfg, args)
+            _run_colocated(ctx, env, cfg, args, "d", world)  # DP over every rank
+            store_barrier(ctx.store, "bench/pipeline/serial", world, args.timeout_s)
+            if lead:  # one worker alone, the other ranks idle: both stages in series on one device
+                _run_colocated(ctx, env, cfg, args, "s", 1)
         store_barrier(ctx.store, "bench/pipeline/a", world, args.timeout_s)
         wall["d"] = time.perf_counter()
         work, captured = _target_work(ctx, cfg, data, batches) if ctx.is_target else ([], [])
@@ -429,6 +435,7 @@ def _result(ctx, cfg, args, arch, out: Path) -> dict[str, Any]:
     c["tok_per_s_per_rank"] = c["tok_per_s"] / lay.world_size
     d = None if args.no_colocated else _gather(ctx.store, "bench/pipeline/d", list(range(lay.world_size)),
                                                 max(1, w * lay.num_drafters // lay.world_size))
+    serial = None if args.no_colocated else _gather(ctx.store, "bench/pipeline/s", [0], max(1, w * lay.num_drafters))
     import torch
 
     from dflash_ds.models.target import read_target_config
@@ -442,13 +449,17 @@ def _result(ctx, cfg, args, arch, out: Path) -> dict[str, Any]:
                    "token_budget": cfg.data.token_budget, "zero_stage": cfg.train.zero_stage,
                    "backend": ctx.backend, "threads_per_rank": torch.get_num_threads(),
                    "stage_timing": "concurrent" if args.concurrent else "one after the other"},
-        "target_capacity": a, "drafter_capacity": b, "pipeline": c, "colocated": d,
+        "target_capacity": a, "drafter_capacity": b, "pipeline": c, "colocated": d, "colocated_serial": serial,
         "target_over_drafter": a["tok_per_s"] / b["tok_per_s"] if b["tok_per_s"] else None,
         "efficiency": c["tok_per_s"] / min(a["tok_per_s"], b["tok_per_s"]) if min(a["tok_per_s"], b["tok_per_s"]) else None,
         "speedup": c["tok_per_s"] / d["tok_per_s"] if d and d["tok_per_s"] else None,
         # The same ratios from median rates (per step; per log window for (c)): steadier on shared machines.
         "efficiency_median": c["tok_per_s_median"] / min(a["tok_per_s_median"], b["tok_per_s_median"]),
         "speedup_median": c["tok_per_s_median"] / d["tok_per_s_median"] if d else None,
+        # Against one colocated worker alone (the stages in series on one rank): what overlapping the
+        # stages gains; the pipeline uses world_size ranks for it (see tok_per_s_per_rank).
+        "speedup_serial": c["tok_per_s"] / serial["tok_per_s"] if serial and serial["tok_per_s"] else None,
+        "speedup_serial_median": c["tok_per_s_median"] / serial["tok_per_s_median"] if serial else None,
     }
 
 
@@ -459,19 +470,23 @@ def _print(r: dict[str, Any]) -> None:
             ["(c) pipeline (the trainer)", r["pipeline"], f"{c['num_target_ranks']}+{c['num_drafter_ranks']}"]]
     if r["colocated"]:
         rows.append(["(d) colocated, target then step, DP", r["colocated"], f"{r['colocated']['ranks']} colocated"])
-    table = [[name, ranks, f"{x['tok_per_s']:,.0f}", f"{x['tok_per_s_median']:,.0f}", f"{x['tokens']:,}",
-              f"{x['seconds']:.2f}"] for name, x, ranks in rows]
+    if r.get("colocated_serial"):
+        rows.append(["(d') one colocated worker alone (serial)", r["colocated_serial"], "1 colocated"])
+    table = [[name, ranks, f"{x['tok_per_s']:,.0f}", f"{x['tok_per_s_per_rank']:,.0f}", f"{x['tok_per_s_median']:,.0f}",
+              f"{x['tokens']:,}", f"{x['seconds']:.2f}"] for name, x, ranks in rows]
     print_table(f"bench pipeline: target {c['target_layers']} layers, drafter {c['drafter_layers']} layers, "
                 f"hidden {c['hidden_size']}, token budget {c['token_budget']}, ZeRO-{c['zero_stage']}, "
                 f"{c['backend']}, {c['threads_per_rank']} thread(s)/rank, steps {c['warmup_steps']}..{c['steps']} timed, "
                 f"(a) and (b) timed {c['stage_timing']}",
-                ["phase", "ranks", "tok/s", "median tok/s", "tokens", "seconds"], table,
+                ["phase", "ranks", "tok/s", "tok/s per rank", "median tok/s", "tokens", "seconds"], table,
                 f"tokens = real (non-padding) tokens; median = over windows of {c['warmup_steps']} steps "
                 "((c): its log windows)")
     print(f"a/b = {r['target_over_drafter']:.2f}; efficiency = (c) / min(a, b) = {r['efficiency']:.3f} "
           f"(medians: {r['efficiency_median']:.3f})"
           + (f"; speed-up = (c) / (d) = {r['speedup']:.2f}x (medians: {r['speedup_median']:.2f}x)"
-             if r["speedup"] else ""), flush=True)
+             if r["speedup"] else "")
+          + (f"; over one serial worker = (c) / (d') = {r['speedup_serial']:.2f}x "
+             f"(medians: {r['speedup_serial_median']:.2f}x)" if r.get("speedup_serial") else ""), flush=True)
 
 
 if __name__ == "__main__":  # the colocated worker started by _run_colocated

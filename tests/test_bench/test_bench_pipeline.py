@@ -37,12 +37,15 @@ def test_bench_pipeline_json(tiny_target_factory, tmp_path: Path) -> None:
     # (a), (b) and the trainer's timed windows covered the same batches (steps 2..5 of drafter 0)
     assert a["tokens"] == b["tokens"] == p["tokens"]
     assert d["ranks"] == 2 and a["ranks"] == b["ranks"] == 1
+    serial = res["colocated_serial"]  # one worker, both stages in series, the same batches as the pipeline
+    assert serial["ranks"] == 1 and serial["tokens"] == p["tokens"]
+    assert res["speedup_serial"] == pytest.approx(p["tok_per_s"] / serial["tok_per_s"])
     assert res["efficiency"] == pytest.approx(p["tok_per_s"] / min(a["tok_per_s"], b["tok_per_s"]))
     assert res["speedup"] == pytest.approx(p["tok_per_s"] / d["tok_per_s"])
     assert res["target_over_drafter"] == pytest.approx(a["tok_per_s"] / b["tok_per_s"])
     assert set(res["phase_wall_s"]) == {"d", "setup", "ab", "c"}
     assert c["stage_timing"] == "one after the other"
-    for key in ("efficiency_median", "speedup_median"):
+    for key in ("efficiency_median", "speedup_median", "speedup_serial_median"):
         assert res[key] > 0
     assert all(phase["tok_per_s_median"] > 0 for phase in (a, b, p, d))
     assert (out / "metrics.jsonl").is_file()  # phase (c) was the trainer itself
