@@ -292,7 +292,8 @@ def _print(result: dict[str, Any]) -> None:
                          f"{r['algbw_gbs']:.3f}", "" if x is None else f"{x:.2f}"])
         print_table(f"bench comm: target rank {src} -> drafter rank {dst} ({result['backend']}, "
                     f"median of {result['rounds']} alternating rounds of {result['iters']} messages, "
-                    f"exchange payload {result['payload_dtype']})",
+                    f"exchange payload {result['payload_dtype']}"
+                    + (f", * row {result['training_batch']['dtype']}" if result["training_batch"] else "") + ")",
                     ["size", "kind", "bytes", "time (us)", "algbw (GB/s)", "exch/raw"], rows,
                     "algbw = bytes / time per message (nccl-tests units; busbw = algbw for send/recv); "
                     "exch/raw = exchange algbw / raw algbw" + _training_caption(result["training_batch"]))
