@@ -6,12 +6,9 @@ same ranks and the same global batch stream for five measurements, in this order
 
 (d) colocated: every rank is a colocated worker running the target forward and then the
     drafter step in series, one DeepSpeed engine data-parallel over all ranks, as colocated
-    trainers do. It runs in a child process per rank that joins a fresh world-wide group on
-    the job's store: this job's default groups are role-local (DeepSpeed sees only drafters),
-    and a fresh process keeps DeepSpeed's global state its own. It runs before the parent
-    loads any model.
+    trainers do, in child processes (`bench/colocated.py`) before the parent loads any model.
 (d') serial: one colocated worker alone on rank 0 (the other ranks idle), the same work in
-    series on one rank: what overlapping the two stages gains, on twice the ranks.
+    series on one rank: what overlapping the two stages gains, on world-size times the ranks.
 (a) target capacity: each target rank runs forward + capture of the batches routed to it.
 (b) drafter capacity: each drafter rank runs the DeepSpeed step on the states of its batches,
     captured by an untimed pass of the targets and held in memory.
@@ -23,7 +20,8 @@ same ranks and the same global batch stream for five measurements, in this order
 
 Each phase runs `--steps` steps and times all but the first `--warmup-steps` (for (c), the
 first log window, which is dropped). Tokens are real (non-padding) tokens, summed over the
-ranks of a phase and divided by the slowest rank's time.
+ranks of a phase and divided by the slowest rank's time. The per-batch work of every phase is
+in `bench/stages.py`.
 """
 
 from __future__ import annotations
@@ -34,19 +32,16 @@ import gc
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dflash_ds.bench.comm import print_table, quiet_stdout, store_barrier
+from dflash_ds.bench.stages import capture, make_engine, put, timed, train_step
 from dflash_ds.config import Config  # light (dataclasses, yaml): fine for the --help import
 
 BENCH_CHANNEL = 40
-STORE_PORT_OFFSET = 1  # topology's shared TCPStore
-COLOCATED_PORT_OFFSET = 5  # MASTER_PORT seen by the colocated children (a rendezvous port of their own)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,71 +94,6 @@ def drafter_batches(data, steps: int, num_drafters: int) -> list[tuple[int, int,
     return out
 
 
-def capture(target, batch: dict, arch, device, keep_last: bool) -> dict:
-    """Target forward + capture of one loaded batch, as a target rank does it."""
-    import torch
-
-    from dflash_ds.models.target import capture_hidden
-
-    ids = batch["input_ids"].to(device)
-    attn = (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None]).long().to(device)
-    context, last = capture_hidden(target, ids, attn, arch.target_layer_ids)
-    out = {"input_ids": ids, "loss_mask": batch["loss_mask"].to(device), "lengths": batch["lengths"].to(device),
-           "context": context.contiguous()}
-    if keep_last:
-        out["last_hidden"] = last.contiguous()
-    return out
-
-
-def make_engine(cfg: Config, dtype: Any) -> Any:
-    """The drafter's DeepSpeed engine over the current default process group, as run_drafter builds it."""
-    import torch
-
-    from dflash_ds.models.drafter import DFlashDrafter
-    from dflash_ds.models.target import load_target_head
-    from dflash_ds.runtime.engine import DrafterTrainModule, build_engine, load_ds_config, resolve_ds_config
-    from dflash_ds.runtime.plan import resolve_arch
-
-    if cfg.drafter:
-        drafter = DFlashDrafter.from_pretrained(cfg.drafter)
-    else:
-        drafter = DFlashDrafter(resolve_arch(cfg))
-        drafter.init_weights(cfg.train.seed)
-    embed, head = load_target_head(cfg.target)
-    module = DrafterTrainModule(drafter, embed, head)
-    return build_engine(module, cfg, load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16))
-
-
-def train_step(engine: Any, cfg: Config, tensors: dict, batch_id: int, step: int, dtype) -> float:
-    """One drafter step exactly as run_drafter takes it (anchors and noise seeded per batch); returns the loss."""
-    from dflash_ds.components.objective import TargetStates
-    from dflash_ds.components.schedules import noise_std_at
-    from dflash_ds.runtime.drafter_worker import ANCHOR_SALT, NOISE_SALT
-    from dflash_ds.runtime.plan import batch_seed
-
-    states = TargetStates(tensors["input_ids"], tensors["loss_mask"], tensors["lengths"],
-                          tensors["context"].to(dtype), tensors.get("last_hidden"))
-    noise = noise_std_at(step, max_std=cfg.noise.max_std, min_std=cfg.noise.min_std,
-                         warmup_steps=cfg.noise.warmup_steps, total_steps=cfg.train.max_steps)
-    terms, _ = engine(states, cfg.loss, batch_seed(cfg.train.seed, batch_id, ANCHOR_SALT), noise,
-                      batch_seed(cfg.train.seed, batch_id, NOISE_SALT))
-    engine.backward(terms.loss)
-    engine.step()
-    engine.get_global_grad_norm()
-    return terms.loss.item()
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _put(store, key: str, value: Any) -> None:
-    store.set(key, json.dumps(value))
-
-
 def _gather(store, key: str, ranks: list[int], window: int) -> dict[str, Any]:
     """Ranks' [tokens, seconds, items] -> summed tokens / slowest seconds, and summed per-rank median rates."""
     # The median over windows of `window` items (what one of (c)'s log windows holds) moves less than
@@ -183,20 +113,6 @@ def _gather(store, key: str, ranks: list[int], window: int) -> dict[str, Any]:
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     return 0.0 if not xs else (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
-
-
-def _timed(work: list[tuple[int, int, Callable[[], Any]]], warmup: int, device) -> list:
-    """Run (step, real tokens, fn) items in order; [real tokens, seconds, [(tokens, seconds)]] from step `warmup` on."""
-    tokens, seconds, items = 0, 0.0, []
-    for step, n, fn in work:
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if step >= warmup:
-            dt = time.perf_counter() - t0
-            tokens, seconds = tokens + n, seconds + dt
-            items.append((n, dt))
-    return [tokens, seconds, items]
 
 
 def _target_work(ctx, cfg, data, batches) -> tuple[list, list]:
@@ -231,8 +147,8 @@ def _measure_stages(ctx, work: list, args) -> None:
     for k, turn in enumerate(turns):
         store_barrier(ctx.store, f"bench/pipeline/ab{k}", world, args.timeout_s)
         if turn is None or turn == ctx.is_target:
-            _put(ctx.store, f"bench/pipeline/{'a' if ctx.is_target else 'b'}/{ctx.global_rank}",
-                 _timed(work, args.warmup_steps, ctx.device))
+            put(ctx.store, f"bench/pipeline/{'a' if ctx.is_target else 'b'}/{ctx.global_rank}",
+                 timed(work, args.warmup_steps, ctx.device))
         if turn is None:
             # Keep this rank busy (untimed) until every rank is done, so no stage is timed on an idle machine.
             key, i = "bench/pipeline/ab_done", 0
@@ -274,75 +190,6 @@ def _pipeline_rate(out: Path, warmup: int) -> dict[str, Any]:
             "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"]}
 
 
-def _run_colocated(ctx, env, cfg, args, phase: str, world: int) -> None:
-    """(d) or (d'): one child process per rank below `world`; they meet on the shared store in a fresh group."""
-    from dataclasses import asdict
-
-    child_env = dict(os.environ, RANK=str(ctx.global_rank), WORLD_SIZE=str(world),
-                     LOCAL_RANK=str(env.local_rank), LOCAL_SIZE=str(env.local_world_size or ctx.layout.world_size),
-                     MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port + COLOCATED_PORT_OFFSET),
-                     DFLASH_BENCH_STORE=f"{env.master_addr}:{env.master_port + STORE_PORT_OFFSET}",
-                     DFLASH_BENCH_CONFIG=json.dumps(asdict(cfg)),
-                     DFLASH_BENCH_PHASE=json.dumps({"name": phase, "steps": args.steps, "warmup": args.warmup_steps,
-                                                    "drafters": ctx.layout.num_drafters,
-                                                    "timeout_s": args.timeout_s}))
-    child_env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    proc = subprocess.run([sys.executable, "-m", "dflash_ds.bench.pipeline"], env=child_env, stdout=sys.stderr,
-                          timeout=args.timeout_s * 2)
-    if proc.returncode != 0:
-        from dflash_ds.errors import DFlashError
-
-        raise DFlashError(f"colocated baseline ({phase}) failed on rank {ctx.global_rank} (exit {proc.returncode})")
-
-
-def _colocated_child() -> int:
-    """Body of one colocated worker: target forward then drafter step, DP over every rank."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from dflash_ds.config import load_config
-    from dflash_ds.data.batching import Cursor
-    from dflash_ds.models.target import load_target
-    from dflash_ds.runtime.plan import load_batch, open_data, resolve_arch, torch_dtype
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    phase = json.loads(os.environ["DFLASH_BENCH_PHASE"])
-    cfg = load_config(None, json.loads(os.environ["DFLASH_BENCH_CONFIG"]))
-    addr, port = os.environ["DFLASH_BENCH_STORE"].rsplit(":", 1)
-    timeout = datetime.timedelta(seconds=phase["timeout_s"])
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        torch.set_num_threads(1)
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout)
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(f"bench/pipeline/colocated/{phase['name']}",
-                                                                              store),
-                            rank=rank, world_size=world, timeout=timeout)
-    arch, dtype = resolve_arch(cfg), torch_dtype(cfg, cuda)
-    target = load_target(cfg.target, dtype=dtype, device=device)
-    engine = make_engine(cfg, dtype)
-    data = open_data(cfg, world, arch.vocab_size)
-    # The same global batch stream as the pipeline's first steps x drafters batches, `world` per step.
-    n_steps = -(-phase["steps"] * phase["drafters"] // world)
-    warmup = -(-phase["warmup"] * phase["drafters"] // world)
-    mine = [(k, specs[rank]) for k, (_, specs) in zip(range(n_steps), data.steps(Cursor(0, 0)))]
-    loaded = [(k, spec, load_batch(data.dataset, spec)) for k, spec in mine]  # loading is not timed, as in (a)
-
-    def forward_then_step(k: int, batch: dict) -> None:
-        """What a colocated worker does per batch."""
-        train_step(engine, cfg, capture(target, batch, arch, device, cfg.loss.kl_weight > 0), k * world + rank, k, dtype)
-
-    work = [(k, spec.real_tokens, functools.partial(forward_then_step, k, batch)) for k, spec, batch in loaded]
-    _put(store, f"bench/pipeline/{phase['name']}/{rank}", _timed(work, warmup, device))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
     """Entry point of `dflash-ds bench pipeline` (one process per rank)."""
     import torch
@@ -379,10 +226,12 @@ def run(args: argparse.Namespace) -> int:
         batches = drafter_batches(data, args.steps, layout.num_drafters)
         wall = {"start": time.perf_counter()}
         if not args.no_colocated:
-            _run_colocated(ctx, env, cfg, args, "d", world)  # DP over every rank
+            from dflash_ds.bench.colocated import run_colocated
+
+            run_colocated(ctx, env, cfg, args, "d", world)  # DP over every rank
             store_barrier(ctx.store, "bench/pipeline/serial", world, args.timeout_s)
             if lead:  # one worker alone, the other ranks idle: both stages in series on one device
-                _run_colocated(ctx, env, cfg, args, "s", 1)
+                run_colocated(ctx, env, cfg, args, "s", 1)
         store_barrier(ctx.store, "bench/pipeline/a", world, args.timeout_s)
         wall["d"] = time.perf_counter()
         work, captured = _target_work(ctx, cfg, data, batches) if ctx.is_target else ([], [])
@@ -488,6 +337,3 @@ def _print(r: dict[str, Any]) -> None:
           + (f"; over one serial worker = (c) / (d') = {r['speedup_serial']:.2f}x "
              f"(medians: {r['speedup_serial_median']:.2f}x)" if r.get("speedup_serial") else ""), flush=True)
 
-
-if __name__ == "__main__":  # the colocated worker started by _run_colocated
-    raise SystemExit(_colocated_child())
