@@ -140,9 +140,9 @@ class TopologyConfig:
     """Which ranks run the target and which train the drafter."""
 
     num_target_ranks: int = 1
-    """Target ranks in the whole job (first ranks), unless targets_per_node is set."""
+    """Target ranks in the whole job (the last ranks: drafters take the first), unless targets_per_node is set."""
     targets_per_node: int = 0
-    """If > 0: the first N local ranks of every node are targets."""
+    """If > 0: the last N local ranks of every node are targets, each node's targets feeding only its drafters."""
 
 
 @dataclass

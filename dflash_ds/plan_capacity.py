@@ -125,8 +125,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "per_drafter_in_bytes_per_s": wire["total"] * tok / best["drafter_ranks"],
         "per_target_out_bytes_per_s": wire["total"] * tok / best["target_ranks"],
         "total_bytes_per_s": wire["total"] * tok,
-        # route() spreads every drafter's batches over all targets, wherever they are.
-        "cross_node_fraction": (args.nodes - 1) / args.nodes,
+        # With more than one node the split is per node (--targets-per-node), and a per-node layout
+        # routes every drafter's batches to the targets of its own node (Layout.route).
+        "cross_node_fraction": 0.0,
     }
     return out
 
@@ -182,7 +183,8 @@ def report(p: dict[str, Any]) -> str:
               f"{_gb(links['per_target_out_bytes_per_s'])}",
               f"  whole job           {_gb(links['total_bytes_per_s'])}"]
     if p["nodes"] > 1:
-        lines.append(f"  about {links['cross_node_fraction']:.0%} of it crosses nodes (batches are routed over all targets)")
+        lines.append(f"  {links['cross_node_fraction']:.0%} of it crosses nodes: with --targets-per-node every drafter is "
+                     "fed by the targets of its own node")
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ FLAGS = [
     ("--ds-config", "train.ds_config", str, "explicit DeepSpeed JSON (overrides --zero-stage)"),
     ("--gamma", "loss.gamma", float, "position decay gamma of the loss"),
     ("--num-target-ranks", "topology.num_target_ranks", int, "ranks that run the target (the last ones)"),
-    ("--targets-per-node", "topology.targets_per_node", int, "per-node layout: the last N local ranks are targets"),
+    ("--targets-per-node", "topology.targets_per_node", int, "per-node layout: the last N local ranks are targets, each feeding the drafters of its own node"),
     ("--wandb-project", "wandb.project", str, "W&B project"),
     ("--wandb-run-name", "wandb.run_name", str, "W&B run name"),
 ]

@@ -118,12 +118,12 @@ def _median(xs: list[float]) -> float:
 def _target_work(ctx, cfg, data, batches) -> tuple[list, list]:
     """(a)'s work on a target rank (forward + capture of each routed batch), and the states of an untimed pass."""
     from dflash_ds.models.target import load_target
-    from dflash_ds.runtime.plan import load_batch, resolve_arch, route, torch_dtype
+    from dflash_ds.runtime.plan import load_batch, resolve_arch, torch_dtype
 
     lay, arch, keep = ctx.layout, resolve_arch(cfg), cfg.loss.kl_weight > 0
     model = load_target(cfg.target, dtype=torch_dtype(cfg, ctx.device.type == "cuda"), device=ctx.device)
     mine = [(s, d, spec, load_batch(data.dataset, spec)) for s, d, spec in batches
-            if route(s, d, lay.num_drafters, lay.num_targets) == ctx.role_rank]
+            if lay.route(s, d) == ctx.role_rank]
     captured = [(s, d, capture(model, b, arch, ctx.device, keep)) for s, d, _, b in mine]
     work = [(s, spec.real_tokens, functools.partial(capture, model, b, arch, ctx.device, keep)) for s, _, spec, b in mine]
     return work, captured
@@ -164,8 +164,6 @@ def _measure_stages(ctx, work: list, args) -> None:
 def _exchange_states(ctx, captured: list, steps: int) -> list:
     """Targets hand the states of (a) to their drafters, in the order the trainer would (untimed)."""
     from dflash_ds.distributed import bridge as bridge_mod
-    from dflash_ds.runtime.plan import route
-
     lay = ctx.layout
     if ctx.is_target:
         sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.timeout_s)
@@ -174,7 +172,7 @@ def _exchange_states(ctx, captured: list, steps: int) -> list:
         sender.flush()
         return []
     d = ctx.role_rank
-    return [bridge_mod.recv_batch(ctx.bridge, lay.target_ranks[route(s, d, lay.num_drafters, lay.num_targets)],
+    return [bridge_mod.recv_batch(ctx.bridge, lay.target_ranks[lay.route(s, d)],
                                   ctx.timeout_s, tag=BENCH_CHANNEL, device=ctx.device) for s in range(steps)]
 
 

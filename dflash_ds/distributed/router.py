@@ -3,9 +3,9 @@
 Drafters train in lockstep: micro-step s needs one micro-batch on each of the D
 drafters, so global batch g = s * D + d goes to drafter d. The target that
 computes it is t = g % T, which keeps the T targets within one batch of each
-other over any prefix of the stream, whatever the ratio of T to D. When
-T == D every drafter always talks to the same target (t == d), which a
-per-node layout turns into node-local traffic.
+other over any prefix of the stream, whatever the ratio of T to D. This is
+the rule of a global layout; a per-node layout routes within each node
+instead (`topology.Layout.route`, the same argument per node).
 
 Deadlock freedom with blocking FIFO point-to-point channels: every target
 sends its batches in increasing g and every drafter receives its batches in

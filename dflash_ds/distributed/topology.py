@@ -53,7 +53,11 @@ class Layout:
     world_size: int
     target_ranks: list[int]
     drafter_ranks: list[int]
+    # Set for a per-node layout (every node runs this many ranks, some targets, some drafters):
+    # batches are then routed within each node (see `route`).
+    ranks_per_node: int | None = None
     _index: dict[int, tuple[Role, int]] = field(init=False, repr=False, compare=False)
+    _local: dict[int, tuple[list[int], int, int]] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ranks = sorted(self.target_ranks + self.drafter_ranks)
@@ -71,6 +75,41 @@ class Layout:
         self.drafter_ranks = sorted(self.drafter_ranks)
         self._index = {r: (TARGET, i) for i, r in enumerate(self.target_ranks)}
         self._index.update({r: (DRAFTER, i) for i, r in enumerate(self.drafter_ranks)})
+        self._local = self._node_routes() if self.ranks_per_node else None
+
+    def _node_routes(self) -> dict[int, tuple[list[int], int, int]] | None:
+        """Per drafter: (target indices on its node, its position among the node's drafters, their number)."""
+        g = self.ranks_per_node
+        assert g
+        targets_on: dict[int, list[int]] = {}
+        drafters_on: dict[int, list[int]] = {}
+        for i, r in enumerate(self.target_ranks):
+            targets_on.setdefault(r // g, []).append(i)
+        for d, r in enumerate(self.drafter_ranks):
+            drafters_on.setdefault(r // g, []).append(d)
+        if any(node not in targets_on for node in drafters_on):
+            return None  # a node without targets: route over all targets
+        return {d: (targets_on[node], pos, len(ds)) for node, ds in drafters_on.items() for pos, d in enumerate(ds)}
+
+    @property
+    def node_local(self) -> bool:
+        """Whether every drafter is fed only by the targets of its own node."""
+        return self._local is not None
+
+    def route(self, step: int, drafter_idx: int) -> int:
+        """Index of the target that computes drafter `drafter_idx`'s batch of micro-step `step`.
+
+        Global layout: global batch g = step * D + d goes to target g mod T (`distributed/router.py`).
+        Per-node layout: to a target on the drafter's own node, round robin over that node's targets
+        in the order of the node's batches (step * D_node + position of d on the node), so hidden
+        states never cross nodes and the node's targets share its drafters' batches evenly. Either
+        way every target computes its batches, and every drafter receives them, in increasing g:
+        FIFO channels cannot deadlock.
+        """
+        if self._local is None:
+            return (step * self.num_drafters + drafter_idx) % self.num_targets
+        targets, pos, n_local = self._local[drafter_idx]
+        return targets[(step * n_local + pos) % len(targets)]
 
     @property
     def num_targets(self) -> int:
@@ -97,7 +136,7 @@ class Layout:
     def describe(self) -> str:
         """One line for the console: which ranks do what."""
         return (f"{self.world_size} ranks: targets {self.target_ranks}, "
-                f"drafters {self.drafter_ranks}")
+                f"drafters {self.drafter_ranks}" + ("; routed within each node" if self.node_local else ""))
 
     def _lookup(self, rank: int) -> tuple[Role, int]:
         if rank not in self._index:
@@ -152,7 +191,7 @@ def make_layout(
         targets = [n * nproc_per_node + i for n in range(nodes) for i in range(k)]
     is_target = set(targets)
     drafters = [r for r in range(world_size) if r not in is_target]
-    return Layout(world_size, targets, drafters)
+    return Layout(world_size, targets, drafters, ranks_per_node=nproc_per_node if targets_per_node else None)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from dflash_ds.runtime import faults
 from dflash_ds.runtime.engine import (DrafterTrainModule, build_engine, gathered_drafter_state, load_ds_config,
                                       resolve_ds_config)
 from dflash_ds.runtime.monitor import Monitor, scrub_secrets
-from dflash_ds.runtime.plan import DataPlan, batch_seed, last_step, resolve_arch, route, torch_dtype
+from dflash_ds.runtime.plan import DataPlan, batch_seed, last_step, resolve_arch, torch_dtype
 from dflash_ds.runtime.target_worker import CONTROL_TAG
 from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
 
@@ -57,7 +57,7 @@ class Receiver:
     def _work(self, start: int, stop: int) -> None:
         layout, d = self.ctx.layout, self.ctx.role_rank
         schedule = ((step * layout.num_drafters + d,
-                     layout.target_ranks[route(step, d, layout.num_drafters, layout.num_targets)])
+                     layout.target_ranks[layout.route(step, d)])
                     for step in range(start, stop))
         try:
             # The next header is posted right behind each payload, so it usually waits on arrival.
@@ -216,7 +216,7 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
         receiver.release(tensors)  # nothing below reads the batch's tensors
         record_file.write(json.dumps({"step": step, "batch_id": batch_id, "bucket": int(meta["bucket"]),
                                       "epoch_after": int(meta["epoch_after"]), "loss": loss,
-                                      "skipped": bad}) + "\n")
+                                      "skipped": bad, "target_rank": int(meta["target_rank"])}) + "\n")
         record_file.flush()
         last_cursor = Cursor(int(meta["epoch_after"]), int(meta["index_after"]))
         vec = [loss if math.isfinite(loss) else 0.0, 1.0] + [float(sums[k]) for k in SUM_KEYS] + [

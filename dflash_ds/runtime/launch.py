@@ -20,7 +20,8 @@ def job_layout(cfg: Config, world_size: int, local_world_size: int | None) -> La
     base = make_layout(world_size, None if per_node else cfg.topology.num_target_ranks,
                        nproc_per_node=local_world_size, targets_per_node=per_node)
     targets = sorted(world_size - 1 - r for r in base.target_ranks)
-    return Layout(world_size, targets, [r for r in range(world_size) if r not in set(targets)])
+    return Layout(world_size, targets, [r for r in range(world_size) if r not in set(targets)],
+                  ranks_per_node=base.ranks_per_node)
 
 
 def validate_job(cfg: Config, world_size: int, local_world_size: int | None) -> Layout:

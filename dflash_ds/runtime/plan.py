@@ -121,15 +121,6 @@ def load_batch(dataset, spec: BatchSpec, pad_id: int = 0) -> dict[str, torch.Ten
     return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask, "lengths": lengths}
 
 
-def route(step: int, drafter_idx: int, num_drafters: int, num_targets: int) -> int:
-    """Target index that computes drafter d's batch of a step: global batch g = step*D + d goes to g % T.
-
-    Targets are loaded evenly for any T:D, and each target computes its batches in increasing g,
-    which every drafter also receives in increasing g: FIFO channels never deadlock.
-    """
-    return (step * num_drafters + drafter_idx) % num_targets
-
-
 def batch_seed(seed: int, global_batch: int, salt: int) -> int:
     """Seed of a per-batch generator (anchors, noise): a pure function, so resume is exact."""
     return (seed * 1_000_003 + global_batch * 7919 + salt) % (2**63 - 1)

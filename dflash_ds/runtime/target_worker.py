@@ -22,7 +22,7 @@ from dflash_ds.distributed.topology import RoleContext
 from dflash_ds.models.target import capture_layers, load_target
 from dflash_ds.runtime import faults
 from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
-from dflash_ds.runtime.plan import DataPlan, last_step, resolve_arch, route, torch_dtype
+from dflash_ds.runtime.plan import DataPlan, last_step, resolve_arch, torch_dtype
 
 CONTROL_TAG = 7
 
@@ -37,7 +37,7 @@ def receive_start(ctx: RoleContext, leader: int, timeout_s: float) -> tuple[int,
 def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog) -> int:
     """Serve every batch routed to this target until the last step (or the drafters' stop step)."""
     layout = ctx.layout
-    t_idx, n_t, n_d = ctx.role_rank, layout.num_targets, layout.num_drafters
+    t_idx, n_d = ctx.role_rank, layout.num_drafters
     arch = resolve_arch(cfg)
     dtype = torch_dtype(cfg, ctx.device.type == "cuda")
     target = load_target(cfg.target, dtype=dtype, device=ctx.device)
@@ -53,7 +53,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
             if step >= last_step(cfg):
                 return
             for d, spec in enumerate(specs):
-                if route(step, d, n_d, n_t) == t_idx:
+                if layout.route(step, d) == t_idx:
                     routed.append((step, d))
                     yield after, spec
             step += 1
@@ -103,7 +103,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
             "bucket": spec.bucket, "epoch_after": after.epoch, "index_after": after.batch_index,
             "real_tokens": spec.real_tokens, "padded_tokens": spec.padded_tokens, "num_seqs": spec.num_seqs,
             "tgt_forward_s": fwd, "tgt_batch_per_s": served / max(time.perf_counter() - t_start, 1e-9),
-            "in_flight": sender.in_flight(),
+            "in_flight": sender.in_flight(), "target_rank": ctx.global_rank,
         }
         sender.send(layout.drafter_ranks[d], tensors, meta, batch_id=step * n_d + d)
     loader.close()

@@ -46,7 +46,7 @@ def test_per_node_split_and_bench_input(capsys, tmp_path) -> None:
     p = plan_json(capsys, "--gpus", "16", "--nodes", "2", "--from-bench", str(bench))
     best = p["split"]["best"]
     assert best["targets_per_node"] == 4 and best["target_ranks"] == 8 and best["tok_per_s"] == 8000
-    assert p["links"]["cross_node_fraction"] == 0.5
+    assert p["links"]["cross_node_fraction"] == 0.0  # per-node layout: routed within each node
 
 
 def test_text_report_and_errors(capsys) -> None:

@@ -57,7 +57,7 @@ def test_resume_and_unbounded_plans() -> None:
 
 
 def simulate(T: int, D: int, steps: int, send_depth: int, recv_depth: int,
-             target_plans: list[list[int]] | None = None) -> str:
+             target_plans: list[list[int]] | None = None, owner=None) -> str:
     """Run targets and lockstep drafters over rendezvous FIFO channels: "done", "deadlock" or "mismatch".
 
     A send completes only when its receiver has posted the matching receive
@@ -68,6 +68,7 @@ def simulate(T: int, D: int, steps: int, send_depth: int, recv_depth: int,
     """
     if target_plans is None:
         target_plans = [[r.global_batch for r in plan_for_target(t, T, D, steps)] for t in range(T)]
+    owner = owner or (lambda g: g % T)  # which target computes global batch g
     drafter_plans = [[r.global_batch for r in plan_for_drafter(d, T, D, steps)] for d in range(D)]
     sends: dict[tuple[int, int], deque[int]] = {}
     recvs: dict[tuple[int, int], deque[int]] = {}
@@ -91,7 +92,7 @@ def simulate(T: int, D: int, steps: int, send_depth: int, recv_depth: int,
             in_barrier = trained[d] > min(trained)
             if not in_barrier and posted[d] < steps and posted[d] - trained[d] < recv_depth:
                 g = drafter_plans[d][posted[d]]
-                recvs.setdefault((g % T, d), deque()).append(g)
+                recvs.setdefault((owner(g), d), deque()).append(g)
                 posted[d] += 1
                 progress = True
         for key in set(sends) & set(recvs):
@@ -130,3 +131,55 @@ def test_queue_depth_meter() -> None:
     assert meter.summary("q") == {"q/mean": 1.0, "q/max": 2.0, "q/last_min": 1.0, "q/peer1": 1.0, "q/peer2": 1.0}
     meter.reset()
     assert meter.summary() == {}
+
+
+# ---------------------------------------------------------------- per-node layouts: routed within each node
+
+PER_NODE = [(2, 4, 1), (2, 4, 2), (3, 3, 1), (2, 5, 2), (3, 4, 3), (4, 2, 1)]  # (nodes, ranks per node, targets/node)
+
+
+def _per_node(nodes: int, per_node: int, k: int):
+    from dflash_ds.config import Config
+    from dflash_ds.runtime.launch import job_layout
+
+    cfg = Config()
+    cfg.topology.targets_per_node = k
+    return job_layout(cfg, nodes * per_node, per_node)  # drafters first, as the trainer lays them out
+
+
+@pytest.mark.parametrize("nodes, per_node, k", PER_NODE)
+def test_per_node_layout_routes_within_each_node(nodes: int, per_node: int, k: int) -> None:
+    lay = _per_node(nodes, per_node, k)
+    assert lay.node_local and "routed within each node" in lay.describe()
+    T, D = lay.num_targets, lay.num_drafters
+    loads = [0] * T
+    for s in range(STEPS):
+        for d in range(D):
+            t = lay.route(s, d)
+            assert lay.target_ranks[t] // per_node == lay.drafter_ranks[d] // per_node  # same node
+            loads[t] += 1
+    # The node's targets share its drafters' batches evenly (within one batch, per node).
+    for node in range(nodes):
+        mine = [loads[t] for t, r in enumerate(lay.target_ranks) if r // per_node == node]
+        assert max(mine) - min(mine) <= 1
+
+
+@pytest.mark.parametrize("nodes, per_node, k", PER_NODE)
+@pytest.mark.parametrize("send_depth, recv_depth", [(1, 1), (2, 2)])
+def test_per_node_routing_never_deadlocks(nodes: int, per_node: int, k: int, send_depth: int, recv_depth: int) -> None:
+    lay = _per_node(nodes, per_node, k)
+    T, D = lay.num_targets, lay.num_drafters
+    # What the target worker serves: its batches in step order, drafters in order within a step.
+    plans = [[s * D + d for s in range(STEPS) for d in range(D) if lay.route(s, d) == t] for t in range(T)]
+    assert sorted(g for plan in plans for g in plan) == list(range(STEPS * D))
+    assert simulate(T, D, STEPS, send_depth, recv_depth, target_plans=plans,
+                    owner=lambda g: lay.route(g // D, g % D)) == "done"
+
+
+def test_global_layout_routes_as_the_router() -> None:
+    from dflash_ds.distributed.topology import make_layout
+
+    lay = make_layout(7, 3)
+    assert not lay.node_local
+    assert [lay.route(s, d) for s in range(5) for d in range(4)] == [
+        route(s * 4 + d, 3, 4).target_idx for s in range(5) for d in range(4)]

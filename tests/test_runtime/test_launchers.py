@@ -15,10 +15,11 @@ SHORT = ["--config", str(REPO / "configs/tiny.yaml"), "--max-steps", "3", "--tra
 
 
 def test_two_torchrun_agents_nnodes_2(setup, tmp_path):
-    """Two agents with c10d rendezvous on localhost: 2 nodes x 2 ranks, one target per node."""
+    """Two agents with c10d rendezvous on localhost: 2 nodes x 3 ranks, one target per node feeding the
+    two drafters of its node (T = 2, D = 4: a global rule g mod T would send half the batches across)."""
     target, data = setup
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "3",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "t",
            "--master_port", str(port), "-m", "dflash_ds.train", *SHORT, "--target", str(target),
            "--data", str(data), "--output-dir", str(tmp_path), "--targets-per-node", "1"]
@@ -29,8 +30,13 @@ def test_two_torchrun_agents_nnodes_2(setup, tmp_path):
     for a, (out, err) in zip(agents, outs):
         assert a.returncode == 0, out[-2000:] + err[-4000:]
     text = "".join(o for o, _ in outs)
-    assert "4 ranks: targets [1, 3], drafters [0, 2]" in text
+    assert "6 ranks: targets [2, 5], drafters [0, 1, 3, 4]; routed within each node" in text
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    # Every batch came from the target of the drafter's own node (drafters 0, 1 and target 2 on node 0).
+    for d, rank in enumerate([0, 1, 3, 4]):
+        records = read_jsonl(tmp_path / "records" / f"drafter{d}.jsonl")
+        assert [r["step"] for r in records] == [0, 1, 2]
+        assert {r["target_rank"] for r in records} == {2 if rank < 3 else 5}
 
 
 def test_deepspeed_launcher_with_hostfile(setup, tmp_path):
