@@ -10,9 +10,9 @@ us, algbw = bytes / time in GB/s; busbw equals algbw for point-to-point):
 - exchange: what training sends, a header plus a dict shaped like a training batch
   (input_ids, loss_mask, lengths, and a context tensor holding most of the bytes), posted
   by `AsyncSender` (2 batches in flight) and received as the training drafter receives
-  (`bridge.Receiver`: the next header posted behind each payload, payloads into pooled
-  buffers). Both send buffers hold random bytes, and the batch is built in place as the
-  target builds it (one payload message, no staging copy).
+  (`bridge.Receiver` with the payload shapes planned: header and payload receives posted 2
+  batches ahead, into pooled buffers). Both send buffers hold random bytes, and the batch is
+  built in place as the target builds it (one payload message, no staging copy).
 
 Time is measured on the receiving drafter: a "go" message from the drafter starts the
 sender, so the clock starts when the first byte may move and stops when the last message
@@ -55,9 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feature-dim", type=int, default=2560,
                         help="width of the exchanged context tensor (n target layers x hidden)")
     parser.add_argument("--config", default=None,
-                        help="YAML/JSON run config (its target must exist locally): adds a row for one full training "
-                             "batch of that run (token budget x bytes per token: selected layers, final hidden if "
-                             "loss.kl_weight > 0, ids and mask, in the run's dtype), marked *")
+                        help="YAML/JSON run config (of its target only config.json is read): adds a row, marked *, "
+                             "for one full training batch of that run (token budget x bytes per token: selected "
+                             "layers, final hidden if loss.kl_weight > 0, ids and mask, in the run's dtype)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override of --config, repeatable (e.g. --set data.token_budget=16384)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="timeout of every transfer (seconds)")
@@ -89,17 +89,9 @@ def human_bytes(n: float) -> str:
     return str(int(n))
 
 
-def training_like_batch(nbytes: int, feature_dim: int, dtype, device, last_dim: int = 0) -> dict[str, Any]:
-    """A payload dict shaped like one training batch, of about `nbytes` bytes, built in place as the target builds it.
-
-    The tensors are views of one payload buffer (`bridge.packed_empty`), so sending them copies
-    nothing, and hold random values: a never-written buffer would be read from the kernel's
-    shared zero page, which is faster than real memory and flatters a transfer. `last_dim` > 0
-    adds the final hidden state (sent when the loss has a KL term).
-    """
+def training_like_specs(nbytes: int, feature_dim: int, dtype, last_dim: int = 0) -> list:
+    """(name, dtype, shape) of a payload shaped like one training batch, of about `nbytes` bytes."""
     import torch
-
-    from dflash_ds.distributed.bridge import packed_empty
 
     per_token = (feature_dim + last_dim) * torch.empty((), dtype=dtype).element_size() + 16  # + int64 ids and mask
     tokens = max(1, nbytes // per_token)
@@ -109,10 +101,23 @@ def training_like_batch(nbytes: int, feature_dim: int, dtype, device, last_dim: 
              ("lengths", torch.long, (rows,)), ("context", dtype, (rows, seq, feature_dim))]
     if last_dim:
         specs.append(("last_hidden", dtype, (rows, seq, last_dim)))
-    batch = packed_empty(specs, device)
+    return specs
+
+
+def training_like_batch(nbytes: int, feature_dim: int, dtype, device, last_dim: int = 0) -> dict[str, Any]:
+    """A payload dict of `training_like_specs`, built in place as the target builds it.
+
+    The tensors are views of one payload buffer (`bridge.packed_empty`), so sending them copies
+    nothing, and hold random values: a never-written buffer would be read from the kernel's
+    shared zero page, which is faster than real memory and flatters a transfer. `last_dim` > 0
+    adds the final hidden state (sent when the loss has a KL term).
+    """
+    from dflash_ds.distributed.bridge import packed_empty
+
+    batch = packed_empty(training_like_specs(nbytes, feature_dim, dtype, last_dim), device)
     batch["input_ids"].random_(0, 1000)
     batch["loss_mask"].fill_(1)
-    batch["lengths"].fill_(seq)
+    batch["lengths"].fill_(batch["input_ids"].shape[1])
     batch["context"].normal_()
     if last_dim:
         batch["last_hidden"].normal_()
@@ -168,8 +173,9 @@ def _measure_pair(ctx, src: int, dst: int, cases: list[dict[str, Any]], iters: i
         raw = torch.empty(size, dtype=torch.uint8, device=dev)
         if me == src:  # real bytes: an unwritten buffer is read from the shared zero page (see training_like_batch)
             raw.random_(0, 256)
-        batch = training_like_batch(size, case["feature_dim"], getattr(torch, case["dtype"]), dev,
-                                    case["last_dim"]) if me == src else None
+        shape = (size, case["feature_dim"], getattr(torch, case["dtype"]))
+        batch = training_like_batch(*shape, dev, case["last_dim"]) if me == src else None
+        planned = training_like_specs(*shape, case["last_dim"])  # as the trainer plans its receives
         times: dict[str, list[float]] = {"raw": [], "exchange": []}
         nbytes = {"raw": size, "exchange": size}
         for r in range(rounds):
@@ -191,8 +197,8 @@ def _measure_pair(ctx, src: int, dst: int, cases: list[dict[str, Any]], iters: i
                     if kind == "raw":
                         for _ in range(phase_iters):
                             bridge_mod.wait_all([br.recv([raw], src, RAW_TAG)], src, timeout_s, "raw recv")
-                    else:  # the training drafter's receiver: next header posted early, pooled buffers
-                        for got in bridge_mod.Receiver(br, [(i, src) for i in range(phase_iters)], depth=2,
+                    else:  # the training drafter's receiver: receives planned 2 ahead, pooled buffers
+                        for got in bridge_mod.Receiver(br, [(i, src, planned) for i in range(phase_iters)], depth=2,
                                                        timeout_s=timeout_s, tag=EXCHANGE_CHANNEL, device=dev,
                                                        pool=pool):
                             nbytes[kind] = sum(t.numel() * t.element_size() for t in got.tensors.values())

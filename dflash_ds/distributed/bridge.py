@@ -42,7 +42,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, NamedTuple, Protocol
+from typing import Any, Iterable, NamedTuple, Protocol
 
 import torch
 
@@ -421,36 +421,43 @@ def recv_batch(bridge: BridgeGroup, src: int, timeout_s: float, tag: int = 0,
 class _Pending:
     batch_id: int
     src: int
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, float]
-    work: Any  # the payload receive (None: an empty payload)
+    header: torch.Tensor
+    header_work: Any
+    planned: list[Spec] | None  # the payload's specs when the schedule knows them
+    tensors: dict[str, torch.Tensor] | None = None  # set once the payload receive is posted
+    work: Any = None  # the payload receive (None: not posted yet, or an empty payload)
+    meta: dict[str, float] | None = None  # set once the header has been read
 
 
 class Receiver:
-    """Receives a planned sequence of (batch_id, src) batches, posting each receive as early as the order allows.
+    """Receives a scheduled sequence of batches, posting every receive as early as the order allows.
 
-    Receives are posted in the sender's order, header i, payload i, header i+1 (NCCL matches by
-    order alone): the header of the next batch is posted right after the current payload's
-    receive, so it usually waits on arrival. Up to `depth` batches may have their payload
-    receives posted (into `pool` buffers, if given: release each batch's tensors to it when
-    done). `poll()` (called by `__next__`, or by the consumer while it trains on a batch) posts
-    the payload of a next batch whose header has arrived; with gloo, whose receives report
-    completion only inside `wait()`, that happens on the next `__next__`.
+    `schedule` yields (batch_id, src) or (batch_id, src, specs). Receives are posted in the
+    sender's order, header i, payload i, header i+1 (NCCL matches a pair's messages by order
+    alone). When the schedule gives a batch's payload specs (the trainer derives them from the
+    shared data plan: `runtime.plan.payload_specs`), its header and payload receives are posted
+    together, up to `depth` batches ahead, so the link never waits for the drafter; the header
+    is then only checked against the plan. Otherwise the payload receive is posted once the
+    header has arrived, and the next header right behind it. Payloads land in `pool` buffers if
+    given (release each batch's tensors to it when done). `poll()` (called by `__next__`, or by
+    the consumer mid-step) posts what has become possible without blocking; with gloo, whose
+    receives report completion only inside `wait()`, an unplanned payload is posted on the next
+    `__next__`.
     """
 
-    def __init__(self, bridge: BridgeGroup, schedule: Iterable[tuple[int, int]], depth: int = 2,
-                 timeout_s: float = 600.0, tag: int = 0, device: torch.device | str = "cpu",
+    def __init__(self, bridge: BridgeGroup, schedule: Iterable[tuple[int, int] | tuple[int, int, list[Spec]]],
+                 depth: int = 2, timeout_s: float = 600.0, tag: int = 0, device: torch.device | str = "cpu",
                  meter: DepthSink | None = None, pool: BufferPool | None = None) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.bridge, self.depth, self.timeout_s, self.device, self.meter = bridge, depth, timeout_s, device, meter
         self.pool = pool
-        self._schedule: Iterator[tuple[int, int]] = iter(schedule)
+        self._schedule = iter(schedule)
+        self._exhausted = False
         self._tags = _tags(tag)
-        self._ready: deque[_Pending] = deque()  # payload receives posted, in order
-        self._header: tuple[int, int, torch.Tensor, Any] | None = None  # (batch_id, src, buffer, work)
+        self._pending: deque[_Pending] = deque()  # receives posted, in batch order
         self.last_wait_s = 0.0  # how long the last next() blocked: target-bound when > 0
-        self._post_header()
+        self.poll()
 
     def __iter__(self) -> Receiver:
         return self
@@ -458,46 +465,67 @@ class Receiver:
     def __next__(self) -> Batch:
         """The next scheduled batch; blocks until it has arrived (or times out)."""
         t0 = time.monotonic()
-        if not self._ready:
-            if self._header is None:
-                raise StopIteration
-            if self.meter is not None:
-                self.meter.update(self._header[1], 0)  # nothing had arrived when we asked
-            self._take_header()
-        elif self.meter is not None:
-            self.meter.update(self._ready[0].src, len(self._ready))
-        head = self._ready.popleft()
+        self.poll()
+        if not self._pending:
+            raise StopIteration
+        head = self._pending[0]
+        if self.meter is not None:  # what the target had already produced when we asked
+            self.meter.update(head.src, sum(p.meta is not None or p.header_work.is_completed() for p in self._pending))
+        if head.meta is None:
+            self._read_header(head, t0 + self.timeout_s)
+            self.poll()  # an unplanned payload was just posted: the next header may follow it
         if head.work is not None:
             _wait(head.work, t0 + self.timeout_s, head.src, f"receiving batch {head.batch_id}", self.timeout_s)
         self.last_wait_s = time.monotonic() - t0
+        self._pending.popleft()
         self.poll()
+        assert head.tensors is not None and head.meta is not None
         return Batch(head.batch_id, head.tensors, head.meta)
 
     def poll(self) -> None:
-        """Post the payload receive of a next batch whose header has already arrived (never blocks)."""
-        while self._header is not None and len(self._ready) < self.depth and self._header[3].is_completed():
-            self._take_header()
+        """Post every receive the order and `depth` allow now (never blocks)."""
+        while True:
+            last = self._pending[-1] if self._pending else None
+            if last is not None and last.tensors is None:  # an unplanned payload not yet posted
+                if not last.header_work.is_completed():
+                    return  # nothing may be posted behind it before it
+                self._read_header(last, time.monotonic() + self.timeout_s)  # arrived: returns at once
+                continue
+            if self._exhausted or len(self._pending) >= self.depth:
+                return
+            try:
+                item = next(self._schedule)
+            except StopIteration:
+                self._exhausted = True
+                return
+            batch_id, src = item[0], item[1]
+            planned = list(item[2]) if len(item) > 2 else None
+            header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+            p = _Pending(batch_id, src, header, self.bridge.recv([header], src, self._tags[0]), planned)
+            self._pending.append(p)
+            if planned is not None:
+                self._post_payload(p, planned)
 
-    def _post_header(self) -> None:
-        try:
-            batch_id, src = next(self._schedule)
-        except StopIteration:
-            self._header = None
-            return
-        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        self._header = (batch_id, src, header, self.bridge.recv([header], src, self._tags[0]))
+    def _post_payload(self, p: _Pending, specs: list[Spec]) -> None:
+        p.tensors, message = _alloc_payload(specs, self.device, self.pool)
+        p.work = self.bridge.recv([message], p.src, self._tags[1]) if message is not None else None
 
-    def _take_header(self) -> None:
-        """Wait for the posted header, post its payload receive, then the next header (sender order)."""
-        assert self._header is not None
-        batch_id, src, header, work = self._header
-        _wait(work, time.monotonic() + self.timeout_s, src, f"receiving the header of batch {batch_id}",
-              self.timeout_s)
-        got_id, specs, meta = decode_header(header.cpu())
-        if got_id != batch_id:
-            raise BridgeError(f"bridge: expected batch {batch_id} from rank {src}, got batch {got_id}: "
+    def _read_header(self, p: _Pending, deadline: float) -> None:
+        """Wait for a batch's header and check it; post its payload receive if the schedule did not plan it."""
+        _wait(p.header_work, deadline, p.src, f"receiving the header of batch {p.batch_id}", self.timeout_s)
+        got_id, specs, meta = decode_header(p.header.cpu())
+        if got_id != p.batch_id:
+            raise BridgeError(f"bridge: expected batch {p.batch_id} from rank {p.src}, got batch {got_id}: "
                               "the target and drafter routing plans disagree")
-        tensors, message = _alloc_payload(specs, self.device, self.pool)
-        payload_work = self.bridge.recv([message], src, self._tags[1]) if message is not None else None
-        self._ready.append(_Pending(batch_id, src, tensors, meta, payload_work))
-        self._post_header()
+        if p.planned is None:
+            self._post_payload(p, specs)
+        elif specs != p.planned:
+            raise BridgeError(f"bridge: batch {p.batch_id} from rank {p.src} is {describe_specs(specs)}, but this rank "
+                              f"planned {describe_specs(p.planned)}: the target and drafter disagree on the batch's shapes "
+                              "(data plan, target layers or dtype)")
+        p.meta = meta
+
+
+def describe_specs(specs: list[Spec]) -> str:
+    """Specs for an error message: "input_ids int64[2, 3], context bfloat16[2, 3, 640]"."""
+    return ", ".join(f"{name} {str(dtype).removeprefix('torch.')}{list(shape)}" for name, dtype, shape in specs)

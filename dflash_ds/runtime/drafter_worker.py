@@ -35,7 +35,7 @@ from dflash_ds.runtime import faults
 from dflash_ds.runtime.engine import (DrafterTrainModule, build_engine, gathered_drafter_state, load_ds_config,
                                       resolve_ds_config)
 from dflash_ds.runtime.monitor import Monitor, scrub_secrets
-from dflash_ds.runtime.plan import DataPlan, batch_seed, last_step, resolve_arch, torch_dtype
+from dflash_ds.runtime.plan import DataPlan, batch_seed, last_step, payload_specs, resolve_arch, torch_dtype
 from dflash_ds.runtime.target_worker import CONTROL_TAG
 from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
 
@@ -44,23 +44,28 @@ SUM_KEYS = ("valid_positions", "correct", "top4", "top8", "blocks", "streak", "t
 
 
 class Receiver:
-    """Background thread receiving this drafter's batches in step order from the routed targets."""
+    """Background thread receiving this drafter's batches in step order from the routed targets.
 
-    def __init__(self, ctx: RoleContext, start_step: int, max_steps: int, depth: int = 2) -> None:
+    `specs_of(step, BatchSpec)` gives each batch's payload specs from the shared data plan
+    (`plan.payload_specs`), so the receives of the next `depth` batches are posted before the
+    targets have produced them.
+    """
+
+    def __init__(self, ctx: RoleContext, data: DataPlan, start_step: int, cursor: Cursor, max_steps: int,
+                 specs_of, depth: int = 2) -> None:
         self.ctx, self.depth, self.q = ctx, depth, queue.Queue(maxsize=depth)
         # Reused receive buffers: fresh multi-MiB tensors per batch page-fault on every first touch.
-        self.pool = bridge_mod.BufferPool(ctx.device, max_free=depth + 2)
-        self.thread = threading.Thread(target=self._work, args=(start_step, max_steps), daemon=True,
-                                       name="drafter-receiver")
+        self.pool = bridge_mod.BufferPool(ctx.device, max_free=2 * depth + 2)
+        self.thread = threading.Thread(target=self._work, args=(data, start_step, cursor, max_steps, specs_of),
+                                       daemon=True, name="drafter-receiver")
         self.thread.start()
 
-    def _work(self, start: int, stop: int) -> None:
+    def _work(self, data: DataPlan, start: int, cursor: Cursor, stop: int, specs_of) -> None:
         layout, d = self.ctx.layout, self.ctx.role_rank
-        schedule = ((step * layout.num_drafters + d,
-                     layout.target_ranks[layout.route(step, d)])
-                    for step in range(start, stop))
+        # The same walk over the data plan as the targets' (target_worker.my_batches).
+        schedule = ((step * layout.num_drafters + d, layout.target_ranks[layout.route(step, d)], specs_of(specs[d]))
+                    for step, (_, specs) in zip(range(start, stop), data.steps(cursor)))
         try:
-            # The next header is posted right behind each payload, so it usually waits on arrival.
             for got in bridge_mod.Receiver(self.ctx.bridge, schedule, depth=self.depth, timeout_s=self.ctx.timeout_s,
                                            device=self.ctx.device, pool=self.pool):
                 self.q.put(got)
@@ -166,7 +171,8 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
                 "config": scrub_secrets(to_dict(cfg))}
 
     stop = last_step(cfg)
-    receiver = Receiver(ctx, start_step, stop, depth=2)
+    receiver = Receiver(ctx, data, start_step, cursor, stop,
+                        lambda spec: payload_specs(spec, arch, dtype, cfg.loss.kl_weight > 0), depth=2)
     n_buckets = len(data.boundaries)
     acc = torch.zeros(32 + n_buckets, dtype=torch.float64)
     t_last, steps_in_window, run_start = time.perf_counter(), 0, time.perf_counter()

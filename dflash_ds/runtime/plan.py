@@ -121,6 +121,23 @@ def load_batch(dataset, spec: BatchSpec, pad_id: int = 0) -> dict[str, torch.Ten
     return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask, "lengths": lengths}
 
 
+def payload_specs(spec: BatchSpec, arch: DrafterArch, dtype: torch.dtype,
+                  last_hidden: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The bridge payload of one batch, (name, dtype, shape) in wire order, from the shared data plan alone.
+
+    The target builds its batch to these specs and the drafter posts its receive with them before
+    the batch exists (`bridge.Receiver`), so both must derive them here: right-padded int64 ids and
+    mask (`data.loader.collate`), lengths, the selected layers concatenated, and the final hidden
+    state when the loss has a KL term, in the run's dtype.
+    """
+    n, width, hidden = spec.num_seqs, spec.max_length, arch.hidden_size
+    specs = [("input_ids", torch.int64, (n, width)), ("loss_mask", torch.int64, (n, width)),
+             ("lengths", torch.int64, (n,)), ("context", dtype, (n, width, len(arch.target_layer_ids) * hidden))]
+    if last_hidden:
+        specs.append(("last_hidden", dtype, (n, width, hidden)))
+    return specs
+
+
 def batch_seed(seed: int, global_batch: int, salt: int) -> int:
     """Seed of a per-batch generator (anchors, noise): a pure function, so resume is exact."""
     return (seed * 1_000_003 + global_batch * 7919 + salt) % (2**63 - 1)

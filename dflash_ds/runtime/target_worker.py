@@ -19,10 +19,11 @@ from dflash_ds.data.batching import Cursor
 from dflash_ds.data.loader import PrefetchLoader
 from dflash_ds.distributed import bridge as bridge_mod
 from dflash_ds.distributed.topology import RoleContext
+from dflash_ds.errors import DFlashError
 from dflash_ds.models.target import capture_layers, load_target
 from dflash_ds.runtime import faults
 from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
-from dflash_ds.runtime.plan import DataPlan, last_step, resolve_arch, torch_dtype
+from dflash_ds.runtime.plan import DataPlan, last_step, payload_specs, resolve_arch, torch_dtype
 
 CONTROL_TAG = 7
 
@@ -95,7 +96,9 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
         t0 = time.perf_counter()
         ids = batch.input_ids.to(ctx.device)
         layers, last = capture_layers(target, ids, batch.attention_mask.to(ctx.device), arch.target_layer_ids)
-        tensors = build_payload(sender, ids, batch.loss_mask, batch.lengths, layers, last if send_last_hidden else None)
+        planned = payload_specs(spec, arch, dtype, send_last_hidden)
+        tensors = build_payload(sender, planned, ids, batch.loss_mask, batch.lengths, layers,
+                                last if send_last_hidden else None)
         fwd = time.perf_counter() - t0
         served += 1
         # Header meta keys are at most 16 ASCII bytes (see bridge.py).
@@ -113,19 +116,24 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
     return 0
 
 
-def build_payload(sender: bridge_mod.AsyncSender, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+def build_payload(sender: bridge_mod.AsyncSender, planned: list, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                   lengths: torch.Tensor, layers: list[torch.Tensor],
                   last_hidden: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """A batch's bridge payload, written straight into a pooled send buffer (sent without a further copy).
 
-    The selected layers are concatenated into the buffer's `context`, which the concatenation
-    needed anyway; `last_hidden` (for the KL term) is one extra copy of H values per token.
+    `planned` is `plan.payload_specs` of the batch, the shapes the drafter has already posted its
+    receive for: a batch that differs is an error here, before anything is sent. The selected
+    layers are concatenated into the buffer's `context`, which the concatenation needed anyway;
+    `last_hidden` (for the KL term) is one extra copy of H values per token.
     """
     context_shape = (*layers[0].shape[:-1], sum(t.shape[-1] for t in layers))
     specs = [("input_ids", input_ids.dtype, tuple(input_ids.shape)), ("loss_mask", loss_mask.dtype, tuple(loss_mask.shape)),
              ("lengths", lengths.dtype, tuple(lengths.shape)), ("context", layers[0].dtype, context_shape)]
     if last_hidden is not None:
         specs.append(("last_hidden", last_hidden.dtype, tuple(last_hidden.shape)))
+    if specs != planned:
+        raise DFlashError(f"the target produced a batch of {bridge_mod.describe_specs(specs)}, but the data plan says "
+                          f"{bridge_mod.describe_specs(planned)} (is the target's dtype the run's dtype?)")
     out = sender.empty(specs)
     out["input_ids"].copy_(input_ids)
     out["loss_mask"].copy_(loss_mask)

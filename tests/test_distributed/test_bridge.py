@@ -137,9 +137,14 @@ class OrderMatchedLoopback:
         return self._Done()
 
 
+@pytest.mark.parametrize("planned", [False, True])
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_receiver_posts_in_the_senders_order(depth: int) -> None:
-    """A prefetching receiver must not post batch i+1's header before batch i's payload (NCCL ignores tags)."""
+def test_receiver_posts_in_the_senders_order(depth: int, planned: bool) -> None:
+    """A prefetching receiver must not post batch i+1's header before batch i's payload (NCCL ignores tags).
+
+    planned: the schedule gives each payload's specs, so header and payload receives go out together,
+    `depth` batches ahead, before anything has arrived.
+    """
     group = OrderMatchedLoopback(me=0)
     sender = AsyncSender(group, depth=2)
     for g in range(6):
@@ -149,7 +154,11 @@ def test_receiver_posts_in_the_senders_order(depth: int) -> None:
     sender.flush()
     group.me = 1
     pool = BufferPool()
-    receiver = Receiver(group, [(g, 0) for g in range(6)], depth=depth, tag=5, pool=pool)
+    specs = {g: [(k, t.dtype, tuple(t.shape)) for k, t in make_batch(g)[0].items()] for g in range(6)}
+    schedule = [(g, 0, specs[g]) if planned else (g, 0) for g in range(6)]
+    receiver = Receiver(group, schedule, depth=depth, tag=5, pool=pool)
+    if planned:  # already posted: depth headers and payloads, in the sender's order
+        assert len(group.wire[(0, 1)]) == 2 * (6 - depth)
     got = []
     for batch in receiver:
         receiver.poll()  # the loopback completes at once: payloads get posted `depth` ahead
@@ -162,6 +171,18 @@ def test_receiver_posts_in_the_senders_order(depth: int) -> None:
     assert got == list(range(6))
     assert group.wire[(0, 1)] == []  # every message received
     assert not pool._leased  # every buffer released
+
+
+def test_planned_receive_refuses_a_batch_of_other_shapes() -> None:
+    group = OrderMatchedLoopback(me=0)
+    sent = {"input_ids": torch.arange(6).view(2, 3), "context": torch.ones(2, 3, 4)}
+    wait_all(send_batch(group, 1, sent, {}, batch_id=7), 1, 10)
+    group.me = 1
+    # Same bytes, other shapes (the message sizes match, as they could on a real link): the header says so.
+    planned = [("input_ids", torch.int64, (3, 2)), ("context", torch.float32, (3, 2, 4))]
+    with pytest.raises(BridgeError, match=r"batch 7 from rank 0 is input_ids int64\[2, 3\].*planned input_ids "
+                                          r"int64\[3, 2\].*disagree on the batch's shapes"):
+        next(Receiver(group, [(7, 0, planned)], tag=0))
 
 
 def test_buffer_pool_picks_the_smallest_free_buffer_that_fits() -> None:
