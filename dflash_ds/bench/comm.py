@@ -89,19 +89,22 @@ def human_bytes(n: float) -> str:
     return str(int(n))
 
 
-def training_like_specs(nbytes: int, feature_dim: int, dtype, last_dim: int = 0) -> list:
-    """(name, dtype, shape) of a payload shaped like one training batch, of about `nbytes` bytes."""
+def bytes_per_token(feature_dim: int, last_dim: int, dtype) -> int:
+    """Payload bytes per token: context and final hidden in `dtype`, plus int64 ids and loss mask."""
     import torch
 
-    per_token = (feature_dim + last_dim) * torch.empty((), dtype=dtype).element_size() + 16  # + int64 ids and mask
-    tokens = max(1, nbytes // per_token)
+    from dflash_ds.plan_capacity import ID_BYTES
+
+    return (feature_dim + last_dim) * torch.empty((), dtype=dtype).element_size() + ID_BYTES
+
+
+def training_like_specs(nbytes: int, feature_dim: int, dtype, last_dim: int = 0) -> list:
+    """(name, dtype, shape) of a payload shaped like one training batch, of about `nbytes` bytes."""
+    from dflash_ds.runtime.plan import payload_specs_for
+
+    tokens = max(1, nbytes // bytes_per_token(feature_dim, last_dim, dtype))
     rows = max(1, tokens // 2048)  # sequences of up to ~2k tokens, as training batches hold
-    seq = max(1, tokens // rows)
-    specs = [("input_ids", torch.long, (rows, seq)), ("loss_mask", torch.long, (rows, seq)),
-             ("lengths", torch.long, (rows,)), ("context", dtype, (rows, seq, feature_dim))]
-    if last_dim:
-        specs.append(("last_hidden", dtype, (rows, seq, last_dim)))
-    return specs
+    return payload_specs_for(rows, max(1, tokens // rows), feature_dim, last_dim, dtype)
 
 
 def training_like_batch(nbytes: int, feature_dim: int, dtype, device, last_dim: int = 0) -> dict[str, Any]:
@@ -126,8 +129,6 @@ def training_like_batch(nbytes: int, feature_dim: int, dtype, device, last_dim: 
 
 def config_batch(config: str, overrides: list[str], cuda: bool) -> dict[str, Any]:
     """Shape and payload bytes of one full training batch (token budget tokens) of a run config."""
-    import torch
-
     from dflash_ds.config import load_config, parse_overrides
     from dflash_ds.runtime.plan import resolve_arch, torch_dtype
 
@@ -136,7 +137,7 @@ def config_batch(config: str, overrides: list[str], cuda: bool) -> dict[str, Any
     dtype = torch_dtype(cfg, cuda)
     feature_dim = len(arch.target_layer_ids) * arch.hidden_size
     last_dim = arch.hidden_size if cfg.loss.kl_weight > 0 else 0
-    per_token = (feature_dim + last_dim) * torch.empty((), dtype=dtype).element_size() + 16
+    per_token = bytes_per_token(feature_dim, last_dim, dtype)
     return {"config": config, "token_budget": cfg.data.token_budget, "feature_dim": feature_dim, "last_dim": last_dim,
             "dtype": str(dtype).removeprefix("torch."), "bytes_per_token": per_token,
             "bytes": cfg.data.token_budget * per_token}

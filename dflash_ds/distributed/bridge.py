@@ -106,12 +106,8 @@ def _pack_ascii(text: str, nbytes: int) -> list[int]:
     return list(struct.unpack(f"<{nbytes // 8}q", raw.ljust(nbytes, b"\0")))
 
 
-def _unpack_ascii(slots: list[int]) -> str:
-    return _ascii_of(tuple(slots))
-
-
 @functools.lru_cache(maxsize=256)
-def _ascii_of(slots: tuple[int, ...]) -> str:
+def _unpack_ascii(slots: tuple[int, ...]) -> str:
     return struct.pack(f"<{len(slots)}q", *slots).rstrip(b"\0").decode("ascii")
 
 
@@ -145,13 +141,13 @@ def decode_header(header: torch.Tensor) -> tuple[int, list[tuple[str, torch.dtyp
     specs = []
     for i in range(h[3]):
         o = _TENSOR_BASE + _TENSOR_SLOTS * i
-        name = _unpack_ascii(h[o:o + 3])
+        name = _unpack_ascii(tuple(h[o:o + 3]))
         code, ndim = h[o + 3], h[o + 4]
         specs.append((name, _CODE_DTYPES[code], tuple(h[o + 5:o + 5 + ndim])))
     meta = {}
     for j in range(h[4]):
         o = _META_BASE + _META_SLOTS * j
-        meta[_unpack_ascii(h[o:o + 2])] = struct.unpack("<d", struct.pack("<q", h[o + 2]))[0]
+        meta[_unpack_ascii(tuple(h[o:o + 2]))] = struct.unpack("<d", struct.pack("<q", h[o + 2]))[0]
     return h[2], specs, meta
 
 

@@ -46,7 +46,7 @@ SUM_KEYS = ("valid_positions", "correct", "top4", "top8", "blocks", "streak", "t
 class Receiver:
     """Background thread receiving this drafter's batches in step order from the routed targets.
 
-    `specs_of(step, BatchSpec)` gives each batch's payload specs from the shared data plan
+    `specs_of(BatchSpec)` gives each batch's payload specs from the shared data plan
     (`plan.payload_specs`), so the receives of the next `depth` batches are posted before the
     targets have produced them.
     """

@@ -130,11 +130,19 @@ def payload_specs(spec: BatchSpec, arch: DrafterArch, dtype: torch.dtype,
     mask (`data.loader.collate`), lengths, the selected layers concatenated, and the final hidden
     state when the loss has a KL term, in the run's dtype.
     """
-    n, width, hidden = spec.num_seqs, spec.max_length, arch.hidden_size
-    specs = [("input_ids", torch.int64, (n, width)), ("loss_mask", torch.int64, (n, width)),
-             ("lengths", torch.int64, (n,)), ("context", dtype, (n, width, len(arch.target_layer_ids) * hidden))]
-    if last_hidden:
-        specs.append(("last_hidden", dtype, (n, width, hidden)))
+    hidden = arch.hidden_size
+    return payload_specs_for(spec.num_seqs, spec.max_length, len(arch.target_layer_ids) * hidden,
+                             hidden if last_hidden else 0, dtype)
+
+
+def payload_specs_for(rows: int, width: int, context_dim: int, last_dim: int,
+                      dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """`payload_specs` from the shapes themselves (`bench comm` sends batches of this form); no final hidden if
+    last_dim is 0."""
+    specs = [("input_ids", torch.int64, (rows, width)), ("loss_mask", torch.int64, (rows, width)),
+             ("lengths", torch.int64, (rows,)), ("context", dtype, (rows, width, context_dim))]
+    if last_dim:
+        specs.append(("last_hidden", dtype, (rows, width, last_dim)))
     return specs
 
 
