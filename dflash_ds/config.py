@@ -33,6 +33,8 @@ class DrafterConfig:
     """Token id of MASK; None picks a reserved token of the target tokenizer."""
     target_layer_ids: list[int] | None = None
     """Target decoder layers whose outputs feed the drafter; None uses the default rule."""
+    activation_checkpointing: bool | None = None
+    """Recompute each draft layer in backward instead of keeping its activations; null = on with CUDA, off on CPU."""
 
 
 @dataclass
@@ -43,6 +45,10 @@ class LossConfig:
     """Position decay w_k = exp(-(k-1)/gamma); larger weighs later positions more."""
     num_anchors: int = 512
     """Most anchor blocks sampled per sequence."""
+    max_anchors_per_batch: int = 2048
+    """Most anchor blocks per micro-batch, shared fairly among its sequences (0 = no cap); see docs/MEMORY.md."""
+    chunk_blocks: int = 64
+    """Blocks whose LM-head logits and loss are computed at once (peak memory ~ chunk_blocks x (block-1) x vocab)."""
     kl_weight: float = 0.0
     """Mix weight of soft-label KL to the target distribution (0 = hard labels only)."""
     kl_temperature: float = 1.0
@@ -184,6 +190,8 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
      lambda v: v is None or (len(v) > 0 and all(i >= 0 for i in v))),
     ("loss.gamma", "must be > 0", lambda v: v > 0),
     ("loss.num_anchors", "must be >= 1", lambda v: v >= 1),
+    ("loss.max_anchors_per_batch", "must be >= 0 (0 = no cap)", lambda v: v >= 0),
+    ("loss.chunk_blocks", "must be >= 1", lambda v: v >= 1),
     ("loss.kl_weight", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("loss.kl_temperature", "must be > 0", lambda v: v > 0),
     ("loss.streak_weight", "must be in [0, 1]", lambda v: 0 <= v <= 1),

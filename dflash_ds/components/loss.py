@@ -14,11 +14,14 @@ import torch.nn.functional as F
 
 
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int, num_anchors: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seeded choice of up to `num_anchors` anchor positions per sequence.
+                   generator: torch.Generator, max_total: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded choice of up to `num_anchors` anchor positions per sequence, at most `max_total` in all.
 
     Candidates are response tokens (loss_mask == 1) at positions a >= 1 with a whole block
-    after them (a + block_size <= length). Returns anchors [B, A] (sorted, padding = 0) and
+    after them (a + block_size <= length). Each row first draws up to `num_anchors` of them;
+    then, if `max_total` > 0 and the rows drew more in all, each row keeps a fair share
+    (`anchor_quotas`) by a second seeded draw among its own picks. When the cap does not bind,
+    the result is exactly the uncapped one. Returns anchors [B, A] (sorted, padding = 0) and
     valid [B, A], A = the largest number chosen in any row.
     """
     b, s = loss_mask.shape
@@ -31,6 +34,12 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: i
             pick = torch.randperm(idx.numel(), generator=generator)[:num_anchors]
             idx = idx[pick].sort().values
         chosen.append(idx)
+    if max_total > 0:
+        quotas = anchor_quotas([c.numel() for c in chosen], max_total)
+        for row, q in enumerate(quotas):
+            if q < chosen[row].numel():
+                keep = torch.randperm(chosen[row].numel(), generator=generator)[:q]
+                chosen[row] = chosen[row][keep].sort().values
     a = max(1, max(c.numel() for c in chosen))
     anchors = torch.zeros(b, a, dtype=torch.long)
     valid = torch.zeros(b, a, dtype=torch.bool)
@@ -38,6 +47,32 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: i
         anchors[row, : idx.numel()] = idx
         valid[row, : idx.numel()] = True
     return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+
+
+def anchor_quotas(counts: list[int], max_total: int) -> list[int]:
+    """Water-filling: the largest level q with sum(min(c, q)) <= max_total, the rest one each in row order.
+
+    Every row keeps min(count, q) or one more; no row gives up anchors while a smaller row is cut,
+    and the quotas sum to min(sum(counts), max_total).
+    """
+    if sum(counts) <= max_total:
+        return list(counts)
+    lo, hi = 0, max(counts)
+    while lo < hi:  # largest q with sum(min(c, q)) <= max_total
+        mid = (lo + hi + 1) // 2
+        if sum(min(c, mid) for c in counts) <= max_total:
+            lo = mid
+        else:
+            hi = mid - 1
+    quotas = [min(c, lo) for c in counts]
+    spare = max_total - sum(quotas)
+    for row, c in enumerate(counts):
+        if spare == 0:
+            break
+        if c > quotas[row]:
+            quotas[row] += 1
+            spare -= 1
+    return quotas
 
 
 def block_inputs_and_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
@@ -88,6 +123,46 @@ class LossTerms:
     weight_sum: torch.Tensor  # scalar: sum of weights over valid positions
 
 
+@dataclass
+class LossSpec:
+    """The loss knobs of `dflash_loss` (LossConfig's loss fields, without the sampling ones)."""
+
+    gamma: float
+    kl_weight: float = 0.0
+    kl_temperature: float = 1.0
+    streak_weight: float = 0.0
+
+
+def _loss_parts(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, spec: LossSpec,
+                target_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Unnormalised DFlash loss of some blocks: (sum of weight * term, sum of weight, (correct, top4, top8)).
+
+    Every block's weights depend on that block alone, so blocks can be split into chunks and the
+    parts summed: the loss is the sum of the numerators over the sum of the weights.
+    """
+    n, k, v = logits.shape
+    logits = logits.float()
+    logp = F.log_softmax(logits, dim=-1)
+    safe_labels = labels.clamp(min=0, max=v - 1)
+    label_logp = torch.gather(logp, -1, safe_labels[..., None]).squeeze(-1)
+    term = -label_logp
+    if target_logits is not None and spec.kl_weight > 0:
+        t = spec.kl_temperature
+        log_pd = F.log_softmax(logits / t, dim=-1)
+        log_pt = F.log_softmax(target_logits.float() / t, dim=-1)
+        kl = (log_pt.exp() * (log_pt - log_pd)).sum(-1) * (t * t)
+        term = (1.0 - spec.kl_weight) * term + spec.kl_weight * kl
+    weight = decay_weights(k, spec.gamma, logits.device).expand(n, k)
+    if spec.streak_weight > 0:
+        weight = (1.0 - spec.streak_weight) * weight + spec.streak_weight * streak_weights(label_logp.exp(), valid)
+    weight = weight * valid
+    with torch.no_grad():
+        top8 = logits.topk(min(8, v), dim=-1).indices
+        hit = top8 == safe_labels[..., None]
+        stats = (hit[..., 0] & valid, hit[..., :4].any(-1) & valid, hit.any(-1) & valid)
+    return (weight * term).sum(), weight.sum().detach(), stats
+
+
 def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *, gamma: float,
                 target_logits: torch.Tensor | None = None, kl_weight: float = 0.0, kl_temperature: float = 1.0,
                 streak_weight: float = 0.0) -> LossTerms:
@@ -101,32 +176,78 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
         loss  = sum(valid * weight * term) / sum(valid * weight)
     alpha = kl_weight (0 when no target_logits), T = kl_temperature. A batch with no valid
     position gives loss 0 (with a graph, so lockstep backward still runs).
+
+    This holds every [N, K, V] intermediate at once; `chunked_dflash_loss` computes the same
+    value and gradient from hidden states with O(chunk x V) memory.
     """
-    n, k, v = logits.shape
-    logits = logits.float()
-    logp = F.log_softmax(logits, dim=-1)
-    safe_labels = labels.clamp(min=0, max=v - 1)
-    label_logp = torch.gather(logp, -1, safe_labels[..., None]).squeeze(-1)
-    term = -label_logp
-    if target_logits is not None and kl_weight > 0:
-        t = kl_temperature
-        log_pd = F.log_softmax(logits / t, dim=-1)
-        log_pt = F.log_softmax(target_logits.float() / t, dim=-1)
-        kl = (log_pt.exp() * (log_pt - log_pd)).sum(-1) * (t * t)
-        term = (1.0 - kl_weight) * term + kl_weight * kl
-    weight = decay_weights(k, gamma, logits.device).expand(n, k)
-    if streak_weight > 0:
-        weight = (1.0 - streak_weight) * weight + streak_weight * streak_weights(label_logp.exp(), valid)
-    weight = weight * valid
-    weight_sum = weight.sum()
-    loss = (weight * term).sum() / weight_sum.clamp(min=1e-12)
-    with torch.no_grad():
-        top8 = logits.topk(min(8, v), dim=-1).indices
-        hit = top8 == safe_labels[..., None]
-        correct = hit[..., 0] & valid
-        in_top4 = hit[..., :4].any(-1) & valid
-        in_top8 = hit.any(-1) & valid
-    return LossTerms(loss, correct, in_top4, in_top8, valid, weight_sum.detach())
+    spec = LossSpec(gamma, kl_weight, kl_temperature, streak_weight)
+    num, weight_sum, (correct, in_top4, in_top8) = _loss_parts(logits, labels, valid, spec, target_logits)
+    return LossTerms(num / weight_sum.clamp(min=1e-12), correct, in_top4, in_top8, valid, weight_sum)
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Sum over chunks of blocks of the unnormalised loss of `head(hidden)`, never holding all logits.
+
+    The forward pass computes each chunk's logits, loss numerator and the numerator's gradient
+    with respect to that chunk's hidden states (one local backward through the head and the
+    loss), then frees the chunk: peak memory is one chunk's [c, K, V] intermediates. Backward
+    only scales the stored [N, K, H] gradient. The head is frozen (no gradient for its weight).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, labels, valid, target_hidden, head, spec, chunk, need_grad):  # noqa: D401
+        n = hidden.shape[0]
+        grad = torch.zeros_like(hidden) if need_grad else None
+        num = hidden.new_zeros((), dtype=torch.float32)
+        weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        stats: list[list[torch.Tensor]] = [[], [], []]
+        for lo in range(0, n, chunk):
+            hi = min(lo + chunk, n)
+            with torch.enable_grad():
+                h = hidden[lo:hi].detach().requires_grad_(need_grad)
+                target_logits = None
+                if target_hidden is not None:
+                    with torch.no_grad():
+                        target_logits = head(target_hidden[lo:hi])
+                part, w, st = _loss_parts(head(h), labels[lo:hi], valid[lo:hi], spec, target_logits)
+                if need_grad:
+                    grad[lo:hi] = torch.autograd.grad(part, h)[0]
+            num += part.detach()
+            weight_sum += w
+            for acc, t in zip(stats, st):
+                acc.append(t)
+            del h, part, target_logits
+        ctx.save_for_backward(grad)
+        outs = (weight_sum, *(torch.cat(acc) if acc else valid.clone() for acc in stats))
+        ctx.mark_non_differentiable(*outs)
+        return (num, *outs)
+
+    @staticmethod
+    def backward(ctx, g_num, *_):
+        (grad,) = ctx.saved_tensors
+        return (grad * g_num.to(grad.dtype) if grad is not None else None), None, None, None, None, None, None, None
+
+
+def chunked_dflash_loss(hidden: torch.Tensor, head, labels: torch.Tensor, valid: torch.Tensor, *, gamma: float,
+                        target_hidden: torch.Tensor | None = None, kl_weight: float = 0.0,
+                        kl_temperature: float = 1.0, streak_weight: float = 0.0,
+                        chunk_blocks: int = 64) -> LossTerms:
+    """`dflash_loss(head(hidden), ...)` computed `chunk_blocks` blocks at a time (same value and gradient).
+
+    hidden [N, K, H]: the drafter's final-normed states of the predicted positions; head maps
+    [..., H] to vocabulary logits (the target's frozen LM head). target_hidden [N, K, H]: the
+    target's final hidden state at the same positions, for the KL term (its logits are
+    computed chunk by chunk too). Peak memory is O(chunk_blocks x K x V) instead of O(N x K x V):
+    about 12 bytes per (label position x vocabulary entry) for CE, 33 with KL, in fp32.
+    """
+    if chunk_blocks < 1:
+        raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    spec = LossSpec(gamma, kl_weight if target_hidden is not None else 0.0, kl_temperature, streak_weight)
+    th = target_hidden if spec.kl_weight > 0 else None
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    num, weight_sum, correct, in_top4, in_top8 = _ChunkedHeadLoss.apply(
+        hidden, labels, valid, th, head, spec, chunk_blocks, need_grad)
+    return LossTerms(num / weight_sum.clamp(min=1e-12), correct, in_top4, in_top8, valid, weight_sum)
 
 
 def leading_run(hits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

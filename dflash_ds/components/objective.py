@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_ds.components.loss import (LossTerms, block_inputs_and_labels, dflash_loss, metric_sums,
+from dflash_ds.components.loss import (LossTerms, block_inputs_and_labels, chunked_dflash_loss, metric_sums,
                                        sample_anchors)
 from dflash_ds.config import LossConfig
 from dflash_ds.models.drafter import DFlashDrafter
@@ -24,13 +24,19 @@ class TargetStates:
     last_hidden: torch.Tensor | None  # [B, S, H] final normed hidden (for the KL term)
 
 
-def drafter_objective(drafter: DFlashDrafter, embed: nn.Module, lm_head: nn.Module, states: TargetStates,
-                      loss_cfg: LossConfig, *, anchor_gen: torch.Generator, noise_std: float = 0.0,
+def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStates, loss_cfg: LossConfig, *,
+                      anchor_gen: torch.Generator, noise_std: float = 0.0,
                       noise_gen: torch.Generator | None = None) -> tuple[LossTerms, dict[str, torch.Tensor]]:
-    """Sample anchors, run all blocks under the block-sparse mask, and compute the DFlash loss."""
+    """Sample anchors, run all blocks under the block-sparse mask, and compute the DFlash loss.
+
+    `embed` maps token ids to embeddings and `lm_head` hidden states to logits (the target's,
+    frozen: modules or functions). The logits are never materialised for the whole batch: the
+    head and the loss run `loss_cfg.chunk_blocks` blocks at a time (`chunked_dflash_loss`).
+    """
     arch = drafter.arch
     bs = arch.block_size
-    anchors, valid = sample_anchors(states.loss_mask, states.lengths, bs, loss_cfg.num_anchors, anchor_gen)
+    anchors, valid = sample_anchors(states.loss_mask, states.lengths, bs, loss_cfg.num_anchors, anchor_gen,
+                                    max_total=loss_cfg.max_anchors_per_batch)
     blocks, labels, label_valid = block_inputs_and_labels(states.input_ids, states.loss_mask, states.lengths,
                                                           anchors, valid, bs, arch.mask_token_id)
     context = states.context
@@ -40,18 +46,19 @@ def drafter_objective(drafter: DFlashDrafter, embed: nn.Module, lm_head: nn.Modu
     with torch.no_grad():
         block_embeds = embed(blocks)
     hidden = drafter.forward_train(context, block_embeds.to(context.dtype), anchors)
-    logits = lm_head(hidden[:, :, 1:, :])
-    target_logits = None
+    b, a = anchors.shape
+    n = b * a
+    target_hidden = None
     if loss_cfg.kl_weight > 0 and states.last_hidden is not None:
-        # The target's distribution for x_{a+k} is lm_head(final hidden at a+k-1): computed here
-        # instead of shipping vocabulary-sized logits over the wire.
-        b, a = anchors.shape
+        # The target's distribution for x_{a+k} is lm_head(final hidden at a+k-1): computed on this
+        # side, chunk by chunk, instead of shipping vocabulary-sized logits over the wire.
         pos = (anchors[:, :, None] + torch.arange(bs - 1, device=anchors.device)).clamp(max=context.shape[1] - 1)
-        h = torch.gather(states.last_hidden, 1, pos.reshape(b, -1, 1).expand(-1, -1, states.last_hidden.shape[-1]))
-        with torch.no_grad():
-            target_logits = lm_head(h).view(b * a, bs - 1, -1)
-    n = logits.shape[0] * logits.shape[1]
-    terms = dflash_loss(logits.reshape(n, bs - 1, -1), labels.reshape(n, bs - 1), label_valid.reshape(n, bs - 1),
-                        gamma=loss_cfg.gamma, target_logits=target_logits, kl_weight=loss_cfg.kl_weight,
-                        kl_temperature=loss_cfg.kl_temperature, streak_weight=loss_cfg.streak_weight)
-    return terms, metric_sums(terms)
+        last = states.last_hidden
+        target_hidden = torch.gather(last, 1, pos.reshape(b, -1, 1).expand(-1, -1, last.shape[-1])).view(n, bs - 1, -1)
+    terms = chunked_dflash_loss(hidden[:, :, 1:, :].reshape(n, bs - 1, -1), lm_head, labels.reshape(n, bs - 1),
+                                label_valid.reshape(n, bs - 1), gamma=loss_cfg.gamma, target_hidden=target_hidden,
+                                kl_weight=loss_cfg.kl_weight, kl_temperature=loss_cfg.kl_temperature,
+                                streak_weight=loss_cfg.streak_weight, chunk_blocks=loss_cfg.chunk_blocks)
+    sums = metric_sums(terms)
+    sums["anchors"] = valid.sum().float()
+    return terms, sums

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from dflash_ds.errors import DFlashError
@@ -228,6 +229,12 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _layer_step(layer: "DrafterLayer", x, cos, sin, ctx, ccos, csin, mask) -> torch.Tensor:
+    """One draft layer over the blocks, with the context keys/values it reads."""
+    ctx_k, ctx_v = layer.self_attn.context_kv(ctx, ccos, csin)
+    return layer(x, cos, sin, ctx_k, ctx_v, mask)
+
+
 class DFlashDrafter(nn.Module):
     """The drafter: fc + hidden_norm over concatenated target layers, decoder layers, final norm.
 
@@ -247,6 +254,8 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(arch.to_hf_config())
         # Training mask: "auto" = flex_attention BlockMask on GPU, dense boolean + SDPA on CPU.
         self.mask_backend = "auto"
+        # Recompute each layer in backward (set by the trainer from model.activation_checkpointing).
+        self.activation_checkpointing = False
 
     @property
     def block_size(self) -> int:
@@ -274,9 +283,15 @@ class DFlashDrafter(nn.Module):
     def _run_layers(self, x, pos, ctx, ctx_pos, mask) -> torch.Tensor:
         cos, sin = self._cos_sin(x, pos)
         ccos, csin = self._cos_sin(x, ctx_pos)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            ctx_k, ctx_v = layer.self_attn.context_kv(ctx, ccos, csin)
-            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+            if recompute:
+                # Only the layer's input is kept; its activations (and the context keys/values)
+                # are recomputed in backward.
+                x = torch.utils.checkpoint.checkpoint(_layer_step, layer, x, cos, sin, ctx, ccos, csin, mask,
+                                                      use_reentrant=False)
+            else:
+                x = _layer_step(layer, x, cos, sin, ctx, ccos, csin, mask)
         return self.norm(x)
 
     def forward_train(self, context_features: torch.Tensor, block_embeds: torch.Tensor,

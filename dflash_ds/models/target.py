@@ -136,9 +136,10 @@ def load_target_head(path: str | Path, dtype: torch.dtype = torch.float32) -> tu
         if not cfg.get("tie_word_embeddings", False):
             raise DFlashError(f"target folder {path}: no lm_head.weight and tie_word_embeddings is false")
         head_w = embed_w
-    embed = nn.Embedding(embed_w.shape[0], embed_w.shape[1], _weight=embed_w.clone())
-    head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False)
-    head.weight = nn.Parameter(head_w.clone())
+    embed = nn.Embedding(embed_w.shape[0], embed_w.shape[1], _weight=embed_w)
+    head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device="meta")
+    # A tied head shares the embedding's tensor (one V x H matrix in memory, not two).
+    head.weight = embed.weight if head_w is embed_w else nn.Parameter(head_w)
     for p in (*embed.parameters(), *head.parameters()):
         p.requires_grad_(False)
     return embed, head

@@ -126,7 +126,7 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
         _check_resume_state(ckpt.read_state(resume_path), arch, resume_path)
     if leader:
         print(f"[dflash-ds] building the DeepSpeed engine on {n_d} drafter rank(s)...", flush=True)
-    embed, head = load_target_head(cfg.target)
+    embed, head = load_target_head(cfg.target, dtype=dtype)
     module = DrafterTrainModule(_load_drafter(cfg, cfg.train.seed), embed, head)
     engine = build_engine(module, cfg, load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16))
 
