@@ -66,7 +66,9 @@ def colocated_child() -> int:
     if cuda:
         torch.cuda.set_device(device)
     store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout)
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(f"bench/pipeline/colocated/{phase['name']}",
+    from dflash_ds.distributed.topology import role_backend
+
+    dist.init_process_group(role_backend(cuda), store=dist.PrefixStore(f"bench/pipeline/colocated/{phase['name']}",
                                                                               store),
                             rank=rank, world_size=world, timeout=timeout)
     arch, dtype = resolve_arch(cfg), torch_dtype(cfg, cuda)

@@ -253,7 +253,9 @@ def _stage_child() -> int:
     addr, port = os.environ["DFLASH_BENCH_STORE"].rsplit(":", 1)
     timeout = datetime.timedelta(seconds=spec["timeout_s"])
     store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout)
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(spec["key"], store), rank=rank,
+    from dflash_ds.distributed.topology import role_backend
+
+    dist.init_process_group(role_backend(cuda), store=dist.PrefixStore(spec["key"], store), rank=rank,
                             world_size=world, timeout=timeout)
     base_peak = _peak(device)
     cfg = Config()

@@ -45,6 +45,26 @@ DRAFTER: Role = "drafter"
 STORE_PORT_OFFSET = 1
 ROLE_PORT_OFFSET: dict[str, int] = {TARGET: 2, DRAFTER: 3}
 
+# Backend of each role's default group, by the job's backend. NCCL carries CUDA tensors only
+# (an all_reduce of a CPU tensor raises "No backend type associated with device type cpu"), and
+# the trainer reduces small host tensors every step (stop/skip flags, metric sums), as does
+# DeepSpeed's bookkeeping: on GPU the role groups carry both, host tensors over gloo.
+ROLE_BACKENDS = {"gloo": "gloo", "nccl": "cpu:gloo,cuda:nccl"}
+# The bridge moves only hidden states, always on the rank's device: NCCL alone on GPU.
+BRIDGE_BACKENDS = {"gloo": "gloo", "nccl": "nccl"}
+
+
+def role_backend(cuda: bool) -> str:
+    """Backend string of a default group that carries CPU tensors, and CUDA tensors over NCCL when `cuda`."""
+    return ROLE_BACKENDS["nccl" if cuda else "gloo"]
+
+
+def backend_devices(spec: str) -> set[str]:
+    """Device types a backend string has a backend for: "nccl" -> {cuda}; "gloo" -> {cpu, cuda}; "cpu:gloo,cuda:nccl" -> both."""
+    if ":" not in spec:
+        return {"cuda"} if spec == "nccl" else {"cpu", "cuda"}
+    return {part.split(":", 1)[0].strip() for part in spec.split(",") if part.strip()}
+
 
 @dataclass
 class Layout:
@@ -304,10 +324,14 @@ def init_role_groups(
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"dflash/{role}", store),
+    dist.init_process_group(ROLE_BACKENDS[backend], store=dist.PrefixStore(f"dflash/{role}", store),
                             rank=role_rank, world_size=len(role_ranks), timeout=timeout)
-    bridge = _make_bridge(backend, dist.PrefixStore("dflash/bridge", store), rank,
+    bridge = _make_bridge(BRIDGE_BACKENDS[backend], dist.PrefixStore("dflash/bridge", store), rank,
                           layout.world_size, timeout)
+    from dflash_ds.distributed import audit
+
+    if audit.enabled():  # tests: check every tensor handed to torch.distributed (distributed/audit.py)
+        bridge = audit.install(bridge, device)
     return RoleContext(layout, rank, role, role_rank, len(role_ranks), bridge, store, device, backend,
                        timeout_s)
 
@@ -317,7 +341,7 @@ def _make_bridge(backend: str, store: dist.Store, rank: int, world: int,
     """A point-to-point group over all ranks, never registered with torch.distributed."""
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world, timeout)
-    # Same options torch's own new_group() sets for NCCL (untested here: no GPUs on the CI machine).
+    # Same options torch's own new_group() sets for NCCL (never run on a GPU yet: no GPU in CI).
     opts = dist.ProcessGroupNCCL.Options()
     opts.is_high_priority_stream = False
     opts._timeout = timeout

@@ -365,12 +365,17 @@ class DFlashDrafter(nn.Module):
 
     # ---- export format -------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | Path) -> Path:
-        """Write config.json and model.safetensors in the reference layout (DESIGN §2)."""
+        """Write config.json and model.safetensors in the reference layout (DESIGN §2), in the weights' dtype."""
         from safetensors.torch import save_file
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / CONFIG_NAME).write_text(json.dumps(self.arch.to_json_dict(), indent=2, sort_keys=True) + "\n")
+        cfg = self.arch.to_json_dict()
+        # The weights' dtype: serving engines take it under --dtype auto (SGLang turns a float32
+        # config into float16); transformers 4.x loaders read torch_dtype.
+        dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
+        cfg["dtype"] = cfg["torch_dtype"] = dtype
+        (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()
                    if not k.startswith("rotary_emb.")}
         save_file(tensors, str(out / SAFETENSORS_NAME), metadata={"format": "pt"})

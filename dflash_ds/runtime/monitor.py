@@ -22,13 +22,15 @@ NAMESPACES = {
                             "skipped_steps", "epoch")},
     **{k: "pipeline" for k in ("tgt_batch_per_sec", "dft_batch_per_sec", "tok_per_sec", "hs_queue_depth", "eta_s",
                                "tgt_forward_s", "recv_wait_s", "step_time_s")},
-    **{k: "batch" for k in ("avg_seq_len", "padding_efficiency", "bucket_pct", "real_tokens", "padded_tokens")},
+    **{k: "batch" for k in ("avg_seq_len", "padding_efficiency", "bucket_pct", "real_tokens", "padded_tokens",
+                            "anchors", "label_positions")},
+    **{k: "memory" for k in ("peak_mem_gb", "peak_mem_gb_per_rank")},
 }
 
 REQUIRED_KEYS = ("step", "epoch", "loss", "accuracy", "avg_streak", "tau", "top4_accuracy", "top8_accuracy",
                  "tree_streak4", "tree_streak8", "lr", "noise_std", "grad_norm", "tgt_batch_per_sec",
                  "dft_batch_per_sec", "tok_per_sec", "hs_queue_depth", "avg_seq_len", "padding_efficiency",
-                 "bucket_pct", "eta_s")
+                 "bucket_pct", "eta_s", "anchors", "label_positions", "peak_mem_gb")
 
 SECRET_WORDS = ("api_key", "apikey", "token", "secret", "password", "passwd", "credentials")
 

@@ -1,0 +1,135 @@
+"""Named metric accumulators of a drafter's log window, reduced over the drafters in one collective.
+
+Every drafter adds its steps into the same named fields; `reduce` packs them in a fixed order
+(identical on every rank), does one all_reduce, and unpacks: no metric is addressed by its
+position in a vector.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dflash_ds.components.loss import metrics_from_sums
+
+# Sums of the loss statistics (components/loss.metric_sums + the objective's "anchors").
+LOSS_SUMS = ("valid_positions", "correct", "top4", "top8", "blocks", "streak", "tree_streak4", "tree_streak8",
+             "anchors")
+# Per-step values summed over steps and drafters (divided by their count when logged).
+STEP_SUMS = ("loss", "steps", "real_tokens", "padded_tokens", "num_seqs", "queue_depth", "tgt_batch_per_s",
+             "tgt_forward_s", "grad_norm", "lr", "noise_std")
+
+
+@dataclass
+class MetricWindow:
+    """One drafter's sums since the last record. Vectors: per bucket, per block position, per drafter rank."""
+
+    num_buckets: int
+    num_positions: int
+    num_drafters: int
+    drafter: int
+    sums: dict[str, float] = field(default_factory=dict)
+    buckets: list[float] = field(default_factory=list)
+    pos_correct: list[float] = field(default_factory=list)
+    pos_valid: list[float] = field(default_factory=list)
+    skipped_total: float = 0.0  # a running count over the whole run, not a window sum
+    peak_mem_bytes: float = 0.0  # this rank's peak in the window
+
+    def __post_init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Start a new window (the running skipped count is kept)."""
+        self.sums = {k: 0.0 for k in STEP_SUMS + LOSS_SUMS}
+        self.buckets = [0.0] * self.num_buckets
+        self.pos_correct = [0.0] * self.num_positions
+        self.pos_valid = [0.0] * self.num_positions
+        self.peak_mem_bytes = 0.0
+
+    @property
+    def steps(self) -> int:
+        """Steps this drafter added since the last record."""
+        return int(self.sums["steps"])
+
+    def add_step(self, loss: float, loss_sums: dict[str, torch.Tensor], meta: dict, queue_depth: int,
+                 grad_norm: float, lr: float, noise_std: float) -> None:
+        """One micro-step's loss, statistics and batch facts."""
+        s = self.sums
+        s["loss"] += loss if math.isfinite(loss) else 0.0
+        s["steps"] += 1
+        for key in LOSS_SUMS:
+            s[key] += float(loss_sums[key])
+        for key in ("real_tokens", "padded_tokens", "num_seqs", "tgt_batch_per_s", "tgt_forward_s"):
+            s[key] += float(meta[key])
+        s["queue_depth"] += queue_depth
+        s["grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
+        s["lr"] += lr
+        s["noise_std"] += noise_std
+        self.buckets[int(meta["bucket"])] += 1
+        for i, (c, v) in enumerate(zip(loss_sums["pos_correct"].tolist(), loss_sums["pos_valid"].tolist())):
+            self.pos_correct[i] += c
+            self.pos_valid[i] += v
+
+    def _pack(self) -> list[float]:
+        peak = [0.0] * self.num_drafters
+        peak[self.drafter] = self.peak_mem_bytes  # a sum of one-hot rows = every rank's value
+        return ([self.sums[k] for k in STEP_SUMS + LOSS_SUMS] + [self.skipped_total] + self.buckets
+                + self.pos_correct + self.pos_valid + peak)
+
+    def reduce(self, device: torch.device | None = None) -> "WindowTotals":
+        """Sum every drafter's window in one all_reduce (collective over the drafter group)."""
+        packed = torch.tensor(self._pack(), dtype=torch.float64, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(packed)
+        v = packed.cpu().tolist()
+        names = STEP_SUMS + LOSS_SUMS
+        i = len(names)
+        nb, k, d = self.num_buckets, self.num_positions, self.num_drafters
+        return WindowTotals(sums=dict(zip(names, v[:i])), skipped_total=v[i], buckets=v[i + 1:i + 1 + nb],
+                            pos_correct=v[i + 1 + nb:i + 1 + nb + k], pos_valid=v[i + 1 + nb + k:i + 1 + nb + 2 * k],
+                            peak_mem_bytes=v[i + 1 + nb + 2 * k:i + 1 + nb + 2 * k + d])
+
+
+@dataclass
+class WindowTotals:
+    """A log window summed over the drafters."""
+
+    sums: dict[str, float]
+    skipped_total: float
+    buckets: list[float]
+    pos_correct: list[float]
+    pos_valid: list[float]
+    peak_mem_bytes: list[float]  # per drafter rank
+
+    def record(self, step: int, epoch: int, window_s: float, num_drafters: int, num_targets: int, max_steps: int,
+               sec_per_step: float) -> dict:
+        """One metrics.jsonl record."""
+        s = self.sums
+        n = s["steps"]  # steps x drafters in the window
+        steps = n / num_drafters
+        m = metrics_from_sums({**{k: torch.tensor(s[k]) for k in LOSS_SUMS}, "pos_correct": torch.tensor(self.pos_correct),
+                               "pos_valid": torch.tensor(self.pos_valid)})
+        real, padded = s["real_tokens"], s["padded_tokens"]
+        peaks_gb = [round(b / 1024 ** 3, 4) for b in self.peak_mem_bytes]
+        return {
+            "step": step, "epoch": epoch, "loss": s["loss"] / n, **{key: m[key] for key in (
+                "accuracy", "avg_streak", "tau", "top4_accuracy", "top8_accuracy", "tree_streak4", "tree_streak8")},
+            "accuracy_per_position": m["accuracy_per_position"],
+            "lr": s["lr"] / n, "noise_std": s["noise_std"] / n, "grad_norm": s["grad_norm"] / n,
+            # each header carries its target's own rate: the mean times T is the whole target side's
+            "tgt_batch_per_sec": s["tgt_batch_per_s"] / n * num_targets,
+            "skipped_steps": self.skipped_total / num_drafters,
+            "dft_batch_per_sec": n / window_s, "tok_per_sec": real / window_s,
+            "hs_queue_depth": s["queue_depth"] / n, "tgt_forward_s": s["tgt_forward_s"] / n,
+            "avg_seq_len": real / max(s["num_seqs"], 1), "padding_efficiency": real / max(padded, 1),
+            "bucket_pct": {str(b): c / n for b, c in enumerate(self.buckets)},
+            "real_tokens": real, "padded_tokens": padded,
+            # per optimizer step, summed over the drafters (what one step trained on)
+            "anchors": s["anchors"] / steps, "label_positions": s["valid_positions"] / steps,
+            # each drafter rank's peak in the window: CUDA max_memory_allocated, or peak RSS on CPU
+            "peak_mem_gb": max(peaks_gb), "peak_mem_gb_per_rank": peaks_gb,
+            "eta_s": sec_per_step * (max_steps - step), "step_time_s": window_s / max(steps, 1),
+        }
