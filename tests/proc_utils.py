@@ -36,3 +36,53 @@ def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.Complete
             raise AssertionError(f"{' '.join(cmd[:6])} ... timed out after {timeout}s\nstdout:\n{out[-4000:]}\n"
                                  f"stderr:\n{err[-6000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(entry))
+    return out
+
+
+def _peak_rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return 0
+    return max(int(fields.get(k, "0 kB").split()[0]) for k in ("VmHWM", "VmRSS"))
+
+
+def run_bounded_peak_rss(cmd: list[str], timeout: float, poll_s: float = 0.3,
+                         **kwargs) -> tuple[subprocess.CompletedProcess, dict[int, int]]:
+    """`run_bounded`, also sampling the peak resident set (VmHWM) of every descendant: pid -> bytes."""
+    import tempfile
+    import time
+
+    peaks: dict[int, int] = {}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        with process_group(cmd, stdout=out, stderr=err, text=True, **kwargs) as proc:
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    out.seek(0), err.seek(0)
+                    raise AssertionError(f"{' '.join(cmd[:6])} ... timed out after {timeout}s\n"
+                                         f"stdout:\n{out.read()[-4000:]}\nstderr:\n{err.read()[-6000:]}")
+                todo = [proc.pid]
+                while todo:
+                    pid = todo.pop()
+                    peaks[pid] = max(peaks.get(pid, 0), _peak_rss_kib(pid) * 1024)
+                    todo.extend(_children(pid))
+                time.sleep(poll_s)
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read()), peaks
