@@ -188,7 +188,7 @@ def _measure_pair(ctx, src: int, dst: int, cases: list[dict[str, Any]], iters: i
                             for _ in range(phase_iters):
                                 bridge_mod.wait_all([br.send([raw], dst, RAW_TAG)], dst, timeout_s, "raw send")
                         else:
-                            sender = bridge_mod.AsyncSender(br, depth=2, timeout_s=timeout_s)
+                            sender = bridge_mod.AsyncSender(br, depth=2, timeout_s=timeout_s, device=dev)
                             for i in range(phase_iters):
                                 sender.send(dst, batch, {"i": float(i)}, batch_id=i, tag=EXCHANGE_CHANNEL)
                             sender.flush()

@@ -166,7 +166,7 @@ def _exchange_states(ctx, captured: list, steps: int) -> list:
     from dflash_ds.distributed import bridge as bridge_mod
     lay = ctx.layout
     if ctx.is_target:
-        sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.timeout_s)
+        sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.timeout_s, device=ctx.device)
         for s, d, tensors in captured:
             sender.send(lay.drafter_ranks[d], tensors, {}, batch_id=s * lay.num_drafters + d, tag=BENCH_CHANNEL)
         sender.flush()

@@ -270,8 +270,9 @@ def _post_batch(bridge: BridgeGroup, dst: int, tensors: dict[str, torch.Tensor],
     specs = [(name, t.dtype, tuple(t.shape)) for name, t in zip(tensors, payload)]
     layout = payload_layout(specs)
     message = _payload_buffer(payload, layout)
-    if message is None and layout.total:  # not built in place: one staging copy
-        staged, message = _alloc_payload(specs, device, pool)
+    if message is None and layout.total:  # not built in place: one staging copy, on the payload's device
+        same = pool is not None and torch.device(pool.device) == device
+        staged, message = _alloc_payload(specs, device, pool if same else None)
         for view, t in zip(staged.values(), payload):
             view.copy_(t)
     htag, ptag = _tags(tag)

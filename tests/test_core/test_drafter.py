@@ -120,3 +120,37 @@ def test_from_pretrained_rejects_mismatched_tensors(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(DFlashError, match="unexpected"):
         DFlashDrafter.from_pretrained(tmp_path)
+
+
+def test_activation_checkpointing_same_output_and_gradients():
+    """Recomputing each layer in backward changes memory, not the numbers."""
+    results = []
+    for recompute in (False, True):
+        d = make_drafter(seed=3).train()
+        d.activation_checkpointing = recompute
+        ctx, emb, anchors = inputs()
+        ctx.requires_grad_(True)
+        out = d.forward_train(ctx, emb, anchors)
+        (out.square().sum()).backward()
+        results.append((out.detach(), ctx.grad.clone(), {n: p.grad.clone() for n, p in d.named_parameters()}))
+    (o1, c1, g1), (o2, c2, g2) = results
+    assert torch.equal(o1, o2)
+    assert torch.allclose(c1, c2, atol=1e-6)
+    assert g1.keys() == g2.keys() and all(torch.allclose(g1[n], g2[n], atol=1e-6) for n in g1)
+
+
+def test_export_in_the_weights_dtype(tmp_path):
+    """A bf16 drafter exports bf16 tensors and says so (SGLang reads a float32 config as float16 under auto)."""
+    from safetensors import safe_open
+
+    d = make_drafter().to(torch.bfloat16)
+    d.save_pretrained(tmp_path / "bf16")
+    cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    back = DFlashDrafter.from_pretrained(tmp_path / "bf16")
+    for (n, p), q in zip(d.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(p.float(), q.float()), n
+    make_drafter().save_pretrained(tmp_path / "fp32")
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
