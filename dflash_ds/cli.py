@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-step": ("dflash_ds.single_step", "run a few single-device training steps of the DFlash core (smoke test)"),
     "prepare": ("dflash_ds.data.prepare", "tokenize conversations with the target's chat template into an Arrow dataset"),
     "regenerate": ("dflash_ds.data.regenerate", "rewrite assistant turns with the target's own answers"),
-    "bench": ("dflash_ds.bench.cli", "benchmarks (batching, comm, pipeline, zero)"),
+    "bench": ("dflash_ds.bench.cli", "benchmarks (attention, batching, comm, memory, pipeline, zero)"),
     "eval": ("dflash_ds.eval.cli", "acceptance length of a drafter by real speculative decoding"),
     "report": ("dflash_ds.report", "PNG plots and a text summary from a run's metrics.jsonl"),
     "check-hostfile": ("dflash_ds.check_hostfile", "validate a deepspeed hostfile (HOST slots=N lines) before launching"),
