@@ -269,7 +269,8 @@ def _stage_child() -> int:
     module, arch = _drafter_module(spec)
     engine = build_engine(module, cfg, ds)
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
-    frozen = [p for p in engine.module.parameters() if not p.requires_grad]
+    # The target's embedding and LM head: buffers of the module (never ZeRO-partitioned), once if tied.
+    frozen = [engine.module.embed_weight] + ([] if engine.module.tied_head else [engine.module.head_weight])
     gen = torch.Generator().manual_seed(rank)
     b, s = spec["batch_size"], spec["seq_len"]
     dtype = torch.bfloat16 if cuda else torch.float32
