@@ -24,6 +24,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_ds.bench.comm",
         "point-to-point bandwidth of every target->drafter pair: raw send/recv vs the training exchange",
     ),
+    "memory": (
+        "dflash_ds.bench.memory",
+        "peak memory and time of one drafter micro-step at small widths, measured vs predicted, and the "
+        "predicted per-rank total at full width",
+    ),
     "pipeline": (
         "dflash_ds.bench.pipeline",
         "target and drafter capacity, the real pipeline's tokens/s, and a colocated baseline",

@@ -1,0 +1,370 @@
+"""`dflash-ds bench memory`: peak memory and time of one drafter micro-step, measured and predicted.
+
+One micro-step is what a drafter rank runs per batch: `drafter_objective` (anchors, every block
+under the block-sparse mask, the chunked LM head + loss) and `loss.backward()`. It is measured at
+a few small widths of a named target shape (`--widths`, heads scaled so head_dim stays, the MLP
+by the same factor) with everything else full size: the vocabulary (a random frozen embedding and
+LM head of all V rows at that width), the token budget, the anchors and the chunk. Each width's
+peak (CPU: peak resident set; CUDA: max_memory_allocated), minus what was resident or allocated
+before the step, is set beside the prediction of `memory_model.micro_step_peak`, a formula
+counted from the code. The same formula then predicts the full width under the real GPU
+settings (bf16, flex_attention, activation checkpointing), and the static per-rank terms (ZeRO
+model states, frozen embedding and head, received payloads) complete a drafter rank's total.
+
+Single process, no DeepSpeed: parameter gradients are plain `.grad` tensors here (counted in the
+micro-step); the ZeRO term counts them in the total instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_ds.bench import memory_model as mm
+from dflash_ds.errors import DFlashError
+
+# Published text-config values as we read them (memory depends on the shapes only).
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6,
+                     tie_word_embeddings=False),
+    "qwen3.6-27b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                        num_key_value_heads=4, head_dim=256, vocab_size=248320, rope_theta=1e7,
+                        tie_word_embeddings=False),
+}
+SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+BUDGET_GB = 60.0  # the per-drafter-rank target on an 80 GB GPU (docs/MEMORY.md)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `dflash-ds bench memory`."""
+    from dflash_ds.config import LossConfig
+
+    loss = LossConfig()
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b",
+                        help="target shape: qwen3-8b (H 4096, 36 layers, 32/8 heads of 128, MLP 12288, V 151936) or "
+                             "qwen3.6-27b (H 5120, 64 layers, 24/4 heads of 256, MLP 17408, V 248320): the published "
+                             "text-config values as we read them")
+    parser.add_argument("--target", default="",
+                        help="a local HF target folder instead of --preset (its config.json, text_config when present)")
+    parser.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (= target layers read)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block, the anchor included")
+    parser.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=2048,
+                        help="tokens per sequence; the batch is token-budget // seq-len sequences, all response tokens")
+    parser.add_argument("--num-anchors", type=int, default=loss.num_anchors, help="most anchor blocks per sequence")
+    parser.add_argument("--max-anchors", type=int, default=loss.max_anchors_per_batch,
+                        help="most anchor blocks per micro-batch (loss.max_anchors_per_batch; 0 = no cap)")
+    parser.add_argument("--chunk-blocks", type=int, default=loss.chunk_blocks,
+                        help="blocks per LM-head + loss chunk (loss.chunk_blocks)")
+    parser.add_argument("--kl-weight", type=float, default=0.0,
+                        help="soft-label KL weight; > 0 adds the target's last hidden state and its logits per chunk")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                        help="measurement dtype (default: fp32 on CPU, bf16 on CUDA)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    parser.add_argument("--activation-checkpointing", choices=["on", "off", "auto"], default="auto",
+                        help="recompute each draft layer in backward (auto: on with CUDA, off on CPU, as training)")
+    parser.add_argument("--mask-backend", choices=["auto", "dense", "flex"], default="auto",
+                        help="block-sparse mask: dense boolean + SDPA, flex_attention, auto (flex on CUDA, dense on CPU)")
+    parser.add_argument("--widths", default="256,512",
+                        help="comma-separated hidden sizes to measure at (heads, kv heads and MLP scaled; vocabulary, "
+                             "token budget, anchors and chunk stay full size)")
+    parser.add_argument("--full", action="store_true", help="also measure at the full width (for a GPU)")
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=2,
+                        help="ZeRO stage of the predicted model-state term")
+    parser.add_argument("--num-drafters", type=int, default=1, help="drafter ranks ZeRO partitions over (the D of 14Psi/D)")
+    parser.add_argument("--steps", type=int, default=3, help="timed micro-steps per width (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed micro-steps first (flex_attention compiles here)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
+    parser.add_argument("--json", default="", metavar="FILE", help="also write the result as JSON to FILE")
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def target_config(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """(name, text config) of --target or --preset."""
+    if not args.target:
+        return args.preset, dict(PRESETS[args.preset])
+    path = Path(args.target) / "config.json"
+    if not path.is_file():
+        raise DFlashError(f"bench memory: --target {args.target} has no config.json")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DFlashError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    text = {**cfg, **cfg.get("text_config", {})}  # vision-language wrappers keep the LM under text_config
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    missing = [k for k in SHAPE_FIELDS if k not in text]
+    if missing:
+        raise DFlashError(f"{path}: missing field {missing[0]!r}")
+    return str(args.target), text
+
+
+def drafter_shape(cfg: dict[str, Any], width: int, num_layers: int, block_size: int) -> mm.DrafterShape:
+    """The drafter for `cfg` at hidden size `width`: head_dim kept, heads and MLP scaled by width / H."""
+    h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or h // heads)
+    f = width / h
+    n_heads = max(1, round(heads * f))
+    n_kv = max(1, round(n_heads * kv / heads))
+    while n_heads % n_kv:  # grouped-query attention needs kv heads dividing heads
+        n_kv -= 1
+    return mm.DrafterShape(hidden=width, intermediate=max(1, round(int(cfg["intermediate_size"]) * f)),
+                           heads=n_heads, kv_heads=n_kv, head_dim=head_dim, vocab=int(cfg["vocab_size"]),
+                           num_layers=num_layers, num_read=num_layers, block_size=block_size,
+                           tied=bool(cfg.get("tie_word_embeddings", False)))
+
+
+def step_shape(args: argparse.Namespace, dtype_bytes: int, checkpointing: bool, dense: bool,
+               cuda: bool) -> mm.StepShape:
+    """The micro-batch of the run: token-budget // seq-len full-length sequences."""
+    batch = args.token_budget // args.seq_len
+    a = mm.anchors_per_row(batch, args.seq_len, args.block_size, args.num_anchors, args.max_anchors)
+    return mm.StepShape(batch=batch, seq_len=args.seq_len, anchors_per_row=a, chunk_blocks=args.chunk_blocks,
+                        kl=args.kl_weight > 0, dtype_bytes=dtype_bytes, checkpointing=checkpointing,
+                        dense_mask=dense, cuda=cuda)
+
+
+def _check_args(args: argparse.Namespace) -> list[int]:
+    for name in ("num_layers", "token_budget", "seq_len", "num_anchors", "chunk_blocks", "steps", "num_drafters"):
+        if getattr(args, name) < 1:
+            raise DFlashError(f"bench memory: --{name.replace('_', '-')} must be >= 1")
+    if args.block_size < 2:
+        raise DFlashError("bench memory: --block-size must be >= 2")
+    if args.max_anchors < 0 or args.warmup < 0:
+        raise DFlashError("bench memory: --max-anchors and --warmup must be >= 0")
+    if args.token_budget < args.seq_len:
+        raise DFlashError(f"bench memory: --token-budget {args.token_budget} is less than one --seq-len {args.seq_len}")
+    if args.seq_len <= args.block_size:
+        raise DFlashError(f"bench memory: --seq-len {args.seq_len} must exceed --block-size {args.block_size}")
+    try:
+        widths = [int(w) for w in args.widths.split(",") if w.strip()]
+    except ValueError:
+        raise DFlashError(f"bench memory: --widths {args.widths!r}: give hidden sizes like 256,512") from None
+    if any(w < 1 for w in widths):
+        raise DFlashError("bench memory: --widths must be positive")
+    return widths
+
+
+# ---------------------------------------------------------------- measurement
+
+
+def _mmap_large_allocations() -> bool:
+    """CPU: serve every allocation of 64 KiB or more by mmap, so a freed tensor leaves the resident set.
+
+    glibc otherwise raises its mmap threshold (up to 32 MiB) as blocks are freed and serves tensors
+    below it from the heap, whose freed holes stay resident: the peak RSS then carries heap slack
+    the formula does not count (measured here: 4-19% of the step's peak). Setting the threshold
+    also turns that adjustment off. Returns False where mallopt is not available.
+    """
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def _release_heap() -> None:
+    """Hand freed heap pages back to the OS so the CPU peak window starts from live memory only."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def measure_width(shape: mm.DrafterShape, step: mm.StepShape, args: argparse.Namespace, device, dtype,
+                  mask_backend: str) -> dict[str, Any]:
+    """Build the drafter at this width with random weights and a full-vocabulary head; time and size one step."""
+    import torch
+    from torch import nn
+
+    from dflash_ds.components.loss import sample_anchors
+    from dflash_ds.components.objective import TargetStates
+    from dflash_ds.config import LossConfig
+    from dflash_ds.models.drafter import DFlashDrafter, DrafterArch, default_target_layer_ids
+    from dflash_ds.runtime.engine import DrafterTrainModule
+    from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory, resident_bytes
+
+    cfg = args.target_cfg
+    n_target = int(cfg["num_hidden_layers"])
+    arch = DrafterArch(
+        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+        vocab_size=shape.vocab, rms_norm_eps=1e-6, max_position_embeddings=max(4096, args.seq_len),
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 1e6))},
+        block_size=shape.block_size, num_target_layers=n_target, mask_token_id=shape.vocab - 1,
+        target_layer_ids=default_target_layer_ids(n_target, shape.num_layers))
+    torch.manual_seed(args.seed)
+    drafter = DFlashDrafter(arch)
+    drafter.init_weights(args.seed)
+    drafter = drafter.to(device=device, dtype=dtype)
+    drafter.activation_checkpointing = step.checkpointing
+    drafter.mask_backend = mask_backend
+    gen = torch.Generator().manual_seed(args.seed)
+    embed_w = (torch.randn(shape.vocab, shape.hidden, generator=gen) * 0.02).to(device, dtype)
+    embed = nn.Embedding(shape.vocab, shape.hidden, _weight=embed_w)
+    head = nn.Linear(shape.hidden, shape.vocab, bias=False, device="meta")  # no throwaway V x H init
+    if shape.tied:
+        head.weight = embed.weight
+    else:
+        head.weight = nn.Parameter((torch.randn(shape.vocab, shape.hidden, generator=gen) * 0.02).to(device, dtype))
+    module = DrafterTrainModule(drafter, embed, head)
+    del embed, head, embed_w
+    b, s = step.batch, step.seq_len
+    states = TargetStates(
+        input_ids=torch.randint(0, shape.vocab - 1, (b, s), generator=gen).to(device),
+        loss_mask=torch.ones(b, s, dtype=torch.long, device=device), lengths=torch.full((b,), s, device=device),
+        context=torch.randn(b, s, shape.num_read * shape.hidden, generator=gen).to(device, dtype),
+        last_hidden=torch.randn(b, s, shape.hidden, generator=gen).to(device, dtype) if step.kl else None)
+    loss_cfg = LossConfig(num_anchors=args.num_anchors, max_anchors_per_batch=args.max_anchors,
+                          chunk_blocks=args.chunk_blocks, kl_weight=args.kl_weight)
+    cuda = device.type == "cuda"
+    peaks, times, anchors_used = [], [], 0
+    for i in range(args.warmup + args.steps):
+        drafter.zero_grad(set_to_none=True)  # the step allocates its parameter gradients, as in training
+        if cuda:
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+        else:
+            _release_heap()
+            base = resident_bytes()
+        reset_peak_memory(device)
+        t0 = time.perf_counter()
+        terms, sums = module(states, loss_cfg, 0, 0.0, 0)  # anchor seed 0: the same blocks every step
+        terms.loss.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        if i >= args.warmup:
+            times.append(dt)
+            peaks.append(peak_memory_bytes(device) - base)
+        anchors_used = int(sums["anchors"])
+        del terms, sums
+    anchors, _ = sample_anchors(states.loss_mask, states.lengths, shape.block_size, args.num_anchors,
+                                torch.Generator().manual_seed(0), max_total=args.max_anchors)
+    visible = float(((anchors.cpu() + shape.block_size) * shape.block_size).sum())  # keys seen, summed over queries
+    step_s = sorted(times)[len(times) // 2]
+    flops = mm.micro_step_flops(shape, step, visible)
+    del module, drafter, states
+    return {"measured_peak_bytes": max(peaks), "step_s": step_s, "tokens_per_s": b * s / step_s,
+            "anchors": anchors_used, "anchors_per_row": int(anchors.shape[1]), "tflop": flops / 1e12,
+            "mfu": flops / step_s / mm.H200_BF16_FLOPS if cuda else None}
+
+
+# ---------------------------------------------------------------- prediction at full width
+
+
+def full_width_prediction(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Predicted bytes per drafter rank at the target's width: bf16, flex_attention, checkpointing, CUDA."""
+    shape = drafter_shape(cfg, int(cfg["hidden_size"]), args.num_layers, args.block_size)
+    step = step_shape(args, dtype_bytes=2, checkpointing=True, dense=False, cuda=True)
+    terms = mm.micro_step_terms(shape, step, param_grads=False)
+    phase = max(mm.PHASES, key=lambda ph: sum(terms[ph].values()))
+    micro = {k: v for k, v in {**terms["held"], **{f"{phase}:{k}": v for k, v in terms[phase].items()}}.items() if v}
+    static = mm.static_terms(shape, args.token_budget, args.zero_stage, args.num_drafters, kl=step.kl)
+    total = sum(micro.values()) + sum(static.values())
+    return {"settings": {"dtype": "bf16", "mask": "flex", "activation_checkpointing": True,
+                         "zero_stage": args.zero_stage, "num_drafters": args.num_drafters},
+            "hidden": shape.hidden, "params": mm.drafter_params(shape), "anchors_per_row": step.anchors_per_row,
+            "peak_phase": phase, "micro_step_terms": micro, "micro_step_bytes": sum(micro.values()),
+            "static_terms": static, "total_bytes": total, "budget_gb": BUDGET_GB,
+            "within_budget": total <= BUDGET_GB * mm.GB}
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `dflash-ds bench memory`."""
+    import torch
+
+    widths = _check_args(args)
+    name, cfg = target_config(args)
+    args.target_cfg = cfg
+    device_name = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device_name.startswith("cuda") and not torch.cuda.is_available():
+        raise DFlashError("bench memory: --device cuda but torch sees no CUDA GPU")
+    device = torch.device(device_name)
+    cuda = device.type == "cuda"
+    if args.mask_backend == "flex" and not cuda:
+        raise DFlashError("bench memory: flex_attention has no backward on CPU; use --mask-backend dense")
+    dtype_name = args.dtype or ("bf16" if cuda else "fp32")
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    mmap_all = _mmap_large_allocations() if not cuda else False
+    ckpt = {"on": True, "off": False, "auto": cuda}[args.activation_checkpointing]
+    dense = args.mask_backend == "dense" or (args.mask_backend == "auto" and not cuda)
+    step = step_shape(args, 2 if dtype_name == "bf16" else 4, ckpt, dense, cuda)
+    full_h = int(cfg["hidden_size"])
+    if args.full and full_h not in widths:
+        widths.append(full_h)
+    rows = []
+    for width in widths:
+        shape = drafter_shape(cfg, width, args.num_layers, args.block_size)
+        measured = measure_width(shape, step, args, device, dtype, args.mask_backend)
+        predicted = mm.micro_step_peak(shape, step)
+        terms = mm.micro_step_terms(shape, step)
+        rows.append({"width": width, "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
+                     "intermediate": shape.intermediate, "params": mm.drafter_params(shape), **measured,
+                     "predicted_peak_bytes": predicted,
+                     "error_pct": 100.0 * (predicted - measured["measured_peak_bytes"]) / measured["measured_peak_bytes"],
+                     "predicted_phase": max(mm.PHASES, key=lambda ph: sum(terms[ph].values())), "terms": terms})
+    result = {"target": name, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+              "torch": torch.__version__, "dtype": dtype_name, "activation_checkpointing": ckpt,
+              "mask": "dense" if dense else "flex", "num_layers": args.num_layers, "block_size": args.block_size,
+              "token_budget": args.token_budget, "seq_len": args.seq_len, "batch": step.batch,
+              "num_anchors": args.num_anchors, "max_anchors": args.max_anchors, "chunk_blocks": args.chunk_blocks,
+              "kl_weight": args.kl_weight, "steps": args.steps,
+              "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS (VmHWM)",
+              "cpu_allocations_mmapped": mmap_all,
+              "lm_head_bytes_per_entry": mm.lm_head_bytes_per_entry(step),
+              "rows": rows, "full_width": full_width_prediction(cfg, args)}
+    _print(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def _gb(n: float) -> str:
+    return f"{n / mm.GB:,.2f}"
+
+
+def _print(res: dict[str, Any]) -> None:
+    from dflash_ds.bench.comm import print_table
+
+    mfu = res["device"] != "cpu"
+    rows = [[str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}", str(r["intermediate"]),
+             f"{r['params'] / 1e6:,.1f}", str(r["anchors"]), _gb(r["measured_peak_bytes"]),
+             _gb(r["predicted_peak_bytes"]), f"{r['error_pct']:+.1f}", r["predicted_phase"], f"{r['step_s']:.2f}",
+             f"{r['tokens_per_s']:,.0f}"] + ([f"{100 * r['mfu']:.1f}"] if mfu else []) for r in res["rows"]]
+    print_table(
+        f"bench memory: {res['target']}, {res['num_layers']}-layer drafter, {res['device']} {res['dtype']}, "
+        f"mask {res['mask']}, checkpointing {'on' if res['activation_checkpointing'] else 'off'}; "
+        f"{res['batch']} x {res['seq_len']} tokens, anchors {res['num_anchors']}/seq capped at {res['max_anchors']}, "
+        f"chunk {res['chunk_blocks']} blocks, KL {res['kl_weight']:g}",
+        ["width", "heads", "MLP", "params M", "anchors", "measured GB", "predicted GB", "error %", "peak phase",
+         "step s", "tokens/s"] + (["MFU %"] if mfu else []), rows,
+        f"one micro-step (objective + backward); measured = {res['peak_kind']} minus before the step"
+        + (", allocations >= 64 KiB mmapped; " if res["cpu_allocations_mmapped"] else "; ") +
+        f"LM-head chunk at {res['lm_head_bytes_per_entry']:g} B per (position x vocab entry)"
+        + ("; MFU: model FLOPs (fwd + 2x bwd, + recompute) / 790 TFLOP/s" if mfu else ""))
+    f = res["full_width"]
+    print(f"\npredicted per drafter rank at full width H={f['hidden']} ({f['params'] / 1e9:.2f}B drafter params, "
+          f"{f['anchors_per_row']} anchors/seq): bf16, flex_attention, checkpointing on, ZeRO-{f['settings']['zero_stage']} "
+          f"over {f['settings']['num_drafters']} drafter rank(s); peak phase: {f['peak_phase']}")
+    terms = [[k, _gb(v)] for k, v in f["micro_step_terms"].items()]
+    terms += [["= micro-step", _gb(f["micro_step_bytes"])]] + [[k, _gb(v)] for k, v in f["static_terms"].items()]
+    terms += [["= total", _gb(f["total_bytes"])]]
+    print_table("", ["term", "GB"], terms,
+                f"total {'<=' if f['within_budget'] else '>'} {f['budget_gb']:g} GB per drafter rank "
+                f"(80 GB GPU: {80 - f['total_bytes'] / mm.GB:.1f} GB left)")

@@ -1,0 +1,265 @@
+"""The predicted peak memory of one drafter micro-step, and the static bytes of a drafter rank.
+
+Counted from the code (models/drafter.py, components/objective.py, components/loss.py): every
+tensor autograd saves, or the step holds, is named below with its size in bytes. Notation, for
+one micro-batch of B sequences of S tokens with A anchor blocks each (the most any row drew;
+padding blocks are computed too):
+
+    T = B*A*bs     block tokens            C = B*S     context tokens
+    P = B*A*(bs-1) label positions         b = bytes of the compute dtype (4 fp32, 2 bf16)
+    H hidden, I intermediate, nh / nkv heads of head_dim d, V vocabulary, L drafter layers
+
+The micro-step's peak is `held + max(forward, loss, backward)`:
+
+- held: what forward leaves for backward: RoPE tables, the projected context, the dense mask's
+  float copy in every layer (CPU SDPA saves it; flex_attention has none), and each layer's saved
+  activations or, with activation checkpointing, only each layer's input (and the boolean mask);
+- forward (its end): the block embeddings, the final norm, the boolean mask (no checkpointing);
+- loss (inside the chunked LM head + loss): the block embeddings, the final norm's saved tensors
+  and output, the [N, K, H] head input and its stored gradient, one chunk's [c, K, V] tensors;
+- backward (inside draft layer l's backward, the worst l): layers after l have released what
+  they saved, their parameter gradients exist, layer l is recomputed (checkpointing), and its
+  gradients are in flight.
+
+Per block token and layer autograd saves (read off the graph's saved tensors: RMSNorm keeps its
+fp32 input, its normalised value and its output, the next linear's input; RoPE keeps only cos /
+sin, which need no gradient; SDPA / flex keep q, the [ctx, block] K and V, the output (also
+o_proj's input) and the logsumexp; SwiGLU its gate, silu, up and their product):
+
+    a_tok = 2*H*(4 + 2b)        two RMSNorms
+          + nh*d*(4 + 3b)       q: fp32 pre-norm, normalised, after RoPE; the attention output
+          + nkv*d*(4 + 3b)      k: fp32 pre-norm, normalised; the block's rows of K and V
+          + 4b*I + 4*nh         SwiGLU; fp32 logsumexp
+    c_tok = nkv*d*(4 + 3b)      per context token and layer: its keys (same chain), its K/V rows
+
+less 4*H per block token in layer 0 (its first RMSNorm keeps no fp32 input: the embeddings need
+no gradient). Checked against the saved-tensor graph (to 0.1%) and the exact allocation trace
+(torch.profiler, profile_memory: every phase's peak to 1-3%) on CPU at widths 256 and 512 in
+fp32 and 256 in bf16, with and without checkpointing, and with KL. The constants below were calibrated once from
+those traces; the rest is counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+
+# Bytes per (label position x vocabulary entry) of one LM-head chunk at its peak. CPU: the exact
+# allocation trace (torch.profiler, profile_memory) of `chunked_dflash_loss` + backward at chunks
+# 32, 64 and 128 (V = 16,384) gave 8.0 (fp32: logits + log-softmax's logsumexp temporary), 10.0
+# (bf16: + the bf16 logits) and 20.0 with KL, independent of the chunk to 0.1. CUDA, counted from
+# the kernels (not yet measured): the local backward holds the fp32 log-probs, their gradient and
+# the logits' gradient, 12; with KL, DESIGN §7's unchunked measurement, 32.5 (a safe upper bound).
+CPU_LM_HEAD_BYTES = {4: 8.0, 2: 10.0}
+CPU_LM_HEAD_KL_BYTES = 20.0
+CUDA_LM_HEAD_BYTES = 12.0
+CUDA_LM_HEAD_KL_BYTES = 32.5
+# Gradients in flight inside one draft layer's backward beyond what the layer still holds, per
+# block token, in units of b bytes: MLP_GRAD_I x I (SwiGLU's gradients, net of its product, which
+# down_proj's backward has released) + GRAD_H x H (the residual stream's gradient and the block's
+# q/k/v gradients). Calibrated once from the exact allocation trace (torch.profiler,
+# profile_memory) of CPU fp32 steps at widths 256 and 512 with checkpointing and chunk 4 (token
+# budget 2048, V = 16,384), where this phase is the peak: 46 and 88 MiB in flight; the MLP's own
+# count (grad of the product + of silu and up, minus the released product) is 1 x I.
+MLP_GRAD_I = 1.0
+GRAD_H = 2.5
+PHASES = ("forward", "loss", "backward")
+# The H200's dense bf16 peak (DESIGN §7), the denominator of MFU.
+H200_BF16_FLOPS = 790e12
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """The drafter's shape (same width as the target) and the frozen vocabulary it reads."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    num_layers: int
+    num_read: int  # target layers concatenated into the context features
+    block_size: int
+    tied: bool = False  # target embedding and LM head are one matrix
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One micro-batch and how the step runs."""
+
+    batch: int
+    seq_len: int
+    anchors_per_row: int  # A: the most anchor blocks of any sequence (the padded width)
+    chunk_blocks: int
+    kl: bool = False
+    dtype_bytes: int = 4
+    checkpointing: bool = False
+    dense_mask: bool = True  # CPU SDPA with a boolean mask; False = flex_attention (no dense tensors)
+    cuda: bool = False  # which LM-head constant applies
+
+
+def lm_head_bytes_per_entry(s: StepShape) -> float:
+    """Bytes per (label position x vocabulary entry) of the LM-head chunk (see the constants)."""
+    if s.cuda:
+        return CUDA_LM_HEAD_KL_BYTES if s.kl else CUDA_LM_HEAD_BYTES
+    return CPU_LM_HEAD_KL_BYTES if s.kl else CPU_LM_HEAD_BYTES.get(s.dtype_bytes, 10.0)
+
+
+def layer_params(d: DrafterShape) -> int:
+    """Parameters of one draft layer: q/k/v/o, q/k norms, SwiGLU, two RMSNorms."""
+    h, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    return h * q + 2 * h * kv + q * h + 2 * d.head_dim + 3 * h * d.intermediate + 2 * h
+
+
+def drafter_params(d: DrafterShape) -> int:
+    """Psi: trainable parameters (layers, fc over n*H, hidden_norm, final norm)."""
+    return d.num_layers * layer_params(d) + d.num_read * d.hidden * d.hidden + 2 * d.hidden
+
+
+def anchors_per_row(batch: int, seq_len: int, block_size: int, num_anchors: int, max_anchors: int) -> int:
+    """A for sequences that are all response tokens: up to num_anchors each, water-filled under max_anchors."""
+    from dflash_ds.components.loss import anchor_quotas
+
+    picks = min(num_anchors, max(0, seq_len - block_size))  # a >= 1 and a + bs <= S
+    counts = [picks] * batch
+    if max_anchors > 0:
+        counts = anchor_quotas(counts, max_anchors)
+    return max(1, max(counts))
+
+
+def _sizes(d: DrafterShape, s: StepShape) -> tuple[int, int, int, int, int]:
+    rows = s.batch * s.anchors_per_row
+    q_len = s.anchors_per_row * d.block_size
+    return rows * d.block_size, rows * (d.block_size - 1), s.batch * s.seq_len, rows, q_len
+
+
+def per_token_activations(d: DrafterShape, b: int) -> tuple[int, int]:
+    """(a_tok, c_tok): bytes one draft layer saves per block token and per context token."""
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    a_tok = 2 * d.hidden * (4 + 2 * b) + (q + kv) * (4 + 3 * b) + 4 * b * d.intermediate + 4 * d.heads
+    return a_tok, kv * (4 + 3 * b)
+
+
+def micro_step_terms(d: DrafterShape, s: StepShape, param_grads: bool = True) -> dict[str, dict[str, float]]:
+    """Named byte counts of one micro-step, by phase: {"held": ..., "loss": ..., "backward": ...}.
+
+    `param_grads=False` leaves the drafter's parameter gradients out of the backward phase (the
+    ZeRO model-state term counts them in a real run).
+    """
+    b, h, L = s.dtype_bytes, d.hidden, d.num_layers
+    t, p, c, rows, q_len = _sizes(d, s)
+    a_tok, c_tok = per_token_activations(d, b)
+    mask_entries = s.batch * q_len * (s.seq_len + q_len) if s.dense_mask else 0
+    no_grad_input = t * h * 4  # layer 0's first RMSNorm keeps no fp32 input: the embeddings need no gradient
+    held = {
+        "rope_tables": 2 * (t + c) * d.head_dim * b,
+        "context_projection": c * h * (4 + 2 * b),
+        # dense: the float copy of the boolean mask that SDPA makes and saves in every layer; with
+        # checkpointing, the boolean mask itself (a checkpoint input), each layer's copy only on recompute.
+        "attention_mask": mask_entries * (1 if s.checkpointing else L * b),
+    }
+    # The block embeddings live as long as the objective, or through backward as layer 0's checkpoint input.
+    embeddings = {"block_embeddings": t * h * b}
+    if s.checkpointing:
+        held.update(embeddings)
+        held["layer_inputs"] = (L - 1) * t * h * b
+    else:
+        held["layer_activations"] = L * t * a_tok - no_grad_input
+        held["context_kv"] = L * c * c_tok
+    chunk = min(s.chunk_blocks, rows) * (d.block_size - 1) * d.vocab
+    loss = {
+        **({} if s.checkpointing else embeddings),
+        "final_norm": t * h * (4 + 2 * b),
+        "head_input": p * h * b,
+        "hidden_grad": p * h * b,
+        "lm_head_chunk": chunk * lm_head_bytes_per_entry(s),
+    }
+    if s.kl:
+        loss["target_hidden"] = p * h * b
+    # The end of forward, before the loss: without checkpointing the boolean mask is still alive.
+    forward = {**({} if s.checkpointing else embeddings), "final_norm": loss["final_norm"],
+               **({"attention_mask_bool": mask_entries} if mask_entries and not s.checkpointing else {})}
+    backward = _backward_phase(d, s, param_grads, a_tok, c_tok, mask_entries)
+    return {"held": held, "forward": forward, "loss": loss, "backward": backward}
+
+
+def _backward_phase(d: DrafterShape, s: StepShape, param_grads: bool, a_tok: int, c_tok: int,
+                    mask_entries: int) -> dict[str, float]:
+    """The worst draft layer's backward: layers l..L-1 have given back what they saved, l..L-1 have grads."""
+    b, h, L = s.dtype_bytes, d.hidden, d.num_layers
+    t, _, c, _, _ = _sizes(d, s)
+    grad_layer = layer_params(d) * b if param_grads else 0
+    best: dict[str, float] = {}
+    for layer in (0, L - 1):  # every term is linear in l: the worst layer is an end
+        later = L - 1 - layer  # layers whose backward is done
+        terms = {
+            # + the gradient of the projected context, summed over the layers
+            "grads_in_flight": t * b * (MLP_GRAD_I * d.intermediate + GRAD_H * h) + c * h * b,
+            "param_grads": (later + 1) * grad_layer,
+        }
+        if s.checkpointing:
+            terms["layer_inputs_released"] = -later * t * h * b
+            terms["recomputed_layer"] = t * a_tok + c * c_tok + mask_entries * b
+        else:
+            terms["layer_activations_released"] = -later * (t * a_tok + c * c_tok + mask_entries * b)
+        if not best or sum(terms.values()) > sum(best.values()):
+            best = terms
+    return best
+
+
+def micro_step_peak(d: DrafterShape, s: StepShape, param_grads: bool = True) -> float:
+    """Predicted peak bytes of one micro-step above what was allocated before it."""
+    t = micro_step_terms(d, s, param_grads)
+    return sum(t["held"].values()) + max(sum(t[ph].values()) for ph in PHASES)
+
+
+def zero_model_state_bytes(psi: int, zero_stage: int, num_drafters: int) -> float:
+    """bf16 params and grads with fp32 master weights and Adam moments: 2 + 2 + 12 bytes per parameter.
+
+    ZeRO-1 partitions the 12, ZeRO-2 the 2 + 12, ZeRO-3 all 16 over the drafter ranks (the
+    standard ZeRO arithmetic; `bench zero` measures these bytes per rank on CPU).
+    """
+    n = max(1, num_drafters)
+    if zero_stage == 0:
+        return 16.0 * psi
+    if zero_stage == 1:
+        return 4.0 * psi + 12.0 * psi / n
+    if zero_stage == 2:
+        return 2.0 * psi + 14.0 * psi / n
+    if zero_stage == 3:
+        return 16.0 * psi / n
+    raise ValueError(f"ZeRO stage {zero_stage} is not 0, 1, 2 or 3")
+
+
+def static_terms(d: DrafterShape, token_budget: int, zero_stage: int, num_drafters: int, kl: bool = False,
+                 payloads_alive: int = 4) -> dict[str, float]:
+    """Per drafter rank, besides the micro-step: model states, frozen embed/head, received payloads (bf16)."""
+    psi = drafter_params(d)
+    frozen = d.vocab * d.hidden * 2 * (1 if d.tied else 2)
+    # A payload is the batch's selected target layers (and the last hidden for KL) in bf16; ids and
+    # masks are negligible. Alive: 2 receives posted ahead + the batch in use + one being released.
+    per_payload = token_budget * (d.num_read + (1 if kl else 0)) * d.hidden * 2
+    return {
+        f"model_states_zero{zero_stage}": zero_model_state_bytes(psi, zero_stage, num_drafters),
+        "frozen_embed_head": frozen,
+        "payload_buffers": payloads_alive * per_payload,
+    }
+
+
+def micro_step_flops(d: DrafterShape, s: StepShape, visible_keys: float) -> float:
+    """Model FLOPs of one micro-step: forward + backward (2x forward), + one more forward if checkpointing.
+
+    `visible_keys`: the sum over block tokens of the keys each attends to (anchor + block size).
+    Matmuls only: draft layers over block tokens, their K/V projections over context tokens, fc,
+    attention over the visible keys, and the LM head (forward + input gradient: it is frozen).
+    """
+    h, t, p, c = d.hidden, *_sizes(d, s)[:3]
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    per_block_token = 2 * (h * q + 2 * h * kv + q * h + 3 * h * d.intermediate)
+    layer_fwd = t * per_block_token + c * 2 * (2 * h * kv) + visible_keys * 4 * q
+    layers = d.num_layers * layer_fwd * (4 if s.checkpointing else 3)
+    fc = 2 * c * d.num_read * h * h * 2  # forward + weight gradient (the context needs none)
+    head = 2 * p * h * d.vocab * 2
+    return float(layers + fc + head)

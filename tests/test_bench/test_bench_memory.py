@@ -1,0 +1,124 @@
+"""`dflash-ds bench memory`: the measured micro-step peak meets the formula, and the formula's terms add up by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_ds.bench import memory_model as mm
+
+REPO = Path(__file__).resolve().parents[2]
+# A vision-language-style wrapper (the LM under text_config), small enough for a CPU test.
+TINY_CONFIG = {"model_type": "tiny_vl", "tie_word_embeddings": False,
+               "text_config": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 12,
+                               "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 32,
+                               "vocab_size": 32768, "rope_theta": 10000.0}}
+TINY_STEP = ["--widths", "128,256", "--num-layers", "2", "--token-budget", "2048", "--seq-len", "1024",
+             "--num-anchors", "128", "--max-anchors", "192", "--chunk-blocks", "16", "--steps", "1", "--warmup", "1"]
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "dflash_ds", "bench", "memory", *argv], capture_output=True,
+                          text=True, env=env, timeout=240, check=False)
+
+
+@pytest.fixture()
+def tiny_target(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return tmp_path
+
+
+def test_bench_memory_measures_and_predicts_each_width(tiny_target: Path, tmp_path: Path) -> None:
+    out = tmp_path / "res" / "memory.json"
+    proc = run_cli("--target", str(tiny_target), *TINY_STEP, "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "measured GB" in proc.stdout and "= total" in proc.stdout
+    res = json.loads(out.read_text())
+    assert (res["device"], res["dtype"], res["mask"], res["activation_checkpointing"]) == ("cpu", "fp32", "dense", False)
+    assert res["batch"] == 2 and [r["width"] for r in res["rows"]] == [128, 256]
+    for row in res["rows"]:
+        # width 128: 4 heads of 32, kv heads in the target's 4:1 ratio, MLP scaled by 128/512
+        assert row["heads"] == row["width"] // 32 and row["kv_heads"] == row["heads"] // 4
+        assert row["intermediate"] == 3 * row["width"]
+        assert row["anchors"] == 192 and row["anchors_per_row"] == 96
+        assert row["measured_peak_bytes"] > 0 and row["predicted_peak_bytes"] > 0 and row["step_s"] > 0
+        assert row["mfu"] is None  # CPU: no MFU
+        # peak RSS with large allocations mmapped tracks live tensor bytes: within 1% here; 10% leaves room
+        assert abs(row["error_pct"]) < 10, row
+    full = res["full_width"]
+    assert full["hidden"] == 512 and full["settings"]["mask"] == "flex"
+    assert full["total_bytes"] == pytest.approx(full["micro_step_bytes"] + sum(full["static_terms"].values()))
+
+
+def test_lm_head_chunk_term_scales_with_chunk() -> None:
+    d = mm.DrafterShape(4096, 12288, 32, 8, 128, 151936, 5, 5, 16)
+    s = mm.StepShape(batch=8, seq_len=2048, anchors_per_row=256, chunk_blocks=64, dtype_bytes=2,
+                     checkpointing=True, dense_mask=False, cuda=True)
+    half = mm.StepShape(**{**s.__dict__, "chunk_blocks": 32})
+    full_term = mm.micro_step_terms(d, s)["loss"]["lm_head_chunk"]
+    assert full_term == 64 * 15 * 151936 * 12.0
+    assert mm.micro_step_terms(d, half)["loss"]["lm_head_chunk"] == full_term / 2
+    # flex: no dense mask; checkpointing: layer inputs (not activations) are held
+    held = mm.micro_step_terms(d, s)["held"]
+    assert held["attention_mask"] == 0 and held["layer_inputs"] == 4 * (8 * 256 * 16) * 4096 * 2
+
+
+def test_static_terms_by_hand() -> None:
+    d = mm.DrafterShape(4096, 12288, 32, 8, 128, 151936, 5, 5, 16)
+    per_layer = (4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096  # q, k, v, o
+                 + 2 * 128 + 3 * 4096 * 12288 + 2 * 4096)  # q/k norms, SwiGLU, two RMSNorms
+    psi = 5 * per_layer + 5 * 4096 * 4096 + 2 * 4096  # + fc over 5 target layers, hidden_norm, norm
+    assert per_layer == 192_946_432 and psi == 1_048_626_432 == mm.drafter_params(d)
+    assert mm.zero_model_state_bytes(psi, 2, 1) == 16 * psi
+    assert mm.zero_model_state_bytes(psi, 2, 4) == 2 * psi + 14 * psi / 4
+    assert mm.zero_model_state_bytes(psi, 3, 4) == 4 * psi
+    static = mm.static_terms(d, 16384, zero_stage=2, num_drafters=1)
+    assert static["frozen_embed_head"] == 2 * 151936 * 4096 * 2
+    assert static["payload_buffers"] == 4 * 16384 * 5 * 4096 * 2
+    tied = mm.static_terms(mm.DrafterShape(**{**d.__dict__, "tied": True}), 16384, 2, 1)
+    assert tied["frozen_embed_head"] == static["frozen_embed_head"] / 2
+
+
+def test_params_formula_matches_the_drafter_module() -> None:
+    """Psi counted by the formula equals the real module's parameter count (built on the meta device)."""
+    from dflash_ds.bench.memory import PRESETS, drafter_shape
+    from dflash_ds.models.drafter import DFlashDrafter, DrafterArch, default_target_layer_ids
+
+    for preset in PRESETS.values():
+        d = drafter_shape(preset, preset["hidden_size"], 5, 16)
+        arch = DrafterArch(hidden_size=d.hidden, intermediate_size=d.intermediate, num_hidden_layers=5,
+                           num_attention_heads=d.heads, num_key_value_heads=d.kv_heads, head_dim=d.head_dim,
+                           vocab_size=d.vocab, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6}, block_size=16,
+                           num_target_layers=preset["num_hidden_layers"], mask_token_id=0,
+                           target_layer_ids=default_target_layer_ids(preset["num_hidden_layers"], 5))
+        with torch.device("meta"):
+            drafter = DFlashDrafter(arch)
+        assert sum(p.numel() for p in drafter.parameters()) == mm.drafter_params(d)
+
+
+def test_bench_memory_cuda_without_gpu_is_an_error(tiny_target: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = run_cli("--target", str(tiny_target), "--device", "cuda")
+    assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1  # one clear line, no traceback
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_memory_on_cuda_flex_bf16(tiny_target: Path, tmp_path: Path) -> None:
+    out = tmp_path / "memory.json"
+    proc = run_cli("--target", str(tiny_target), *TINY_STEP, "--widths", "128", "--device", "cuda",
+                   "--json", str(out))  # one width: one flex_attention compile
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert (res["dtype"], res["mask"], res["activation_checkpointing"]) == ("bf16", "flex", True)
+    for row in res["rows"]:
+        assert row["measured_peak_bytes"] > 0 and row["mfu"] is not None and row["mfu"] > 0
