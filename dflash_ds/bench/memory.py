@@ -159,7 +159,7 @@ def _mmap_large_allocations() -> bool:
 
     glibc otherwise raises its mmap threshold (up to 32 MiB) as blocks are freed and serves tensors
     below it from the heap, whose freed holes stay resident: the peak RSS then carries heap slack
-    the formula does not count (measured here: 4-19% of the step's peak). Setting the threshold
+    the formula does not count (measured here: 4-18% of the step's peak). Setting the threshold
     also turns that adjustment off. Returns False where mallopt is not available.
     """
     import ctypes
@@ -182,8 +182,8 @@ def _release_heap() -> None:
         pass
 
 
-def measure_width(shape: mm.DrafterShape, step: mm.StepShape, args: argparse.Namespace, device, dtype,
-                  mask_backend: str) -> dict[str, Any]:
+def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShape, args: argparse.Namespace,
+                  device, dtype) -> dict[str, Any]:
     """Build the drafter at this width with random weights and a full-vocabulary head; time and size one step."""
     import torch
     from torch import nn
@@ -195,7 +195,6 @@ def measure_width(shape: mm.DrafterShape, step: mm.StepShape, args: argparse.Nam
     from dflash_ds.runtime.engine import DrafterTrainModule
     from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory, resident_bytes
 
-    cfg = args.target_cfg
     n_target = int(cfg["num_hidden_layers"])
     arch = DrafterArch(
         hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.num_layers,
@@ -209,7 +208,7 @@ def measure_width(shape: mm.DrafterShape, step: mm.StepShape, args: argparse.Nam
     drafter.init_weights(args.seed)
     drafter = drafter.to(device=device, dtype=dtype)
     drafter.activation_checkpointing = step.checkpointing
-    drafter.mask_backend = mask_backend
+    drafter.mask_backend = args.mask_backend
     gen = torch.Generator().manual_seed(args.seed)
     embed_w = (torch.randn(shape.vocab, shape.hidden, generator=gen) * 0.02).to(device, dtype)
     embed = nn.Embedding(shape.vocab, shape.hidden, _weight=embed_w)
@@ -290,7 +289,6 @@ def run(args: argparse.Namespace) -> int:
 
     widths = _check_args(args)
     name, cfg = target_config(args)
-    args.target_cfg = cfg
     device_name = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device_name.startswith("cuda") and not torch.cuda.is_available():
         raise DFlashError("bench memory: --device cuda but torch sees no CUDA GPU")
@@ -310,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for width in widths:
         shape = drafter_shape(cfg, width, args.num_layers, args.block_size)
-        measured = measure_width(shape, step, args, device, dtype, args.mask_backend)
+        measured = measure_width(cfg, shape, step, args, device, dtype)
         predicted = mm.micro_step_peak(shape, step)
         terms = mm.micro_step_terms(shape, step)
         rows.append({"width": width, "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
