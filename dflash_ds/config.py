@@ -35,6 +35,10 @@ class DrafterConfig:
     """Target decoder layers whose outputs feed the drafter; None uses the default rule."""
     activation_checkpointing: bool | None = None
     """Recompute each draft layer in backward instead of keeping its activations; null = on with CUDA, off on CPU."""
+    layer_types: list[str] | None = None
+    """Per draft layer "full_attention" or "sliding_attention" (causal, windowed); null/empty = all full."""
+    sliding_window: int | None = None
+    """Window of the sliding layers in positions, counting the query itself (HF convention)."""
 
 
 @dataclass
@@ -135,6 +139,12 @@ class TrainConfig:
     """Timeout of the start-up handshake (model loading, DeepSpeed init, first-run op builds)."""
     heartbeat_timeout_s: float = 60.0
     """A rank whose heartbeat stalls this long is reported lost and the job exits."""
+    global_batch: int = 0
+    """Micro-batches per optimizer step over all drafters (0: the checkpoint's when resuming, else one per
+    drafter rank). Each drafter accumulates global_batch / D of them, so D can change between runs."""
+    launcher_grace_s: float = 60.0
+    """A rank whose launcher (torchrun agent, deepspeed launcher) is gone stops, checkpointing if the
+    drafters can still agree; after this many seconds it exits regardless."""
     max_bad_steps: int = 5
     """Consecutive steps with a non-finite loss or grad norm before the run stops with an error."""
     stop_at: int = 0
@@ -188,6 +198,9 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("model.mask_token_id", "must be >= 0", lambda v: v is None or v >= 0),
     ("model.target_layer_ids", "must be a non-empty list of layer ids >= 0",
      lambda v: v is None or (len(v) > 0 and all(i >= 0 for i in v))),
+    ("model.layer_types", "entries must be full_attention or sliding_attention",
+     lambda v: not v or all(t in ("full_attention", "sliding_attention") for t in v)),
+    ("model.sliding_window", "must be >= 1", lambda v: v is None or v >= 1),
     ("loss.gamma", "must be > 0", lambda v: v > 0),
     ("loss.num_anchors", "must be >= 1", lambda v: v >= 1),
     ("loss.max_anchors_per_batch", "must be >= 0 (0 = no cap)", lambda v: v >= 0),
@@ -213,6 +226,8 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("train.log_interval", "must be >= 1", lambda v: v >= 1),
     ("train.save_interval", "must be >= 1", lambda v: v >= 1),
     ("train.keep_last", "must be >= 1", lambda v: v >= 1),
+    ("train.global_batch", "must be >= 0 (0 = the checkpoint's, else one per drafter rank)", lambda v: v >= 0),
+    ("train.launcher_grace_s", "must be > 0", lambda v: v > 0),
     ("train.zero_stage", "must be 0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
     ("train.dtype", "must be auto, bf16 or fp32", lambda v: v in ("auto", "bf16", "fp32")),
     ("train.timeout_s", "must be > 0", lambda v: v > 0),
@@ -238,6 +253,7 @@ def validate(cfg: Config) -> Config:
         value = _get(cfg, dotted)
         if not ok(value):
             raise DFlashError(f"config: {dotted} = {value!r} {rule}")
+    _validate_layer_types(cfg.model)
     if cfg.noise.min_std > cfg.noise.max_std:
         raise DFlashError(
             f"config: noise.min_std = {cfg.noise.min_std} must be <= noise.max_std = {cfg.noise.max_std}")
@@ -246,6 +262,17 @@ def validate(cfg: Config) -> Config:
             f"config: data.max_length = {cfg.data.max_length} must be <= data.token_budget = "
             f"{cfg.data.token_budget} (one longest sequence must fit a micro-batch)")
     return cfg
+
+
+def _validate_layer_types(m: DrafterConfig) -> None:
+    """model.layer_types: one entry per draft layer; sliding layers need model.sliding_window."""
+    if not m.layer_types:
+        return
+    if len(m.layer_types) != m.num_layers:
+        raise DFlashError(f"config: model.layer_types has {len(m.layer_types)} entries but model.num_layers = "
+                          f"{m.num_layers} (one per draft layer)")
+    if "sliding_attention" in m.layer_types and m.sliding_window is None:
+        raise DFlashError("config: model.layer_types has sliding_attention layers: set model.sliding_window")
 
 
 def _field_types(cls: type) -> dict[str, Any]:

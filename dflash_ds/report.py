@@ -19,7 +19,7 @@ from dflash_ds.errors import DFlashError
 METRICS: dict[str, tuple[str, str | None]] = {
     "loss": ("training loss", "min"),
     "accuracy": ("accuracy (argmax == label)", "max"),
-    "tau": ("acceptance length tau (1 + mean streak)", "max"),
+    "tau": ("training acceptance length tau (1 + mean streak over the batch's blocks)", "max"),
     "tok_per_sec": ("tokens / s", "max"),
     "hs_queue_depth": ("hidden-state queue depth", None),
     "padding_efficiency": ("padding efficiency (real / padded tokens)", "max"),

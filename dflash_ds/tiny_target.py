@@ -1,4 +1,4 @@
-"""`dflash-ds make-tiny-target`: a small, seeded Qwen3 causal LM plus a locally trained tokenizer.
+"""`dflash-ds make-tiny-target`: a small, seeded Qwen3 causal LM (or `--family`) plus a locally trained tokenizer.
 
 Tests, benchmarks and the CPU demo need a real HF target folder without network access. The
 tokenizer is a byte-level BPE trained here on a deterministic generated corpus, so the same
@@ -141,19 +141,15 @@ def make_tiny_target(
 
     The model vocab equals `vocab_size` (the BPE reaches it up to ~3.5k tokens on the built-in corpus; past
     that the config keeps `vocab_size` and the extra ids are never produced). lm_head rows of tokens that
-    decode to no valid text are zeroed, see `_silence_unprintable`.
+    decode to no valid text are zeroed, see `silence_unprintable`.
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise DFlashError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise DFlashError(f"--out {out} is not empty; pass --force to overwrite")
     if heads % kv_heads:
         raise DFlashError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
 
+    out = prepare_out_dir(out_dir, force)
     tokenizer = build_tokenizer(vocab_size)
     tokenizer.model_max_length = max_position
     # The trainer may stop short of vocab_size on a small corpus; the model vocab must cover every id.
@@ -177,21 +173,30 @@ def make_tiny_target(
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32).eval()
-    _silence_unprintable(model, tokenizer)
+    silence_unprintable(model, tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-
-    out.mkdir(parents=True, exist_ok=True)
-    if force:
-        for child in out.iterdir():
-            if child.is_file():
-                child.unlink()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
 
-def _silence_unprintable(model, tokenizer) -> None:
+def prepare_out_dir(out_dir: str | Path, force: bool) -> Path:
+    """The output folder, created; a non-empty one only with `force` (its files are then removed)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DFlashError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise DFlashError(f"--out {out} is not empty; pass --force to overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    for child in out.iterdir():
+        if child.is_file():
+            child.unlink()
+    return out
+
+
+def silence_unprintable(model, tokenizer) -> None:
+    """Zero the LM-head rows of tokens that decode to no valid text (an untied head only)."""
     # A random LM happily emits lone UTF-8 bytes (>= 0x80) and control specials; their text decodes
     # to U+FFFD and re-tokenizes differently, so regenerated data would no longer match what the
     # target produced. A zero lm_head row gives logit 0 while the best random logit is > 0, so greedy
@@ -199,44 +204,66 @@ def _silence_unprintable(model, tokenizer) -> None:
     import torch
 
     # Ids past the tokenizer (when BPE stopped short of --vocab-size) have no text at all.
-    silenced = [i for i in range(model.config.vocab_size) if i != tokenizer.eos_token_id
+    head = model.get_output_embeddings()
+    if head.weight is model.get_input_embeddings().weight:
+        return  # a tied head would zero the embeddings too
+    vocab = head.weight.shape[0]
+    silenced = [i for i in range(vocab) if i != tokenizer.eos_token_id
                 and (i >= len(tokenizer) or i in tokenizer.all_special_ids or "\ufffd" in tokenizer.decode([i]))]
     with torch.no_grad():
-        model.lm_head.weight[silenced] = 0.0
+        head.weight[silenced] = 0.0
+
+
+# Shape flags of the seeded Qwen3 target (the other families are written at their toy shape, models/families.py).
+QWEN3_SHAPE = dict(layers=4, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, max_position=2048,
+                   init_std=0.02)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the make-tiny-target flags."""
+    from dflash_ds.models.families import FAMILIES
+
+    d = QWEN3_SHAPE
     parser.add_argument("--out", required=True, help="output folder (HF format); must be empty or absent")
-    parser.add_argument("--layers", type=int, default=4, help="number of decoder layers")
-    parser.add_argument("--hidden", type=int, default=128, help="hidden size")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
-    parser.add_argument("--head-dim", type=int, default=32, help="per-head dimension")
-    parser.add_argument("--intermediate", type=int, default=256, help="MLP intermediate size")
+    parser.add_argument("--family", choices=list(FAMILIES), default="qwen3",
+                        help="architecture (default qwen3); the other families are written at a fixed toy shape "
+                             "(4 layers, hidden 64), so the shape flags below are qwen3 only")
+    parser.add_argument("--layers", type=int, default=None, help=f"number of decoder layers (default {d['layers']})")
+    parser.add_argument("--hidden", type=int, default=None, help=f"hidden size (default {d['hidden']})")
+    parser.add_argument("--heads", type=int, default=None, help=f"attention heads (default {d['heads']})")
+    parser.add_argument("--kv-heads", type=int, default=None, help=f"key/value heads, GQA (default {d['kv_heads']})")
+    parser.add_argument("--head-dim", type=int, default=None, help=f"per-head dimension (default {d['head_dim']})")
+    parser.add_argument("--intermediate", type=int, default=None,
+                        help=f"MLP intermediate size (default {d['intermediate']})")
     parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer and model vocabulary size, specials included")
-    parser.add_argument("--max-position", type=int, default=2048, help="max position embeddings / tokenizer max length")
+    parser.add_argument("--max-position", type=int, default=None,
+                        help=f"max position embeddings / tokenizer max length (default {d['max_position']})")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for the random weights")
-    parser.add_argument("--init-std", type=float, default=0.02,
-                        help="std of the random weights (larger = peakier next-token distributions)")
+    parser.add_argument("--init-std", type=float, default=None,
+                        help=f"std of the random weights (default {d['init_std']}; larger = peakier distributions)")
     parser.add_argument("--force", action="store_true", help="overwrite files in a non-empty --out folder")
 
 
 def run(args: argparse.Namespace) -> int:
     """CLI entry: build the tiny target and print a summary."""
-    out = make_tiny_target(
-        args.out, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-        head_dim=args.head_dim, intermediate=args.intermediate, vocab_size=args.vocab_size,
-        max_position=args.max_position, seed=args.seed, init_std=args.init_std, force=args.force,
-    )
-    import json
+    from dflash_ds.models.families import make_tiny_family
+    from dflash_ds.models.target import read_target_config
 
-    config = json.loads((out / "config.json").read_text())
+    given = {k: getattr(args, k) for k in QWEN3_SHAPE if getattr(args, k) is not None}
+    if args.family == "qwen3":
+        out = make_tiny_target(args.out, **{**QWEN3_SHAPE, **given}, vocab_size=args.vocab_size, seed=args.seed,
+                               force=args.force)
+    elif given:
+        raise DFlashError(f"--{next(iter(given)).replace('_', '-')} applies to --family qwen3 only "
+                          f"(--family {args.family} is written at its toy shape)")
+    else:
+        out = make_tiny_family(args.out, args.family, vocab_size=args.vocab_size, seed=args.seed, force=args.force)
+    config = read_target_config(out)  # the text config, also for a vision-language wrapper
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         n_params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
-    print(f"tiny target: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+    print(f"tiny target ({args.family}): {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
           f"vocab {config['vocab_size']}, {n_params:,} parameters")
     for path in sorted(out.iterdir()):
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]

@@ -63,11 +63,13 @@ dflash-ds eval --target "$OUT/target" --drafter "$EXPORT" --data "$OUT/heldout_p
 python - "$OUT" "$EXPORT" <<'PY'
 import json, sys
 out, export = sys.argv[1], sys.argv[2]
-before = json.load(open(f"{out}/eval_before.json"))["tau"]
-after = json.load(open(f"{out}/eval_after.json"))["tau"]
+runs = {name: json.load(open(f"{out}/eval_{name}.json")) for name in ("before", "after")}
+before, after = runs["before"]["tau"], runs["after"]["tau"]
 print()
-print(f"tau (mean accepted tokens per target forward, held-out prompts): untrained {before:.2f} -> trained {after:.2f} "
-      f"({after / before:.2f}x)")
+print(f"tau (accepted tokens per target forward, mean over held-out prompts of each prompt's mean): "
+      f"untrained {before:.2f} -> trained {after:.2f} ({after / before:.2f}x)")
+print(f"tau_pooled (over all decode steps together): untrained {runs['before']['tau_pooled']:.2f} -> "
+      f"trained {runs['after']['tau_pooled']:.2f}")
 print("verdict: " + ("the trained drafter at least doubles tau" if after >= 2 * before
                      else "WARNING: less than 2x; train longer (DEMO_STEPS)"))
 print(f"run folder: {out}/run   metrics: {out}/run/metrics.jsonl   plots: {out}/run/plots/")

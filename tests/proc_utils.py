@@ -38,7 +38,8 @@ def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.Complete
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The pids whose parent is `pid`."""
     out: list[int] = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -82,7 +83,7 @@ def run_bounded_peak_rss(cmd: list[str], timeout: float, poll_s: float = 0.3,
                 while todo:
                     pid = todo.pop()
                     peaks[pid] = max(peaks.get(pid, 0), _peak_rss_kib(pid) * 1024)
-                    todo.extend(_children(pid))
+                    todo.extend(children(pid))
                 time.sleep(poll_s)
         out.seek(0), err.seek(0)
         return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read()), peaks

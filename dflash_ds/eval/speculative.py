@@ -7,7 +7,9 @@ One decode step, at block start `s` (the target's KV cache holds positions < s):
 - the target runs `[anchor, draft...]` once; the longest draft prefix that matches the target's own
   choices is accepted, plus the target's token after it (the bonus), so a step yields 1..B tokens
   (tau counts them, bonus included, as the DFlash paper does);
-- the cache keeps the K/V of the anchor and the accepted tokens; their target features feed the next draft.
+- the cache keeps the K/V of the anchor and the accepted tokens; their target features feed the next draft
+  (a cache that cannot be cut back, linear attention or a sliding window, is restored and the accepted
+  tokens run again: `TargetSession`).
 The last step may run past max_new_tokens or an eos: its accepted length is counted in full (as the
 reference does) and only the returned tokens are cut.
 
@@ -26,6 +28,7 @@ the last layer, so `output_hidden_states` would disagree with training for a dra
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -50,7 +53,8 @@ class SpecOutput:
 
     tokens: list[int]  # generated tokens (after the prompt), cut at max_new_tokens and the first eos
     accept_lengths: list[int] = field(default_factory=list)  # tokens per decode step, bonus included
-    target_forwards: int = 0  # prefill + one per decode step
+    target_forwards: int = 0  # prefill + one per decode step + replay_forwards
+    replay_forwards: int = 0  # forwards that re-ran accepted tokens after restoring a cache that cannot be cut back
 
 
 def check_drafter_matches_target(arch: DrafterArch, target_cfg: dict, drafter_name: str, target_name: str) -> None:
@@ -69,15 +73,23 @@ def check_drafter_matches_target(arch: DrafterArch, target_cfg: dict, drafter_na
 
 
 class TargetSession:
-    """The target with one prompt's KV cache and hooks on the layers the drafter reads."""
+    """The target with one prompt's KV cache and hooks on the layers the drafter reads.
+
+    Full-attention cache layers keep every position's K/V, so a partial acceptance just cuts them back
+    (`keep`). Layers that cannot be cut back — a sliding window drops old entries, linear attention (Gated
+    DeltaNet) folds every token into a recurrent state — are copied before a verify forward (`snapshot`)
+    and put back after a partial acceptance (`restore`); the accepted tokens are then run again (`replays`).
+    """
 
     def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
         from transformers import DynamicCache
 
         self.model = model
         self.layer_ids = list(layer_ids)
-        self.cache = DynamicCache()
+        # With the config the cache gets each layer's own kind (sliding window, linear-attention state).
+        self.cache = DynamicCache(config=model.config)
         self.device = next(model.parameters()).device
+        self.replays = 0
         # transformers 5.2x renamed `past_key_values` to `cache`; accept both spellings.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -102,6 +114,14 @@ class TargetSession:
         """Positions held in the KV cache."""
         return self.cache.get_seq_length()
 
+    @property
+    def croppable(self) -> bool:
+        """Whether every cache layer holds plain full-attention K/V, so that `keep` can roll it back."""
+        from transformers.cache_utils import DynamicLayer
+
+        # Exact type: subclasses (sliding windows, indexer caches) hold state that slicing would corrupt.
+        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
     @torch.no_grad()
     def forward(self, ids: Iterable[int] | torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -112,12 +132,36 @@ class TargetSession:
         feats = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1) if self.layer_ids else None
         return out.logits[0].float(), feats
 
+    @torch.no_grad()
+    def forward_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [R, N, V] of R independent continuations of the cache (a throwaway copy; the cache is unchanged)."""
+        cache = copy.deepcopy(self.cache)
+        cache.reorder_cache(torch.zeros(ids.shape[0], dtype=torch.long, device=self.device))  # batch 1 -> R
+        out = self.model(input_ids=ids.to(self.device), position_ids=positions.to(self.device), use_cache=True,
+                         **{self._cache_kw: cache})
+        return out.logits.float()
+
+    def snapshot(self) -> dict:
+        """Copies of the cache layers that `keep` cannot roll back, and the length, for `restore`."""
+        from transformers.cache_utils import DynamicLayer
+
+        return {"length": self.length, "layers": {i: copy.deepcopy(layer) for i, layer in enumerate(self.cache.layers)
+                                                  if type(layer) is not DynamicLayer}}
+
+    def restore(self, snap: dict) -> None:
+        """Put the cache back as it was at `snapshot` time (full-attention layers are cut back, the rest replaced)."""
+        for i, layer in enumerate(self.cache.layers):
+            if i in snap["layers"]:
+                self.cache.layers[i] = snap["layers"][i]
+            else:
+                layer.keys, layer.values = layer.keys[..., :snap["length"], :], layer.values[..., :snap["length"], :]
+
     def keep(self, length: int, extra: torch.Tensor | None = None) -> None:
         """Keep cache positions < length, then append the entries at indices `extra` (the accepted tree path)."""
+        if not self.croppable:
+            raise DFlashError("this target's cache cannot be cut back (sliding-window / linear-attention layers): "
+                              "use snapshot() and restore()")
         for layer in self.cache.layers:
-            if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
-                raise DFlashError(f"target cache layer {type(layer).__name__} cannot be rolled back "
-                                  f"(sliding-window / linear attention targets are not supported)")
             # Written against the layer tensors, not Cache.crop, whose argument changed meaning within 5.x.
             k, v = layer.keys, layer.values
             if extra is None:
@@ -213,6 +257,7 @@ def _verify_chain(tgt: TargetSession, anchor: int, draft_logits: torch.Tensor, s
         q = torch.softmax(draft_logits / temperature, dim=-1)
         draft = torch.multinomial(q, 1, generator=gen).view(-1).tolist()
     ids = [anchor] + draft
+    snap = None if tgt.croppable else tgt.snapshot()
     logits, feats = tgt.forward(ids, torch.arange(start, start + len(ids)))
     if temperature <= 0:
         choice = logits.argmax(-1).tolist()
@@ -223,7 +268,15 @@ def _verify_chain(tgt: TargetSession, anchor: int, draft_logits: torch.Tensor, s
     else:
         p = torch.softmax(logits.cpu() / temperature, dim=-1)
         a, bonus = _accept_sampled(draft, q, p, gen)
-    tgt.keep(start + a + 1)  # anchor + accepted tokens; the bonus is the next anchor, not yet in the cache
+    # The cache keeps the anchor and the accepted tokens; the bonus is the next anchor, not yet in it.
+    if snap is None:
+        tgt.keep(start + a + 1)
+    elif a < len(draft):
+        # The state has seen the rejected tokens too: back to before the block, then the accepted ones again
+        # (their features from this forward are those of the accepted tokens only).
+        tgt.restore(snap)
+        _, feats = tgt.forward(ids[: a + 1], torch.arange(start, start + a + 1), last_only=True)
+        tgt.replays += 1
     return draft[:a], bonus, None if feats is None else feats[: a + 1]
 
 
@@ -267,7 +320,9 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
                 accepted, bonus, new_ctx = _verify_chain(tgt, anchor, draft_logits, start, temperature, generator)
             else:
                 accepted, bonus, new_ctx = verify_tree(tgt, anchor, draft_logits, start, tree_budget, tree_top_k)
-            out.target_forwards += 1
+            out.target_forwards += 1 + tgt.replays
+            out.replay_forwards += tgt.replays
+            tgt.replays = 0
             out.accept_lengths.append(len(accepted) + 1)
             out.tokens += accepted + [bonus]
             start += len(accepted) + 1
@@ -286,13 +341,20 @@ def first_mismatch(spec: list[int], reference: list[int]) -> int | None:
 
 
 def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
-    """tau, accepted-length histogram, per-position acceptance and target forwards per token over prompts."""
+    """tau, accepted-length histogram, per-position acceptance and target forwards per token over prompts.
+
+    `tau` is the public reference benchmark's "average acceptance length": the mean over prompts of each
+    prompt's mean accepted length (prompts without a decode step have none and are left out). `tau_pooled`
+    is the mean over all decode steps together, which weighs long prompts more.
+    """
     lengths = [n for o in outputs for n in o.accept_lengths]
     steps = max(len(lengths), 1)
+    per_prompt = [sum(o.accept_lengths) / len(o.accept_lengths) for o in outputs if o.accept_lengths]
     tokens = sum(len(o.tokens) for o in outputs)
     hist = [sum(1 for n in lengths if n == k) for k in range(1, block_size + 1)]
     return {
-        "tau": sum(lengths) / steps,
+        "tau": sum(per_prompt) / max(len(per_prompt), 1),
+        "tau_pooled": sum(lengths) / steps,
         "decode_steps": len(lengths),
         "generated_tokens": tokens,
         # histogram[i] = steps that yielded i+1 tokens (i accepted draft tokens + the bonus)
@@ -300,4 +362,5 @@ def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
         # per_position_acceptance[k-1] = P(draft position k accepted) = P(accept length >= k + 1)
         "per_position_acceptance": [sum(1 for n in lengths if n >= k + 1) / steps for k in range(1, block_size)],
         "target_forwards_per_token": sum(o.target_forwards for o in outputs) / max(tokens, 1),
+        "replay_forwards": sum(o.replay_forwards for o in outputs),
     }

@@ -14,7 +14,11 @@ an additive float mask works for both the sdpa and eager attention (a boolean on
 by eager). Walking from the root along children that equal the target's greedy choice gives the
 accepted path; the target's choice after its last node is the bonus.
 
-Cache handling: the forward appended the K/V of all N+1 tree tokens. Each entry was computed with
+Targets whose cache cannot be cut back (sliding windows, linear attention) verify the root-to-leaf paths
+as rows of one batched forward on a copy of the cache instead (`path_choices`), then run the accepted path
+once on the real cache: exact for any causal LM, at the price of that second forward.
+
+Cache handling (cut-back caches): the forward appended the K/V of all N+1 tree tokens. Each entry was computed with
 its true position and only its ancestors in view, i.e. exactly what sequential decoding of the path
 would store, so the cache keeps the prefix and *gathers* the path's entries behind it (no second
 forward). Keys carry RoPE of their position, and the path's positions are start, start+1, ... in order.
@@ -26,6 +30,10 @@ import heapq
 from dataclasses import dataclass
 
 import torch
+
+
+# Each row of a batched path verification holds its own copy of the cache: this caps the copies alive at once.
+ROWS_PER_FORWARD = 16
 
 
 @dataclass
@@ -103,12 +111,53 @@ def accept_path(tree: DraftTree, choice: list[int]) -> tuple[list[int], int]:
     return path, choice[path[-1]]
 
 
+def root_paths(parents: list[int]) -> list[list[int]]:
+    """Verify indices from the root (0) to each leaf, leaves in placement order."""
+    inner = set(parents)
+    paths = []
+    for leaf in range(1, len(parents) + 1):
+        if leaf in inner:
+            continue
+        path = [leaf]
+        while path[-1] != 0:
+            path.append(parents[path[-1] - 1])
+        paths.append(path[::-1])
+    return paths or [[0]]
+
+
+def path_choices(tgt, ids: list[int], tree: DraftTree, start: int) -> list[int]:
+    """The target's greedy choice after every verify index, from batched forwards of the root-to-leaf paths.
+
+    For targets whose cache cannot be cut back: linear attention runs its recurrence over the tokens in
+    sequence order and ignores a 4D mask, so a tree cannot share one sequence there. Each path is its own
+    row (right-padded with its last token; a causal row never sees its padding) on a copy of the cache.
+    """
+    paths = root_paths(tree.parents)
+    width = max(len(p) for p in paths)
+    rows = torch.tensor([[ids[i] for i in p] + [ids[p[-1]]] * (width - len(p)) for p in paths])
+    positions = start + torch.arange(width).expand(len(paths), width)
+    best = []
+    for r in range(0, len(paths), ROWS_PER_FORWARD):
+        best += tgt.forward_rows(rows[r:r + ROWS_PER_FORWARD], positions[r:r + ROWS_PER_FORWARD]).argmax(-1).tolist()
+    choice = [0] * len(ids)
+    for path, row in zip(paths, best):
+        for j, node in enumerate(path):
+            choice[node] = row[j]
+    return choice
+
+
 @torch.no_grad()
 def verify_tree(tgt, anchor: int, draft_logits: torch.Tensor, start: int, budget: int,
                 top_k: int | None = None) -> tuple[list[int], int, torch.Tensor | None]:
     """Build, verify and accept one tree on a TargetSession: (accepted tokens, bonus, path features)."""
     tree = build_tree(torch.log_softmax(draft_logits.float(), dim=-1), budget, top_k)
     ids = [anchor] + tree.tokens
+    if not tgt.croppable:
+        path, bonus = accept_path(tree, path_choices(tgt, ids, tree, start))
+        # The session's cache is still at `start`: advancing it over the accepted path gives its state and features.
+        _, feats = tgt.forward([ids[i] for i in path], torch.arange(start, start + len(path)), last_only=True)
+        tgt.replays += 1
+        return [ids[i] for i in path[1:]], bonus, feats
     positions = start + torch.tensor([0] + tree.depths)
     dtype = next(tgt.model.parameters()).dtype
     mask = tree_attention_mask(tree.parents, start, dtype, tgt.device)

@@ -10,12 +10,14 @@ Two forwards share the weights:
   tokens, bidirectionally; never other blocks);
 - `forward_infer` is the reference's: context features of positions < anchor,
   then one block, no mask, optionally with a cache of the context keys/values.
+Sliding-window layers (`arch.layer_types`) narrow both: causal inside the block and
+a window of `sliding_window` positions counting the query (see models/drafter_arch.py
+for where that was read in the serving engines).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dflash_ds.errors import DFlashError
+from dflash_ds.models.drafter_arch import (  # noqa: F401 - re-exported: the drafter's public names
+    CONFIG_NAME, FULL, SAFETENSORS_NAME, SLIDING, DrafterArch, default_target_layer_ids, read_drafter_arch,
+)
 
 try:  # block-sparse attention on GPU; CPU uses a dense boolean mask with SDPA
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -32,8 +37,6 @@ except ImportError:  # pragma: no cover - older torch
     flex_attention = None
     create_block_mask = None
 
-SAFETENSORS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 MASK_BACKENDS = ("auto", "dense", "flex")
 
 _compiled_flex = None
@@ -47,95 +50,6 @@ def _flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DESIGN §2 rule: one draft layer -> [L // 2]; else n ids spread evenly over [1, L-3]."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-
-
-@dataclass
-class DrafterArch:
-    """Everything that fixes the drafter's shape; mirrors the export config.json."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope_parameters: dict[str, Any]
-    block_size: int
-    num_target_layers: int
-    mask_token_id: int
-    target_layer_ids: list[int]
-    attention_bias: bool = False
-    hidden_act: str = "silu"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def rope_theta(self) -> float:
-        """Base of the rotary embedding."""
-        return float(self.rope_parameters.get("rope_theta", 10000.0))
-
-    def to_hf_config(self):
-        """A transformers Qwen3Config carrying the same fields (for the rotary embedding and loaders)."""
-        from transformers import Qwen3Config
-
-        return Qwen3Config(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope_parameters), attention_bias=self.attention_bias,
-            hidden_act=self.hidden_act, tie_word_embeddings=False,
-        )
-
-    def to_json_dict(self) -> dict[str, Any]:
-        """The export config.json: a Qwen3 config plus the DFlash fields (DESIGN §2)."""
-        cfg = self.to_hf_config().to_dict()
-        cfg.update(self.extra)
-        cfg.update({
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
-            # Older loaders read rope_theta at the top level.
-            "rope_theta": self.rope_theta,
-            "dtype": "float32" if cfg.get("dtype") is None else cfg["dtype"],
-        })
-        cfg.pop("transformers_version", None)
-        return cfg
-
-    @classmethod
-    def from_json_dict(cls, cfg: dict[str, Any], where: str = CONFIG_NAME) -> "DrafterArch":
-        """Parse an export config.json; errors name the missing field."""
-        try:
-            dcfg = cfg["dflash_config"]
-            rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
-            n_layers = int(cfg["num_hidden_layers"])
-            return cls(
-                hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=n_layers, num_attention_heads=int(cfg["num_attention_heads"]),
-                num_key_value_heads=int(cfg["num_key_value_heads"]),
-                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
-                vocab_size=int(cfg["vocab_size"]), rms_norm_eps=float(cfg["rms_norm_eps"]),
-                max_position_embeddings=int(cfg["max_position_embeddings"]), rope_parameters=dict(rope),
-                block_size=int(cfg["block_size"]), num_target_layers=int(cfg["num_target_layers"]),
-                mask_token_id=int(dcfg["mask_token_id"]),
-                target_layer_ids=list(dcfg.get("target_layer_ids")
-                                      or default_target_layer_ids(int(cfg["num_target_layers"]), n_layers)),
-                attention_bias=bool(cfg.get("attention_bias", False)), hidden_act=cfg.get("hidden_act", "silu"),
-            )
-        except KeyError as exc:
-            raise DFlashError(f"{where}: missing field {exc.args[0]!r} of a DFlash drafter config") from None
 
 
 class RMSNorm(nn.Module):
@@ -280,11 +194,12 @@ class DFlashDrafter(nn.Module):
         """Concatenated target layer outputs [B, S, n*H] -> drafter context [B, S, H]."""
         return self.hidden_norm(self.fc(context_features))
 
-    def _run_layers(self, x, pos, ctx, ctx_pos, mask) -> torch.Tensor:
+    def _run_layers(self, x, pos, ctx, ctx_pos, masks: dict[str, Any]) -> torch.Tensor:
         cos, sin = self._cos_sin(x, pos)
         ccos, csin = self._cos_sin(x, ctx_pos)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        for layer in self.layers:
+        for layer, kind in zip(self.layers, self.arch.layer_types):
+            mask = masks[kind]
             if recompute:
                 # Only the layer's input is kept; its activations (and the context keys/values)
                 # are recomputed in backward.
@@ -314,26 +229,46 @@ class DFlashDrafter(nn.Module):
         use_flex = self.mask_backend == "flex" or (self.mask_backend == "auto" and x.is_cuda)
         if use_flex and create_block_mask is None:
             raise DFlashError("mask_backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
-        mask = self.block_mask(anchors, s, bs, use_flex=use_flex)
-        return self._run_layers(x, pos, ctx, ctx_pos, mask).view(b, a, bs, h)
+        # One mask per layer type present (built once, shared by the layers of that type).
+        masks = {kind: self.block_mask(anchors, s, bs, use_flex=use_flex,
+                                       sliding_window=self.arch.sliding_window if kind == SLIDING else None)
+                 for kind in set(self.arch.layer_types)}
+        return self._run_layers(x, pos, ctx, ctx_pos, masks).view(b, a, bs, h)
 
     @staticmethod
-    def block_mask(anchors: torch.Tensor, ctx_len: int, bs: int, use_flex: bool = False) -> Any:
+    def block_mask(anchors: torch.Tensor, ctx_len: int, bs: int, use_flex: bool = False,
+                   sliding_window: int | None = None) -> Any:
         """Block-sparse mask: block j sees context < anchor_j and its own bs tokens (DESIGN §3).
 
+        With `sliding_window` W (a sliding layer) the query at offset o of block j (position
+        anchor_j + o) sees only keys at positions in (anchor_j + o - W, anchor_j + o]: causal
+        inside the block, the window counting the query itself, as the serving engines run it.
         Dense boolean [B, 1, A*bs, S + A*bs] for SDPA, or a flex_attention BlockMask on GPU.
         """
         b, a = anchors.shape
+        w = sliding_window
         if use_flex and create_block_mask is not None:
             def mask_mod(bi, hi, q, kv):
-                blk = q // bs
+                blk, off = q // bs, q % bs
                 in_ctx = kv < ctx_len
-                return (in_ctx & (kv < anchors[bi, blk])) | (~in_ctx & ((kv - ctx_len) // bs == blk))
+                kv_off = kv - ctx_len - blk * bs  # offset inside the query's block (own block: 0..bs-1)
+                ok = (in_ctx & (kv < anchors[bi, blk])) | (~in_ctx & ((kv - ctx_len) // bs == blk))
+                if w is not None:
+                    qpos = anchors[bi, blk] + off
+                    ok = ok & torch.where(in_ctx, kv > qpos - w, (kv_off <= off) & (kv_off > off - w))
+                return ok
             return create_block_mask(mask_mod, b, None, a * bs, ctx_len + a * bs, device=anchors.device)
-        q_blk = torch.arange(a * bs, device=anchors.device) // bs  # [Q]
-        ctx_ok = torch.arange(ctx_len, device=anchors.device)[None, None, :] < anchors.repeat_interleave(bs, 1)[:, :, None]
-        own = (q_blk[:, None] == q_blk[None, :]).expand(b, -1, -1)
-        return torch.cat([ctx_ok, own], dim=2).unsqueeze(1)
+        dev = anchors.device
+        q_blk, q_off = torch.arange(a * bs, device=dev) // bs, torch.arange(a * bs, device=dev) % bs  # [Q]
+        q_anchor = anchors.repeat_interleave(bs, 1)[:, :, None]  # [B, Q, 1]
+        kv_ctx = torch.arange(ctx_len, device=dev)[None, None, :]
+        ctx_ok = kv_ctx < q_anchor
+        own = (q_blk[:, None] == q_blk[None, :])  # [Q, Q]
+        if w is not None:
+            ctx_ok = ctx_ok & (kv_ctx > q_anchor + q_off[None, :, None] - w)
+            diff = q_off[:, None] - q_off[None, :]  # query offset - key offset, same block
+            own = own & (diff >= 0) & (diff < w)
+        return torch.cat([ctx_ok, own.expand(b, -1, -1)], dim=2).unsqueeze(1)
 
     def forward_infer(self, context_features: torch.Tensor | None, block_embeds: torch.Tensor, start: int,
                       cache: "DrafterCache | None" = None) -> torch.Tensor:
@@ -351,17 +286,34 @@ class DFlashDrafter(nn.Module):
             ctx = self.project_context(context_features)
             ccos, csin = self._cos_sin(block_embeds, torch.arange(start - new_len, start, device=dev).expand(b, new_len))
         x = block_embeds
-        for i, layer in enumerate(self.layers):
+        for i, (layer, kind) in enumerate(zip(self.layers, self.arch.layer_types)):
             if new_len:
                 k, v = layer.self_attn.context_kv(ctx, ccos, csin)
             else:
                 k = v = block_embeds.new_zeros(b, layer.self_attn.num_kv_heads, 0, layer.self_attn.head_dim)
             if cache is not None:
                 k, v = cache.extend(i, k, v)
-            x = layer(x, cos, sin, k, v, None)
+            mask = None  # full attention: the whole context and the whole block
+            if kind == SLIDING:
+                k, v, mask = self._sliding_infer(k, v, start, bs)
+            x = layer(x, cos, sin, k, v, mask)
         if cache is not None and cache.length != start:
             raise ValueError(f"drafter cache holds {cache.length} positions, block starts at {start}")
         return self.norm(x)
+
+    def _sliding_infer(self, k: torch.Tensor, v: torch.Tensor, start: int, bs: int):
+        """A sliding layer's context keys/values (the last W-1 positions, all any query can see) and its mask.
+
+        k/v hold context positions start-C..start-1; the query at start+o sees keys at positions
+        in (start + o - W, start + o]: [bs, kept + bs] boolean, causal inside the block.
+        """
+        w = int(self.arch.sliding_window)
+        keep = min(k.shape[2], max(w - 1, 0))
+        k, v = k[:, :, k.shape[2] - keep:], v[:, :, v.shape[2] - keep:]
+        dev = k.device
+        qpos = torch.arange(start, start + bs, device=dev)[:, None]
+        kpos = torch.arange(start - keep, start + bs, device=dev)[None, :]
+        return k, v, (kpos <= qpos) & (kpos > qpos - w)
 
     # ---- export format -------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | Path) -> Path:
@@ -400,18 +352,6 @@ class DFlashDrafter(nn.Module):
                               f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
         model.load_state_dict(state, strict=False)
         return model.to(device)
-
-
-def read_drafter_arch(path: str | Path) -> DrafterArch:
-    """Read the DrafterArch of an export folder, with errors naming the file."""
-    cfg_path = Path(path) / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise DFlashError(f"drafter folder {path} has no {CONFIG_NAME}")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DFlashError(f"{cfg_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    return DrafterArch.from_json_dict(cfg, str(cfg_path))
 
 
 class DrafterCache:

@@ -1,4 +1,4 @@
-"""The frozen target: local HF folder checks, loading, and capture of selected hidden states.
+"""The frozen target: local HF folder checks, loading, the adapter that finds its parts, and hidden-state capture.
 
 Only the outputs of the decoder layers in `target_layer_ids` and the final (normed)
 hidden state are kept, through forward hooks: every layer's output and the vocabulary
@@ -8,6 +8,7 @@ logits are never materialised together.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,13 @@ from torch import nn
 
 from dflash_ds.errors import DFlashError
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
-
 
 def read_target_config(path: str | Path) -> dict[str, Any]:
-    """config.json of a local target folder, checked to be a supported architecture."""
+    """The text-model view of a local target's config.json: `text_config` merged over the top level.
+
+    Vision-language wrappers (Qwen3.5/3.6) keep the decoder's shapes under `text_config`; every caller wants
+    those (hidden size, layers, vocabulary), so this returns them at the top level, like a plain causal LM's.
+    """
     path = Path(path)
     if not path.is_dir():
         raise DFlashError(f"target folder {path} does not exist")
@@ -32,30 +35,73 @@ def read_target_config(path: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise DFlashError(f"{cfg_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise DFlashError(f"{cfg_path}: model_type {model_type!r} is not supported "
-                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)} — the Qwen3 and Llama families)")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        import transformers
+
+        raise DFlashError(f"{cfg_path}: model_type {model_type!r} has no causal-LM class in transformers "
+                          f"{transformers.__version__} (AutoModelForCausalLM cannot load it)")
+    text = {**cfg, **(cfg.get("text_config") or {})}
+    # A wrapper may state the tie flag only at its top level; the text config's own value wins when present.
+    text["tie_word_embeddings"] = bool((cfg.get("text_config") or {}).get("tie_word_embeddings",
+                                                                           cfg.get("tie_word_embeddings", False)))
+    where = f"{cfg_path} (text_config)" if "text_config" in cfg else str(cfg_path)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if key not in cfg:
-            raise DFlashError(f"{cfg_path}: missing field {key!r}")
-    return cfg
+        if key not in text:
+            raise DFlashError(f"{where}: missing field {key!r}")
+    return text
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
-    """Load the target causal LM with from_pretrained, frozen and in eval mode."""
+    """Load the target causal LM with from_pretrained, frozen and in eval mode; its parts are checked here."""
     from transformers import AutoModelForCausalLM
 
     read_target_config(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    target_parts(model, str(path))  # a target the drafter cannot read fails now, not mid-run
     model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
 
 
+@dataclass
+class TargetParts:
+    """What the drafter needs of a causal LM, found through the model's own structure."""
+
+    body: nn.Module  # the text decoder: forward(input_ids, attention_mask) -> last_hidden_state after the final norm
+    layers: nn.ModuleList  # its decoder layers, in order (hooks read their outputs)
+    embed: nn.Module  # token embedding
+    head: nn.Module  # LM head (vocabulary logits of the final hidden)
+
+
+def target_parts(model: nn.Module, name: str = "target") -> TargetParts:
+    """Decoder body, layer list, embedding and LM head of any HF causal LM (vision-language wrappers included)."""
+    body = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    # A wrapper loaded as itself (not as its causal LM) answers with its multimodal model: descend to the text part.
+    while body is not None and hasattr(body, "language_model"):
+        body = body.language_model
+    if body is None or body is model:
+        raise DFlashError(f"{name}: {type(model).__name__} has no text decoder (get_decoder() / .model)")
+    n_layers = model.config.get_text_config().num_hidden_layers
+    layers = getattr(body, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        # Older layouts name the list differently (h, blocks): the one ModuleList of the configured depth.
+        lists = [m for m in body.children() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
+        layers = lists[0] if len(lists) == 1 else None
+    if layers is None or len(layers) != n_layers:
+        raise DFlashError(f"{name}: no decoder layer list of {n_layers} layers found in {type(body).__name__}")
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is None or head is None:
+        missing = "token embedding (get_input_embeddings)" if embed is None else "LM head (get_output_embeddings)"
+        raise DFlashError(f"{name}: {type(model).__name__} has no {missing}")
+    return TargetParts(body=body, layers=layers, embed=embed, head=head)
+
+
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
-    """The decoder layer list of a Qwen3/Llama-style causal LM."""
-    return target.model.layers
+    """The decoder layer list of the target's text decoder."""
+    return target_parts(target).layers
 
 
 def capture_hidden(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -75,7 +121,8 @@ def capture_layers(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
 
     The caller concatenates them where it wants the context, e.g. straight into a send buffer.
     """
-    layers = decoder_layers(target)
+    parts = target_parts(target)
+    layers = parts.layers
     captured: dict[int, torch.Tensor] = {}
     hooks = []
 
@@ -90,7 +137,7 @@ def capture_layers(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
         hooks.append(layers[idx].register_forward_hook(keep(idx)))
     try:
         with torch.no_grad():
-            out = target.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = parts.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     finally:
         for h in hooks:
             h.remove()
@@ -112,6 +159,23 @@ def _tensor_index(path: Path) -> dict[str, Path]:
         return {k: single for k in f.keys()}
 
 
+def _find_weight(index: dict[str, Path], suffix: str, path: Path, required: bool = True) -> str | None:
+    """The one tensor name ending in `suffix` (the shallowest, when deeper copies exist); errors name the keys."""
+    hits = [k for k in index if k == suffix or k.endswith("." + suffix)]
+    if not hits:
+        if required:
+            raise DFlashError(f"target folder {path}: no tensor named *{suffix} in its safetensors")
+        return None
+    # Released checkpoints keep the body under a prefix (`model.language_model.` in Qwen3.5/3.6) and may add a
+    # deeper copy for multi-token-prediction modules (`model.layers.61.embed_tokens.weight` in DeepSeek-V3):
+    # the body's is the shallowest one.
+    depth = min(k.count(".") for k in hits)
+    best = [k for k in hits if k.count(".") == depth]
+    if len(best) > 1:
+        raise DFlashError(f"target folder {path}: ambiguous {suffix}: {', '.join(sorted(best))} all qualify")
+    return best[0]
+
+
 def load_target_head(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Embedding, nn.Linear]:
     """Only the target's token embedding and LM head (frozen), read from its safetensors.
 
@@ -127,15 +191,21 @@ def load_target_head(path: str | Path, dtype: torch.dtype = torch.float32) -> tu
         with safe_open(str(index[name]), framework="pt") as f:
             return f.get_tensor(name).to(dtype)
 
-    embed_name = next((k for k in ("model.embed_tokens.weight", "embed_tokens.weight") if k in index), None)
-    if embed_name is None:
-        raise DFlashError(f"target folder {path}: no embed_tokens weight in its safetensors")
+    embed_name = _find_weight(index, "embed_tokens.weight", path)
+    head_name = _find_weight(index, "lm_head.weight", path, required=False)
+    if head_name is None and not cfg["tie_word_embeddings"]:
+        raise DFlashError(f"target folder {path}: no *lm_head.weight in its safetensors and tie_word_embeddings "
+                          f"is false in config.json")
     embed_w = read(embed_name)
-    head_w = read("lm_head.weight") if "lm_head.weight" in index else None
-    if head_w is None:
-        if not cfg.get("tie_word_embeddings", False):
-            raise DFlashError(f"target folder {path}: no lm_head.weight and tie_word_embeddings is false")
-        head_w = embed_w
+    # A tied head is the embedding matrix itself, whether or not the checkpoint also stores a copy.
+    head_w = embed_w if head_name is None or cfg["tie_word_embeddings"] else read(head_name)
+    want = (int(cfg["vocab_size"]), int(cfg["hidden_size"]))
+    for name, w in ((embed_name, embed_w), (head_name, head_w)):
+        if w is head_w and head_w is embed_w:
+            continue
+        if tuple(w.shape) != want:
+            raise DFlashError(f"target folder {path}: {name} has shape {list(w.shape)}, expected "
+                              f"[{want[0]}, {want[1]}] (vocab_size, hidden_size of config.json)")
     embed = nn.Embedding(embed_w.shape[0], embed_w.shape[1], _weight=embed_w)
     head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device="meta")
     # A tied head shares the embedding's tensor (one V x H matrix in memory, not two).

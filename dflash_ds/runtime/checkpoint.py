@@ -70,7 +70,9 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     if resume == "auto":
         return find_latest(output_dir)
     path = Path(resume)
-    if path.is_dir() and (path / LATEST).is_file():  # a checkpoints/ root or run folder was given
+    if is_complete(path):  # a checkpoint folder (DeepSpeed writes a `latest` of its own inside it)
+        return path
+    if path.is_dir() and (path / LATEST).is_file():  # a checkpoints/ root was given
         path = path / (path / LATEST).read_text().strip()
     elif path.is_dir() and (path / "checkpoints").is_dir():
         found = find_latest(path)
@@ -154,7 +156,7 @@ def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, 
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         dist.barrier()
-        engine.save_checkpoint(str(partial), tag=DS_TAG)
+        engine.save_checkpoint(str(partial), tag=DS_TAG, client_state=universal_info())
         faults.in_save(step)
         export_fn(partial / "export")  # gathers under ZeRO-3: every rank calls it
         dist.barrier()  # every rank's shards are on disk
@@ -173,6 +175,14 @@ def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, 
         raise DFlashError(f"checkpoint at step {step} failed: {exc.strerror or exc} ({partial}); "
                           f"the previous checkpoint is intact") from None
     return final
+
+
+def universal_info() -> dict[str, Any]:
+    """The client state DeepSpeed's universal converter requires in a checkpoint (runtime/resume.py)."""
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+    return {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
 
 
 def _prune(root: Path, keep_last: int) -> None:

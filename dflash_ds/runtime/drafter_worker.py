@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory
 from dflash_ds.runtime.monitor import Monitor, scrub_secrets
 from dflash_ds.runtime.step_metrics import MetricWindow
 from dflash_ds.runtime.plan import DataPlan, batch_seed, last_step, payload_specs, resolve_arch, torch_dtype
+from dflash_ds.runtime.resume import ResumePlan, convert_to_universal, universal_ready
 from dflash_ds.runtime.target_worker import CONTROL_TAG
 from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
 
@@ -63,8 +65,8 @@ class Receiver:
     def _work(self, data: DataPlan, start: int, cursor: Cursor, stop: int, specs_of) -> None:
         layout, d = self.ctx.layout, self.ctx.role_rank
         # The same walk over the data plan as the targets' (target_worker.my_batches).
-        schedule = ((step * layout.num_drafters + d, layout.target_ranks[layout.route(step, d)], specs_of(specs[d]))
-                    for step, (_, specs) in zip(range(start, stop), data.steps(cursor)))
+        schedule = ((ms.batch_id(d), layout.target_ranks[layout.route(ms.index, d)], specs_of(ms.specs[d]))
+                    for ms in data.micro_steps(start, cursor, stop))
         try:
             for got in bridge_mod.Receiver(self.ctx.bridge, schedule, depth=self.depth, timeout_s=self.ctx.timeout_s,
                                            device=self.ctx.device, pool=self.pool):
@@ -99,12 +101,13 @@ def _load_drafter(cfg: Config, seed: int) -> DFlashDrafter:
 def _check_resume_state(state: dict, arch, path: Path) -> None:
     """A checkpoint whose drafter shape, block size or target layers differ from the run -> clear error."""
     saved = state.get("arch", {})
-    for key in ("block_size", "target_layer_ids", "num_hidden_layers", "hidden_size", "vocab_size", "mask_token_id"):
+    for key in ("block_size", "target_layer_ids", "num_hidden_layers", "hidden_size", "vocab_size", "mask_token_id",
+                "layer_types", "sliding_window"):
         if key in saved and saved[key] != getattr(arch, key):
             raise DFlashError(f"checkpoint {path} has {key} = {saved[key]} but this run has {getattr(arch, key)}")
 
 
-def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog) -> int:
+def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog, resume: ResumePlan) -> int:
     """Train until the last step (or a stop request), checkpoint, and return the exit status."""
     layout = ctx.layout
     d, n_d = ctx.role_rank, layout.num_drafters
@@ -115,20 +118,24 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
         ckpt.check_writable(out)
         ckpt.clean_partials(out)
     arch = resolve_arch(cfg)
-    resume_path = _agree_on_resume(cfg, out, arch, leader)
+    resume = _agree_on_resume(ctx, cfg, resume, arch, leader)
+    data.global_batch = resume.global_batch
+    acc = data.accumulation
     if leader:
-        print(f"[dflash-ds] building the DeepSpeed engine on {n_d} drafter rank(s)...", flush=True)
-    engine = _build(cfg, ctx, dtype)
+        print(f"[dflash-ds] building the DeepSpeed engine on {n_d} drafter rank(s); global batch "
+              f"{data.global_batch} = {n_d} x {acc} accumulated micro-batch(es)...", flush=True)
+    engine = _build(cfg, ctx, dtype, acc, universal=resume.mode == "universal")
     start_step, cursor = 0, Cursor(0, 0)
-    if resume_path is not None:
-        state = ckpt.read_state(resume_path)
-        engine.load_checkpoint(str(resume_path), tag=ckpt.DS_TAG, load_module_strict=True)
+    if resume.path is not None:
+        state = ckpt.read_state(resume.path)
+        engine.load_checkpoint(str(resume.path), tag=resume.tag, load_module_strict=True)
         start_step, cursor = int(state["step"]), Cursor(**state["cursor"])
     if leader:
-        _send_start(ctx, start_step, cursor)
+        _send_start(ctx, start_step, cursor, data.global_batch)
+        how = {"direct": "", "universal": f" (resharded from {resume.saved_drafters} drafter rank(s))"}
         print(f"[dflash-ds] {layout.describe()}; ZeRO-{engine.zero_optimization_stage()}; "
-              f"{'resuming from ' + str(resume_path) if resume_path else 'fresh start'} at step {start_step}",
-              flush=True)
+              f"{'resuming from ' + str(resume.path) + how[resume.mode] if resume.path else 'fresh start'} "
+              f"at step {start_step}", flush=True)
     monitor = Monitor(out, cfg.train.max_steps, config=scrub_secrets(to_dict(cfg)), use_wandb=cfg.wandb.enabled,
                       wandb_project=cfg.wandb.project, wandb_run_name=cfg.wandb.run_name,
                       resume_step=start_step) if leader else None
@@ -147,38 +154,48 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
     for step in range(start_step, stop):
         watchdog.step = step
         faults.at_step(step)
-        batch_id, tensors, meta, depth = receiver.get()
-        if batch_id != step * n_d + d:
-            raise RuntimeError(f"drafter {d} expected global batch {step * n_d + d} at step {step}, got {batch_id}")
         noise = noise_std_at(step, max_std=cfg.noise.max_std, min_std=cfg.noise.min_std,
                              warmup_steps=cfg.noise.warmup_steps, total_steps=cfg.train.max_steps)
         lr = engine.get_lr()[0]
-        terms, sums = _forward(engine, tensors, cfg, dtype, batch_id, noise)
-        loss_t = terms.loss * math.nan if (leader and step in inject_nan) else terms.loss  # fault injection (tests)
-        loss = loss_t.item()
-        bad, stopping = _agree_on_step(math.isfinite(loss), watchdog.stop_event.is_set())
-        norm = None if bad else _update(engine, loss_t)
-        grad_norm = math.nan if norm is None else norm
-        bad = bad or (norm is not None and not math.isfinite(norm))  # fp32: a bad norm is counted, not undone
-        consecutive_bad = consecutive_bad + 1 if bad else 0
-        if bad:
-            window.skipped_total += 1
-            _report_bad_step(cfg, out, d, step, loss, consecutive_bad)
-        receiver.release(tensors)  # nothing below reads the batch's tensors
-        record_file.write(json.dumps({"step": step, "batch_id": batch_id, "bucket": int(meta["bucket"]),
-                                      "epoch_after": int(meta["epoch_after"]), "loss": loss,
-                                      "skipped": bad, "target_rank": int(meta["target_rank"])}) + "\n")
+        micro, stopping, any_bad = [], False, False
+        for m in range(acc):
+            batch_id, tensors, meta, depth = receiver.get()
+            expected = (step * acc + m) * n_d + d
+            if batch_id != expected:
+                raise RuntimeError(f"drafter {d} expected global batch {expected} at step {step}, got {batch_id}")
+            terms, sums = _forward(engine, tensors, cfg, dtype, batch_id, noise)
+            inject = leader and step in inject_nan and m == 0  # fault injection (tests)
+            loss_t = terms.loss * math.nan if inject else terms.loss
+            loss = loss_t.item()
+            bad, stop_now = _agree_on_step(math.isfinite(loss), watchdog.stop_event.is_set())
+            stopping, any_bad = stopping or stop_now, any_bad or bad
+            _accumulate(engine, None if bad else loss_t, acc, tensors, cfg, dtype, batch_id)
+            receiver.release(tensors)  # nothing below reads the batch's tensors
+            micro.append((m, batch_id, loss, sums, meta, depth, bad))
+        norm = engine.get_global_grad_norm() if not (any_bad and acc == 1) else None
+        grad_norm = math.nan if norm is None else float(norm)
+        bad_step = any_bad or (norm is not None and not math.isfinite(grad_norm))  # fp32: counted, not undone
+        consecutive_bad = consecutive_bad + 1 if bad_step else 0
+        for m, batch_id, loss, sums, meta, depth, bad in micro:
+            if bad:
+                window.skipped_total += 1
+            record_file.write(json.dumps({"step": step, "micro": m, "batch_id": batch_id, "bucket": int(meta["bucket"]),
+                                          "epoch_after": int(meta["epoch_after"]), "loss": loss, "skipped": bad,
+                                          "target_rank": int(meta["target_rank"])}) + "\n")
+            window.add_step(loss, sums, meta, depth, grad_norm, lr, noise)
         record_file.flush()
-        last_cursor = Cursor(int(meta["epoch_after"]), int(meta["index_after"]))
-        window.add_step(loss, sums, meta, depth, grad_norm, lr, noise)
+        if bad_step:
+            _report_bad_step(cfg, out, d, step, [x[2] for x in micro], acc, consecutive_bad)
+        last_cursor = Cursor(int(micro[-1][4]["epoch_after"]), int(micro[-1][4]["index_after"]))
         done = step + 1
         if done % cfg.train.log_interval == 0 or done == stop or stopping:
             window.peak_mem_bytes = peak_memory_bytes(ctx.device)
             totals = window.reduce()  # host tensors: the role group carries them on GPU too (cpu:gloo)
             now = time.perf_counter()
             if leader:
-                monitor.log(totals.record(done, last_cursor.epoch, now - t_last, n_d, layout.num_targets,
-                                          cfg.train.max_steps, (now - run_start) / max(done - start_step, 1)))
+                monitor.log(totals.record(done, last_cursor.epoch, now - t_last, data.global_batch, n_d,
+                                          layout.num_targets, cfg.train.max_steps,
+                                          (now - run_start) / max(done - start_step, 1)))
             window.clear()
             reset_peak_memory(ctx.device)
             t_last = now
@@ -186,8 +203,9 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
             ctx.store.set(STOP_STEP_KEY, str(done))  # targets drop every batch from this step on
         # No periodic checkpoint inside a streak of bad steps: the last good one must stay the latest.
         if (done % cfg.train.save_interval == 0 and consecutive_bad == 0) or done == stop or stopping:
-            ckpt.save_checkpoint(engine, done, out, _trainer_state(cfg, arch, n_d, done, last_cursor),
-                                 cfg.train.keep_last, lambda folder: _export(engine, arch, dtype, folder))
+            state = _trainer_state(cfg, arch, n_d, data.global_batch, engine, dtype, done, last_cursor)
+            ckpt.save_checkpoint(engine, done, out, state, cfg.train.keep_last,
+                                 lambda folder: _export(engine, arch, dtype, folder))
         if stopping:
             _finish(record_file, monitor)
             if monitor is not None:
@@ -202,29 +220,50 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
     return 0
 
 
-def _agree_on_resume(cfg: Config, out: Path, arch, leader: bool) -> Path | None:
-    """Every drafter resumes from the checkpoint the leader picks (checked against the run's shape)."""
-    decision = [str(ckpt.resolve_resume(cfg.train.resume, out) or "")] if leader else [None]
+def _agree_on_resume(ctx: RoleContext, cfg: Config, mine: ResumePlan, arch, leader: bool) -> ResumePlan:
+    """Every drafter resumes as the leader decided (checked against the run's shape), resharded if needed.
+
+    The leader converts the shards to the universal format when the drafter count changed; the
+    others wait on the store (the conversion reads every optimizer state: minutes at real scale,
+    longer than a collective's timeout).
+    """
+    decision = [mine if leader else None]
     dist.broadcast_object_list(decision, src=0)
-    resume_path = Path(decision[0]) if decision[0] else None
-    if resume_path is not None:  # cheap JSON check before the target head and the engine are built
-        _check_resume_state(ckpt.read_state(resume_path), arch, resume_path)
-    return resume_path
+    plan: ResumePlan = decision[0]
+    if plan.path is None:
+        return plan
+    _check_resume_state(ckpt.read_state(plan.path), arch, plan.path)  # cheap JSON, before any model
+    if plan.mode == "universal":
+        key = f"dflash/universal/{plan.path.name}"
+        if leader:
+            try:
+                convert_to_universal(plan.path, log=lambda msg: print(msg, flush=True))
+            finally:
+                ctx.store.set(key, "ok" if universal_ready(plan.path) else "failed")
+        else:
+            ctx.store.wait([key], timedelta(seconds=cfg.train.startup_timeout_s))
+            if ctx.store.get(key).decode() != "ok":
+                raise DFlashError(f"checkpoint {plan.path}: the leader could not reshard it (see rank 0's error)")
+    return plan
 
 
-def _build(cfg: Config, ctx: RoleContext, dtype: torch.dtype):
+def _build(cfg: Config, ctx: RoleContext, dtype: torch.dtype, accumulation: int, universal: bool):
     """The DeepSpeed engine over the drafter, with the target's frozen embedding and LM head."""
     embed, head = load_target_head(cfg.target, dtype=dtype)
-    drafter = _load_drafter(cfg, cfg.train.seed)
+    drafter = _load_drafter(cfg, cfg.train.seed).to(dtype)  # an export may be bf16 (a bf16 target's init)
     ac = cfg.model.activation_checkpointing
     drafter.activation_checkpointing = ctx.device.type == "cuda" if ac is None else ac
     module = DrafterTrainModule(drafter, embed, head)
-    return build_engine(module, cfg, load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16))
+    ds = load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16, accumulation=accumulation,
+                        load_universal=universal)
+    return build_engine(module, cfg, ds)
 
 
-def _send_start(ctx: RoleContext, start_step: int, cursor: Cursor) -> None:
-    """Tell every target where the run starts (on the bridge's device: NCCL moves only CUDA tensors)."""
-    start = torch.tensor([start_step, cursor.epoch, cursor.batch_index], dtype=torch.long, device=ctx.device)
+def _send_start(ctx: RoleContext, start_step: int, cursor: Cursor, global_batch: int) -> None:
+    """Tell every target where the run starts and its global batch (on the bridge's device: NCCL moves only
+    CUDA tensors)."""
+    start = torch.tensor([start_step, cursor.epoch, cursor.batch_index, global_batch], dtype=torch.long,
+                         device=ctx.device)
     sends = [(t, bridge_mod.send_batch(ctx.bridge, t, {"start": start}, {}, batch_id=-1, tag=CONTROL_TAG))
              for t in ctx.layout.target_ranks]
     for t, works in sends:
@@ -249,30 +288,49 @@ def _agree_on_step(loss_finite: bool, stop_requested: bool) -> tuple[bool, bool]
     return bool(flags[0]), bool(flags[1])
 
 
-def _update(engine, loss: torch.Tensor) -> float | None:
-    """Backward and optimizer step; the global gradient norm (None if DeepSpeed reports none)."""
+def _accumulate(engine, loss: torch.Tensor | None, accumulation: int, tensors: dict, cfg: Config,
+                dtype: torch.dtype, batch_id: int) -> None:
+    """One micro-batch's backward and DeepSpeed step (the update happens at the step's last micro-batch).
+
+    DeepSpeed scales each loss by 1 / accumulation, so a step's gradient is the mean over its global
+    batch whatever the drafter count. A non-finite micro-batch (loss None, agreed by every drafter):
+    with no accumulation the whole update is skipped; with accumulation its gradient is dropped from
+    the step, by a backward of zero times the loss of a zero-context forward, so every rank's
+    DeepSpeed keeps the same micro-step count and the step's boundary stays where it is.
+    """
+    if loss is None and accumulation == 1:
+        return
+    if loss is None:
+        zeroed = dict(tensors, context=torch.zeros_like(tensors["context"]))
+        zeroed.pop("last_hidden", None)  # no KL term: the target's logits may be what was not finite
+        loss = _forward(engine, zeroed, cfg, dtype, batch_id, 0.0)[0].loss * 0.0
     engine.backward(loss)
     engine.step()
-    norm = engine.get_global_grad_norm()
-    return float(norm) if norm is not None else None
 
 
-def _report_bad_step(cfg: Config, out: Path, d: int, step: int, loss: float, consecutive: int) -> None:
+def _report_bad_step(cfg: Config, out: Path, d: int, step: int, losses: list[float], accumulation: int,
+                     consecutive: int) -> None:
     """Say what was skipped; stop with an error after train.max_bad_steps in a row."""
-    print(f"[dflash-ds] drafter {d}: non-finite loss or grad norm at step {step}: "
-          f"{'update skipped' if not math.isfinite(loss) else 'counted'} ({consecutive} in a row)",
+    bad = sum(not math.isfinite(x) for x in losses)
+    what = ("counted (grad norm)" if not bad else "update skipped" if accumulation == 1
+            else f"{bad} of {accumulation} micro-batch(es) dropped from the update")
+    print(f"[dflash-ds] drafter {d}: non-finite loss or grad norm at step {step}: {what} ({consecutive} in a row)",
           file=sys.stderr, flush=True)
     if consecutive >= cfg.train.max_bad_steps:
         raise DFlashError(f"{consecutive} consecutive steps with a non-finite loss or gradient norm "
                           f"(last at step {step}); stopping. Last good checkpoint: {ckpt.find_latest(out)}")
 
 
-def _trainer_state(cfg: Config, arch, n_d: int, step: int, cur: Cursor) -> dict:
-    """trainer_state.json: where the run is and the drafter shape it trains."""
+def _trainer_state(cfg: Config, arch, n_d: int, global_batch: int, engine, dtype: torch.dtype, step: int,
+                   cur: Cursor) -> dict:
+    """trainer_state.json: where the run is, how it trains (resharding reads this) and the drafter shape."""
     return {"step": step, "cursor": asdict(cur), "seed": cfg.train.seed, "num_drafters": n_d,
+            "global_batch": global_batch, "zero_stage": engine.zero_optimization_stage(),
+            "dtype": str(dtype).removeprefix("torch."),
             "arch": {"block_size": arch.block_size, "target_layer_ids": arch.target_layer_ids,
                      "num_hidden_layers": arch.num_hidden_layers, "hidden_size": arch.hidden_size,
-                     "vocab_size": arch.vocab_size, "mask_token_id": arch.mask_token_id},
+                     "vocab_size": arch.vocab_size, "mask_token_id": arch.mask_token_id,
+                     "layer_types": arch.layer_types, "sliding_window": arch.sliding_window},
             "rng": "per-batch generators seeded by (seed, global batch id): nothing else to restore",
             "config": scrub_secrets(to_dict(cfg))}
 

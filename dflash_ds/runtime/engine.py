@@ -35,17 +35,18 @@ def resolve_ds_config(cfg: Config) -> Path:
                       f"pass --ds-config FILE")
 
 
-def load_ds_config(path: Path, cfg: Config, bf16: bool) -> dict[str, Any]:
-    """Read the DS JSON and fill the fields the trainer owns (batching, clipping, precision)."""
+def load_ds_config(path: Path, cfg: Config, bf16: bool, accumulation: int = 1,
+                   load_universal: bool = False) -> dict[str, Any]:
+    """Read the DS JSON and fill the fields the trainer owns (batching, clipping, precision, resharding)."""
     try:
         ds = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise DFlashError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(ds, dict):
         raise DFlashError(f"{path}: top level must be an object")
-    # One micro-batch per drafter per step: the router hands each drafter exactly one.
+    # A micro-batch is one routed batch; each drafter accumulates global_batch / D of them per step.
     ds["train_micro_batch_size_per_gpu"] = 1
-    ds["gradient_accumulation_steps"] = 1
+    ds["gradient_accumulation_steps"] = int(accumulation)
     ds.pop("train_batch_size", None)
     ds["gradient_clipping"] = float(cfg.optim.grad_clip)
     ds["bf16"] = {"enabled": bool(bf16)}
@@ -53,6 +54,7 @@ def load_ds_config(path: Path, cfg: Config, bf16: bool) -> dict[str, Any]:
     ds["zero_allow_untested_optimizer"] = True
     # save_checkpoint's tag all_reduce must stay inside the drafter group (DESIGN §5).
     ds.setdefault("checkpoint", {})["tag_validation"] = "Ignore"
+    ds["checkpoint"]["load_universal"] = bool(load_universal)  # resharded: runtime/resume.py
     ds.setdefault("steps_per_print", 10**9)
     return ds
 

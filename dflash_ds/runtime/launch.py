@@ -50,7 +50,12 @@ def run_job(cfg: Config) -> int:
     arch = resolve_arch(cfg)  # before any group: a bad drafter/target pair fails fast on every rank
     # Memory-mapped and cheap: an empty dataset or out-of-vocabulary ids fail here on every rank,
     # before a rank waits in a rendezvous for peers that have already exited.
-    data = open_data(cfg, layout.num_drafters, arch.vocab_size)
+    from dflash_ds.runtime.resume import plan_resume
+
+    # The checkpoint, its global batch and whether it must be resharded: a drafter count that cannot
+    # split the global batch fails here on every rank, before any model loads.
+    resume = plan_resume(cfg, layout.num_drafters)
+    data = open_data(cfg, layout.num_drafters, arch.vocab_size, resume.global_batch)
     if env.rank == 0:  # rank 0 writes metrics and checkpoints: an unwritable run folder fails now
         from dflash_ds.runtime.checkpoint import check_writable
 
@@ -66,7 +71,8 @@ def run_job(cfg: Config) -> int:
     def describe(rank: int) -> str:
         return f"rank {rank} ({layout.role_of(rank)} {layout.local_rank_in_role(rank)})"
 
-    watchdog = Watchdog(ctx.store, env.rank, layout.world_size, describe, cfg.train.heartbeat_timeout_s).start()
+    watchdog = Watchdog(ctx.store, env.rank, layout.world_size, describe, cfg.train.heartbeat_timeout_s,
+                        launcher_grace_s=cfg.train.launcher_grace_s).start()
     try:
         if ctx.is_target:
             from dflash_ds.runtime.target_worker import run_target
@@ -75,7 +81,7 @@ def run_job(cfg: Config) -> int:
         else:
             from dflash_ds.runtime.drafter_worker import run_drafter
 
-            status = run_drafter(ctx, cfg, data, watchdog)
+            status = run_drafter(ctx, cfg, data, watchdog, resume)
     except BaseException:
         _name_lost_peers(watchdog, describe)
         raise

@@ -32,7 +32,8 @@ def resolve_arch(cfg: Config) -> DrafterArch:
         check_arch_matches_target(arch, tgt, cfg.drafter, cfg.target)
         return arch
     return drafter_arch_from_target(cfg.target, num_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
-                                    mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids)
+                                    mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids,
+                                    layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window)
 
 
 def check_arch_matches_target(arch: DrafterArch, tgt: DrafterArch, drafter_dir, target_dir) -> None:
@@ -50,9 +51,35 @@ def torch_dtype(cfg: Config, cuda: bool) -> torch.dtype:
     return torch.float32
 
 
+@dataclass(frozen=True)
+class MicroStep:
+    """One micro-step of the stream: micro-batch `micro` of optimizer step `step`, one batch per drafter.
+
+    `index` = step * A + micro (A = micro-batches per drafter per step) numbers the micro-steps;
+    drafter d's batch of it is global batch index * D + d = step * G + micro * D + d, so with
+    A = 1 this is the one-batch-per-drafter rule of `distributed/router.py`, and the G batches of
+    a step are the same whatever D is.
+    """
+
+    step: int
+    micro: int
+    index: int
+    specs: list[BatchSpec]
+    after: Cursor  # the data cursor once the whole optimizer step is done
+
+    def batch_id(self, drafter_idx: int) -> int:
+        """The global batch id of drafter `drafter_idx`'s batch in this micro-step."""
+        return self.index * len(self.specs) + drafter_idx
+
+
 @dataclass
 class DataPlan:
-    """The prepared dataset and its batch stream, identical on every rank."""
+    """The prepared dataset and its batch stream, identical on every rank.
+
+    The stream is cut into optimizer steps of `global_batch` batches (G); each of the D drafters
+    accumulates A = G / D of them per step. The sampler groups by G, not D, so the same seed gives
+    the same step-by-step batches on any drafter count that divides G.
+    """
 
     dataset: object  # datasets.Dataset, memory-mapped
     lengths: np.ndarray
@@ -60,19 +87,49 @@ class DataPlan:
     num_drafters: int
     seed: int
     token_budget: int
+    global_batch: int = 0  # 0: one batch per drafter (G = D)
 
-    def sampler(self, drafter_idx: int) -> BatchSampler:
-        """Drafter d's consumer view of the global stream (global batch g -> drafter g % D)."""
+    def __post_init__(self) -> None:
+        self.global_batch = self.global_batch or self.num_drafters
+        check_global_batch(self.global_batch, self.num_drafters)
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches each drafter accumulates per optimizer step (A = G / D)."""
+        return self.global_batch // self.num_drafters
+
+    def sampler(self, consumer: int = 0) -> BatchSampler:
+        """The global stream seen by consumer `consumer` of G (global batch g of an epoch -> g % G)."""
         return BatchSampler(self.lengths, self.token_budget, self.boundaries, self.seed,
-                            dp_rank=drafter_idx, dp_size=self.num_drafters)
+                            dp_rank=consumer, dp_size=self.global_batch)
 
     def steps(self, cursor: Cursor) -> Iterator[tuple[Cursor, list[BatchSpec]]]:
-        """Per step from `cursor`: (cursor after the step, one batch per drafter)."""
-        # One sampler builds each epoch once; index d of a step is drafter d's batch.
+        """Per optimizer step from `cursor`: (cursor after the step, its G batches)."""
+        # One sampler builds each epoch once; index k of a step is its k-th micro-batch.
         return self.sampler(0).iterate_steps(cursor)
 
+    def micro_steps(self, start_step: int, cursor: Cursor, stop_step: int) -> Iterator[MicroStep]:
+        """Every micro-step of optimizer steps start_step..stop_step-1, in order (targets and drafters walk it)."""
+        a, n_d = self.accumulation, self.num_drafters
+        for step, (after, specs) in zip(range(start_step, stop_step), self.steps(cursor)):
+            for m in range(a):
+                yield MicroStep(step, m, step * a + m, specs[m * n_d:(m + 1) * n_d], after)
 
-def open_data(cfg: Config, num_drafters: int, vocab_size: int) -> DataPlan:
+    def step_of_batch(self, batch_id: int) -> int:
+        """The optimizer step a global batch id belongs to."""
+        return batch_id // self.global_batch
+
+
+def check_global_batch(global_batch: int, num_drafters: int, where: str = "") -> None:
+    """G must split evenly over the D drafters; the error names both numbers and the counts that work."""
+    if global_batch % num_drafters:
+        fits = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+        raise DFlashError(f"{where}global batch {global_batch} cannot be split over {num_drafters} drafter ranks "
+                          f"(train.global_batch must be a multiple of the drafter count; drafter counts that "
+                          f"divide {global_batch}: {', '.join(map(str, fits))})")
+
+
+def open_data(cfg: Config, num_drafters: int, vocab_size: int, global_batch: int | None = None) -> DataPlan:
     """Load the prepared dataset (memory-mapped) and check it fits the run; errors name the folder."""
     from datasets import load_from_disk
 
@@ -103,7 +160,8 @@ def open_data(cfg: Config, num_drafters: int, vocab_size: int) -> DataPlan:
         raise DFlashError(f"data folder {path}: token id {top} >= the target vocabulary size {vocab_size} "
                           f"(prepared with another tokenizer?)")
     boundaries = bucket_boundaries(cfg.data.max_length, cfg.data.num_buckets)
-    return DataPlan(ds, lengths, boundaries, num_drafters, cfg.train.seed, cfg.data.token_budget)
+    g = cfg.train.global_batch if global_batch is None else global_batch
+    return DataPlan(ds, lengths, boundaries, num_drafters, cfg.train.seed, cfg.data.token_budget, g)
 
 
 def _saved_without_rows(path: Path) -> bool:

@@ -104,12 +104,12 @@ class WindowTotals:
     pos_valid: list[float]
     peak_mem_bytes: list[float]  # per drafter rank
 
-    def record(self, step: int, epoch: int, window_s: float, num_drafters: int, num_targets: int, max_steps: int,
-               sec_per_step: float) -> dict:
-        """One metrics.jsonl record."""
+    def record(self, step: int, epoch: int, window_s: float, global_batch: int, num_drafters: int, num_targets: int,
+               max_steps: int, sec_per_step: float) -> dict:
+        """One metrics.jsonl record (a step trains `global_batch` micro-batches over the drafters)."""
         s = self.sums
-        n = s["steps"]  # steps x drafters in the window
-        steps = n / num_drafters
+        n = s["steps"]  # micro-batches in the window, over all drafters
+        steps = n / global_batch
         m = metrics_from_sums({**{k: torch.tensor(s[k]) for k in LOSS_SUMS}, "pos_correct": torch.tensor(self.pos_correct),
                                "pos_valid": torch.tensor(self.pos_valid)})
         real, padded = s["real_tokens"], s["padded_tokens"]
@@ -121,6 +121,8 @@ class WindowTotals:
             "lr": s["lr"] / n, "noise_std": s["noise_std"] / n, "grad_norm": s["grad_norm"] / n,
             # each header carries its target's own rate: the mean times T is the whole target side's
             "tgt_batch_per_sec": s["tgt_batch_per_s"] / n * num_targets,
+            # micro-steps whose loss was not finite (each drafter counts the same, agreed ones): whole
+            # skipped updates without accumulation, micro-batches dropped from their update with it
             "skipped_steps": self.skipped_total / num_drafters,
             "dft_batch_per_sec": n / window_s, "tok_per_sec": real / window_s,
             "hs_queue_depth": s["queue_depth"] / n, "tgt_forward_s": s["tgt_forward_s"] / n,

@@ -23,16 +23,16 @@ from dflash_ds.errors import DFlashError
 from dflash_ds.models.target import capture_layers, load_target
 from dflash_ds.runtime import faults
 from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
-from dflash_ds.runtime.plan import DataPlan, last_step, payload_specs, resolve_arch, torch_dtype
+from dflash_ds.runtime.plan import DataPlan, check_global_batch, last_step, payload_specs, resolve_arch, torch_dtype
 
 CONTROL_TAG = 7
 
 
-def receive_start(ctx: RoleContext, leader: int, timeout_s: float) -> tuple[int, Cursor]:
-    """The resume point (start step, data cursor) chosen by the leader once its engine is up."""
+def receive_start(ctx: RoleContext, leader: int, timeout_s: float) -> tuple[int, Cursor, int]:
+    """The resume point (start step, data cursor) and the global batch chosen by the leader once its engine is up."""
     _, tensors, _ = bridge_mod.recv_batch(ctx.bridge, leader, timeout_s=timeout_s, tag=CONTROL_TAG, device=ctx.device)
     start = tensors["start"].tolist()
-    return int(start[0]), Cursor(int(start[1]), int(start[2]))
+    return int(start[0]), Cursor(int(start[1]), int(start[2])), int(start[3])
 
 
 def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog) -> int:
@@ -42,22 +42,21 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
     arch = resolve_arch(cfg)
     dtype = torch_dtype(cfg, ctx.device.type == "cuda")
     target = load_target(cfg.target, dtype=dtype, device=ctx.device)
-    start_step, cursor = receive_start(ctx, layout.drafter_ranks[0], cfg.train.startup_timeout_s)
+    start_step, cursor, global_batch = receive_start(ctx, layout.drafter_ranks[0], cfg.train.startup_timeout_s)
+    # The leader's word is final (this rank may not see the checkpoint folder it resumed from).
+    check_global_batch(global_batch, n_d)
+    data.global_batch = global_batch
     send_last_hidden = cfg.loss.kl_weight > 0
 
-    # (step, drafter) of each batch handed to the loader thread, consumed in the same order.
+    # (step, global batch id) of each batch handed to the loader thread, consumed in the same order.
     routed: deque[tuple[int, int]] = deque()
 
     def my_batches():
-        step = start_step
-        for after, specs in data.steps(cursor):
-            if step >= last_step(cfg):
-                return
-            for d, spec in enumerate(specs):
-                if layout.route(step, d) == t_idx:
-                    routed.append((step, d))
-                    yield after, spec
-            step += 1
+        for ms in data.micro_steps(start_step, cursor, last_step(cfg)):
+            for d, spec in enumerate(ms.specs):
+                if layout.route(ms.index, d) == t_idx:
+                    routed.append((ms.step, ms.batch_id(d)))
+                    yield ms.after, spec
 
     def stop_step() -> int | None:
         # Set by the leader once the drafters agreed to stop (preemption): later batches are never taken.
@@ -67,7 +66,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
 
     def abandon(batch_id: int) -> bool:
         s = stop_step()
-        return s is not None and batch_id // n_d >= s
+        return s is not None and data.step_of_batch(batch_id) >= s
 
     def exit_once_drafters_stopped() -> None:
         # This rank may be blocked sending a batch no drafter will take: once every drafter has
@@ -84,12 +83,12 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
     loader = PrefetchLoader(data.dataset, my_batches(), depth=cfg.data.prefetch)
     stopped = False
     for batch in loader:
-        step, d = routed.popleft()
+        step, batch_id = routed.popleft()
         watchdog.step = step
         faults.at_step(step)
         # Keep serving after a stop request: the drafters need this step's batches to reach the step
         # at which they all agree to stop; only what lies past that step is dropped.
-        if abandon(step * n_d + d):
+        if abandon(batch_id):
             stopped = True
             break
         spec, after = batch.spec, batch.cursor
@@ -108,7 +107,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
             "tgt_forward_s": fwd, "tgt_batch_per_s": served / max(time.perf_counter() - t_start, 1e-9),
             "in_flight": sender.in_flight(), "target_rank": ctx.global_rank,
         }
-        sender.send(layout.drafter_ranks[d], tensors, meta, batch_id=step * n_d + d)
+        sender.send(layout.drafter_ranks[batch_id % n_d], tensors, meta, batch_id=batch_id)
     loader.close()
     if stopped:
         return EXIT_PREEMPTED  # batches still in flight belong to steps nobody will train

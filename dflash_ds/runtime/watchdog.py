@@ -5,7 +5,11 @@ Every rank runs one daemon thread that, once a second:
 - turns a local SIGTERM/SIGINT into the job-wide stop request `dflash/stop`;
 - sees a stop request from any other rank and sets this rank's stop event;
 - notices a peer whose counter has not moved for `heartbeat_timeout_s` and ends this
-  rank (non-zero) after printing which rank was lost and at which step.
+  rank (non-zero) after printing which rank was lost and at which step;
+- notices that its launcher is gone (a torchrun agent or deepspeed launcher killed with
+  SIGKILL cannot stop its ranks) and turns that into a job-wide stop like a SIGTERM: the
+  drafters checkpoint at an agreed step if they still can, and after `launcher_grace_s` the
+  rank exits regardless, so no rank outlives its launcher.
 
 Counters, not wall-clock times, so clocks of different nodes never need to agree.
 """
@@ -20,15 +24,65 @@ import time
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; `--resume auto` continues
 EXIT_LOST_RANK = 3
+EXIT_LOST_LAUNCHER = 4
 STOP_KEY = "dflash/stop"
 STOP_STEP_KEY = "dflash/stop_step"
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of a live process (None once it is gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and parentheses
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[1])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class LauncherWatch:
+    """Whether this rank's launcher still runs: (process, its expected parent) links that must hold.
+
+    Under torchrun the rank's parent is the agent. Under the deepspeed launcher the parent is the
+    per-node `deepspeed.launcher.launch`, which outlives its own parent (the `deepspeed` runner,
+    or the remote shell pdsh started) when that is killed, so its parent is watched too. A link
+    breaks when the process is gone or was re-parented (its parent died).
+    """
+
+    def __init__(self, pid: int | None = None) -> None:
+        me = os.getpid() if pid is None else pid
+        self.links: list[tuple[int, int]] = []
+        parent = _parent_of(me)
+        if parent is None or parent <= 1:
+            return  # started by init (a container entry point): there is no launcher to lose
+        self.links.append((me, parent))
+        if "deepspeed.launcher.launch" in _cmdline(parent) or "deepspeed/launcher/launch.py" in _cmdline(parent):
+            grand = _parent_of(parent)
+            if grand is not None and grand > 1:
+                self.links.append((parent, grand))
+
+    def gone(self) -> str | None:
+        """A description of the broken link, or None while the launcher runs."""
+        for pid, parent in self.links:
+            now = _parent_of(pid)
+            if now != parent:
+                who = "this rank's launcher" if pid == self.links[0][0] else "the deepspeed launcher's parent"
+                return f"{who} (pid {parent}) is gone"
+        return None
 
 
 class Watchdog:
     """The per-rank heartbeat/stop thread (see module docstring)."""
 
     def __init__(self, store, rank: int, world: int, describe_rank, heartbeat_timeout_s: float,
-                 interval_s: float = 1.0) -> None:
+                 interval_s: float = 1.0, launcher_grace_s: float = 60.0) -> None:
         self.store, self.rank, self.world = store, rank, world
         self.describe_rank = describe_rank
         self.timeout_s, self.interval_s = heartbeat_timeout_s, interval_s
@@ -40,6 +94,9 @@ class Watchdog:
         self.tick_hooks: list = []  # called from the thread every interval (role-specific checks)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-watchdog", daemon=True)
+        self.launcher = LauncherWatch()
+        self.launcher_grace_s = launcher_grace_s
+        self._orphan_deadline: float | None = None
 
     def start(self) -> "Watchdog":
         """Install the signal handlers (main thread) and start the thread."""
@@ -72,6 +129,7 @@ class Watchdog:
     def _run(self) -> None:
         try:
             while not self._closed.wait(self.interval_s):
+                self._check_launcher()
                 self._beat()
                 if self.local_signal and not self.store.check([STOP_KEY]):
                     self.store.set(STOP_KEY, f"{self.local_signal} on rank {self.rank}")
@@ -85,6 +143,22 @@ class Watchdog:
                 return
             self._die(0, f"lost contact with the job store on {self.describe_rank(0)} ({type(exc).__name__}); "
                          f"rank 0 is probably lost")
+
+    def _check_launcher(self) -> None:
+        """Stop like on SIGTERM once the launcher is gone; exit at the grace deadline whatever happens."""
+        if self._orphan_deadline is None:
+            reason = self.launcher.gone()
+            if reason is None:
+                return
+            print(f"[dflash-ds] rank {self.rank} at step {self.step}: {reason}: stopping (checkpoint if the "
+                  f"drafters can agree), exiting within {self.launcher_grace_s:.0f}s", file=sys.stderr, flush=True)
+            self._orphan_deadline = time.monotonic() + self.launcher_grace_s
+            self.local_signal = "launcher gone"
+            self.stop_event.set()
+        elif time.monotonic() > self._orphan_deadline:
+            print(f"[dflash-ds] rank {self.rank} at step {self.step}: launcher gone {self.launcher_grace_s:.0f}s "
+                  f"ago; exiting", file=sys.stderr, flush=True)
+            os._exit(EXIT_LOST_LAUNCHER)
 
     def _check_peers(self) -> None:
         now = time.monotonic()

@@ -72,3 +72,25 @@ def test_bad_file_errors(tmp_path):
     wrong.write_text("loss: 3\n")
     with pytest.raises(DFlashError, match="loss must be a mapping"):
         load_config(wrong)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model": {"num_layers": 3, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}},
+     "model.layer_types has 2 entries but model.num_layers = 3"),
+    ({"model": {"num_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}},
+     "model.layer_types has sliding_attention layers: set model.sliding_window"),
+    ({"model": {"num_layers": 1, "layer_types": ["local_attention"]}},
+     "model.layer_types = ['local_attention'] entries must be full_attention or sliding_attention"),
+    ({"model": {"sliding_window": 0}}, "model.sliding_window = 0 must be >= 1"),
+])
+def test_layer_type_errors_name_the_field(overrides, message):
+    with pytest.raises(DFlashError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_layer_types_load():
+    cfg = load_config(None, ["--model.num_layers", "2", "--model.layer_types", "[sliding_attention, full_attention]",
+                             "--model.sliding_window", "2048"])
+    assert cfg.model.layer_types == ["sliding_attention", "full_attention"] and cfg.model.sliding_window == 2048
+    assert load_config().model.layer_types is None  # default: all full attention

@@ -1,20 +1,31 @@
-"""Drafter forwards: block-sparse mask by perturbation, training == inference, cache, export round trip."""
+"""Drafter forwards: block-sparse mask by perturbation, training == inference, cache, export round trip.
+
+Mixed layouts (full + sliding-window layers) run through the same train == infer and cache checks;
+the sliding mask is checked against a hand-built case.
+"""
 
 import json
 
 import pytest
 import torch
 
+from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter import DFlashDrafter, DrafterArch, DrafterCache, default_target_layer_ids
 
 H, NT = 32, 3  # hidden width, number of target layers read
+S, F = "sliding_attention", "full_attention"
+# (layer types, window): all full; mixed with a window below the block size (the window cuts inside the
+# block) and one above it (it cuts only the context).
+LAYOUTS = [(None, None), ([S, F, S], 3), ([F, S, S], 6)]
 
 
-def make_drafter(seed=0, layers=2, bs=4) -> DFlashDrafter:
+def make_drafter(seed=0, layers=2, bs=4, layer_types=None, window=None) -> DFlashDrafter:
+    layers = len(layer_types) if layer_types else layers
     arch = DrafterArch(hidden_size=H, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=8, vocab_size=50, rms_norm_eps=1e-6,
                        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                       block_size=bs, num_target_layers=8, mask_token_id=49, target_layer_ids=[1, 3, 5])
+                       block_size=bs, num_target_layers=8, mask_token_id=49, target_layer_ids=[1, 3, 5],
+                       layer_types=layer_types, sliding_window=window)
     torch.manual_seed(seed)
     d = DFlashDrafter(arch)
     d.init_weights(seed, std=0.2)  # large std so a perturbation shows up clearly
@@ -31,8 +42,22 @@ def inputs(b=2, s=12, a=3, bs=4, seed=1):
 
 def test_default_target_layer_ids_rule():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]  # SpecForge's Qwen3.6-27B ids
     assert default_target_layer_ids(36, 1) == [18]
     assert default_target_layer_ids(8, 3) == [1, 3, 5]
+    # Shallow targets: the public rule would repeat ids ([1, 1], [1, 1, 1]); the span widens instead.
+    assert default_target_layer_ids(4, 2) == [1, 2]
+    assert default_target_layer_ids(4, 3) == [1, 2, 3]
+    assert default_target_layer_ids(4, 4) == [0, 1, 2, 3]
+    assert default_target_layer_ids(6, 5) == [1, 2, 3, 4, 5]
+    for n_t in range(1, 80):
+        for n in range(2, min(n_t, 12) + 1):
+            ids = default_target_layer_ids(n_t, n)
+            assert len(set(ids)) == n and ids == sorted(ids) and 0 <= ids[0] and ids[-1] < n_t, (n_t, n, ids)
+            if n_t >= n + 3:  # the public rule where it gives distinct ids: unchanged
+                assert ids == [round(1 + i * (n_t - 4) / (n - 1)) for i in range(n)], (n_t, n)
+    with pytest.raises(DFlashError, match="model.target_layer_ids"):
+        default_target_layer_ids(4, 5)
 
 
 def test_mask_by_perturbation():
@@ -68,8 +93,9 @@ def test_mask_by_perturbation():
                 assert not torch.allclose(out[b, j, 0], base[b, j, 0], atol=1e-4)
 
 
-def test_train_forward_equals_inference_forward():
-    d = make_drafter()
+@pytest.mark.parametrize("layer_types, window", LAYOUTS)
+def test_train_forward_equals_inference_forward(layer_types, window):
+    d = make_drafter(layer_types=layer_types, window=window)
     ctx, emb, anchors = inputs()
     with torch.no_grad():
         train = d.forward_train(ctx, emb, anchors)
@@ -80,8 +106,9 @@ def test_train_forward_equals_inference_forward():
                 assert torch.allclose(infer[0], train[b, j], atol=1e-5), (b, j)
 
 
-def test_cached_inference_equals_uncached():
-    d = make_drafter()
+@pytest.mark.parametrize("layer_types, window", LAYOUTS)
+def test_cached_inference_equals_uncached(layer_types, window):
+    d = make_drafter(layer_types=layer_types, window=window)
     ctx, emb, _ = inputs(b=1)
     with torch.no_grad():
         cache = DrafterCache(d.arch.num_hidden_layers)
@@ -91,6 +118,81 @@ def test_cached_inference_equals_uncached():
             full = d.forward_infer(ctx[:, :start], emb[:, 0], start=start)
             assert torch.allclose(cached, full, atol=1e-5)
             prev = start
+
+
+def test_sliding_mask_hand_built():
+    """Window 3, block 3, context 6, anchors 2 and 4: the query at position p sees positions p-2..p,
+    context < anchor and its own block's earlier tokens only; full layers see all of both."""
+    anchors = torch.tensor([[2, 4]])
+    got = DFlashDrafter.block_mask(anchors, ctx_len=6, bs=3, sliding_window=3)[0, 0].int().tolist()
+    #            context 0..5     | block 0 (pos 2,3,4) | block 1 (pos 4,5,6)
+    expected = [[1, 1, 0, 0, 0, 0,  1, 0, 0,  0, 0, 0],   # block 0, pos 2: context 0,1 + itself
+                [0, 1, 0, 0, 0, 0,  1, 1, 0,  0, 0, 0],   # pos 3: context 1, block 2..3
+                [0, 0, 0, 0, 0, 0,  1, 1, 1,  0, 0, 0],   # pos 4: block 2..4 only
+                [0, 0, 1, 1, 0, 0,  0, 0, 0,  1, 0, 0],   # block 1, pos 4: context 2,3 + itself
+                [0, 0, 0, 1, 0, 0,  0, 0, 0,  1, 1, 0],   # pos 5: context 3, block 4..5
+                [0, 0, 0, 0, 0, 0,  0, 0, 0,  1, 1, 1]]   # pos 6: block 4..6
+    assert got == expected
+    full = DFlashDrafter.block_mask(anchors, ctx_len=6, bs=3)[0, 0].int().tolist()
+    assert full == [[1, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0]] * 3 + [[1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1]] * 3
+    # The flex mask_mod (GPU training) gives the same matrix.
+    from torch.nn.attention.flex_attention import create_mask
+
+    from dflash_ds.models import drafter as mod
+
+    captured = {}
+    real = mod.create_block_mask
+    try:
+        mod.create_block_mask = lambda fn, *a, **k: captured.setdefault("fn", fn)
+        DFlashDrafter.block_mask(anchors, 6, 3, use_flex=True, sliding_window=3)
+    finally:
+        mod.create_block_mask = real
+    assert create_mask(captured["fn"], 1, None, 6, 12, device="cpu")[0, 0].int().tolist() == expected
+
+
+def test_layer_types_rules():
+    base = vars(make_drafter().arch)
+    with pytest.raises(DFlashError, match="layer_types has 2 entries but the drafter has 3 layers"):
+        DrafterArch(**{**base, "num_hidden_layers": 3, "layer_types": [S, F], "sliding_window": 4})
+    with pytest.raises(DFlashError, match="sliding_window must be >= 1"):
+        make_drafter(layer_types=[S, F])
+    with pytest.raises(DFlashError, match="unknown layer types"):
+        make_drafter(layer_types=["chunked_attention", F], window=4)
+    assert make_drafter(layer_types=[F, F], window=8).arch.sliding_window is None  # no sliding layer
+
+
+def test_sliding_export_reloads_with_layer_types(tmp_path):
+    d = make_drafter(layer_types=[S, F, S], window=3)
+    d.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["layer_types"] == [S, F, S] and cfg["sliding_window"] == 3 and cfg["use_sliding_window"] is True
+    assert "is_causal" not in cfg or cfg["is_causal"] is None  # vLLM would take an explicit value over layer_types
+    assert "causal" not in cfg["dflash_config"]
+    back = DFlashDrafter.from_pretrained(tmp_path)
+    assert back.arch.layer_types == [S, F, S] and back.arch.sliding_window == 3
+    ctx, emb, anchors = inputs()
+    with torch.no_grad():
+        assert torch.equal(back.forward_train(ctx, emb, anchors), d.forward_train(ctx, emb, anchors))
+    make_drafter().save_pretrained(tmp_path / "full")
+    full = json.loads((tmp_path / "full/config.json").read_text())
+    assert full["layer_types"] == [F, F] and full["sliding_window"] is None and full["use_sliding_window"] is False
+
+
+def test_rope_scaling_written_for_non_default_rope(tmp_path):
+    """transformers-4.x loaders read only rope_scaling; a 4.x-style config reads back the same RoPE."""
+    from transformers import AutoConfig
+
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64}
+    d = make_drafter()
+    arch = DrafterArch(**{**vars(d.arch), "rope_parameters": dict(yarn)})
+    cfg = arch.to_json_dict()
+    assert cfg["rope_scaling"] == {"rope_type": "yarn", "type": "yarn", "factor": 4.0,
+                                   "original_max_position_embeddings": 64}
+    assert cfg["rope_theta"] == 1e6 and "rope_scaling" not in d.arch.to_json_dict()
+    old_style = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    assert DrafterArch.from_json_dict(old_style).rope_parameters == yarn
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert AutoConfig.from_pretrained(tmp_path).rope_parameters["rope_type"] == "yarn"
 
 
 def test_save_load_save_byte_identical(tmp_path):

@@ -15,11 +15,15 @@ from dflash_ds.models.drafter import DFlashDrafter, DrafterArch
 H, NT = 64, 3
 
 
-def make_drafter(bs: int, seed: int = 0) -> DFlashDrafter:
+S, F = "sliding_attention", "full_attention"
+
+
+def make_drafter(bs: int, seed: int = 0, layer_types=None, window=None) -> DFlashDrafter:
     arch = DrafterArch(hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, vocab_size=64, rms_norm_eps=1e-6,
                        max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                       block_size=bs, num_target_layers=8, mask_token_id=63, target_layer_ids=[1, 3, 5])
+                       block_size=bs, num_target_layers=8, mask_token_id=63, target_layer_ids=[1, 3, 5],
+                       layer_types=layer_types, sliding_window=window)
     d = DFlashDrafter(arch)
     d.init_weights(seed, std=0.1)
     return d
@@ -42,9 +46,13 @@ def run(d: DFlashDrafter, backend: str, ctx, emb, anchors) -> torch.Tensor:
         return d.forward_train(ctx, emb, anchors)
 
 
-@pytest.mark.parametrize("b,s,a,bs", [(2, 12, 3, 4), (2, 150, 9, 16), (1, 200, 17, 8)])
-def test_flex_mask_equals_dense_mask_on_cpu(b, s, a, bs):
-    d = make_drafter(bs).eval()
+@pytest.mark.parametrize("b,s,a,bs,layer_types,window", [
+    (2, 12, 3, 4, None, None), (2, 150, 9, 16, None, None), (1, 200, 17, 8, None, None),
+    (2, 40, 5, 8, [S, F], 5),  # window inside the block
+    (1, 200, 17, 8, [S, S], 64),  # window over the context
+])
+def test_flex_mask_equals_dense_mask_on_cpu(b, s, a, bs, layer_types, window):
+    d = make_drafter(bs, layer_types=layer_types, window=window).eval()
     ctx, emb, anchors = batch(b, s, a, bs)
     with torch.no_grad():
         dense = run(d, "dense", ctx, emb, anchors)
@@ -77,8 +85,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
-def test_compiled_flex_equals_dense_forward_and_backward_on_gpu_fp32():
-    d = make_drafter(16).cuda()
+@pytest.mark.parametrize("layer_types,window", [(None, None), ([S, F], 40)])
+def test_compiled_flex_equals_dense_forward_and_backward_on_gpu_fp32(layer_types, window):
+    d = make_drafter(16, layer_types=layer_types, window=window).cuda()
     ctx, emb, anchors = batch(2, 333, 20, 16, device="cuda")
     dense = forward_backward(d, "dense", ctx, emb, anchors, torch.float32)
     flex = forward_backward(d, "flex", ctx, emb, anchors, torch.float32)

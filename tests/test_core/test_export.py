@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_ds.init_drafter import init_drafter
-from dflash_ds.models.drafter import DFlashDrafter
+from dflash_ds.errors import DFlashError
+from dflash_ds.init_drafter import init_drafter, pick_mask_token_id
+from dflash_ds.models.drafter import DFlashDrafter, default_target_layer_ids
 
 CONFIG_FIELDS = {"block_size", "num_target_layers", "dflash_config", "architectures", "rope_theta", "hidden_size",
                  "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -44,7 +45,7 @@ def test_init_drafter_export_format(tiny_target, tmp_path):
     assert cfg["num_target_layers"] == tcfg["num_hidden_layers"]
     assert set(cfg["dflash_config"]) == {"mask_token_id", "target_layer_ids"}
     L = tcfg["num_hidden_layers"]
-    assert cfg["dflash_config"]["target_layer_ids"] == [round(1 + i * (L - 4) / 2) for i in range(3)]
+    assert cfg["dflash_config"]["target_layer_ids"] == default_target_layer_ids(L, 3) == [1, 2, 3]  # L = 4
     assert 0 <= cfg["dflash_config"]["mask_token_id"] < tcfg["vocab_size"]
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         assert cfg[key] == tcfg[key]
@@ -81,10 +82,10 @@ def test_bad_input_one_clear_error(tiny_target, tmp_path, case):
         target.mkdir()
         msg = "has no config.json"
     elif case == "arch":
-        target = tmp_path / "gpt2"
+        target = tmp_path / "unknown"
         target.mkdir()
-        (target / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
-        msg = "model_type 'gpt2' is not supported"
+        (target / "config.json").write_text(json.dumps({"model_type": "nope_lm", "n_layer": 2}))
+        msg = "model_type 'nope_lm' has no causal-LM class"
     elif case == "block1":
         extra, msg = ["--block-size", "1"], "--block-size 1: must be >= 2"
     else:
@@ -95,3 +96,45 @@ def test_bad_input_one_clear_error(tiny_target, tmp_path, case):
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and msg in lines[0], r.stderr
     assert not out.exists()
+
+
+def test_init_sliding_window_drafter(tiny_target, tmp_path):
+    types = ["sliding_attention", "full_attention"]
+    init_drafter(tiny_target, tmp_path / "d", num_layers=2, block_size=4, layer_types=types, sliding_window=16)
+    cfg = json.loads((tmp_path / "d/config.json").read_text())
+    assert (cfg["layer_types"], cfg["sliding_window"], cfg["use_sliding_window"]) == (types, 16, True)
+    assert DFlashDrafter.from_pretrained(tmp_path / "d").arch.layer_types == types
+    with pytest.raises(DFlashError, match="model.layer_types has 1 entries but the drafter has 2 layers"):
+        init_drafter(tiny_target, tmp_path / "e", num_layers=2, layer_types=types[:1], sliding_window=16)
+
+
+def test_bf16_target_gives_a_bfloat16_export(tiny_target, tmp_path):
+    """SGLang / vLLM run a drafter under --dtype auto in its config's dtype: a bf16 target's init says bfloat16."""
+    target = tmp_path / "bf16_target"
+    target.mkdir()
+    tcfg = json.loads((tiny_target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**tcfg, "dtype": "bfloat16"}))  # config only: no weights
+    init_drafter(target, tmp_path / "d", num_layers=2, block_size=4, mask_token_id=3)
+    cfg = json.loads((tmp_path / "d/config.json").read_text())
+    assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(str(tmp_path / "d/model.safetensors")).values()} == {torch.bfloat16}
+    init_drafter(tiny_target, tmp_path / "fp32", num_layers=2, block_size=4)
+    assert json.loads((tmp_path / "fp32/config.json").read_text())["dtype"] == tcfg.get("dtype", "float32")
+
+
+@pytest.mark.parametrize("name", ["<|MASK|>", "<|mask|>"])
+def test_mask_token_found_by_name(tmp_path, monkeypatch, name):
+    """A tokenizer without a declared mask token but with SGLang's default <|MASK|> (or <|mask|>) gives its id."""
+    import transformers
+
+    class Tok:
+        mask_token_id = None
+
+        def get_vocab(self):
+            return {"a": 0, "b": 1, name: 2}
+
+        def __len__(self):
+            return 3
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tok())
+    assert pick_mask_token_id(tmp_path, vocab_size=3) == 2

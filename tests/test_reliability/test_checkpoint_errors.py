@@ -14,7 +14,7 @@ from dflash_ds.runtime import checkpoint as ckpt
 class FillingEngine:
     """Stands in for the DeepSpeed engine's shard writer: writes more than the disk holds."""
 
-    def save_checkpoint(self, folder: str, tag: str) -> None:
+    def save_checkpoint(self, folder: str, tag: str, client_state: dict | None = None) -> None:
         with open(f"{folder}/{tag}.bin", "wb") as f:
             f.write(b"\0" * (1 << 20))
 

@@ -44,3 +44,43 @@ def test_thread_publishes_the_local_signal():
     wd._closed.set()
     thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+# outer -> middle (named like the deepspeed launcher) -> rank; the rank reports what it watches
+_RANK = """
+import sys, time
+from dflash_ds.runtime.watchdog import LauncherWatch
+w = LauncherWatch()
+print(len(w.links), flush=True)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline and w.gone() is None:
+    time.sleep(0.05)
+print(w.gone(), flush=True)
+"""
+_MIDDLE = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1]]); time.sleep(30)"
+_OUTER = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2], "
+          "'deepspeed.launcher.launch']); print('up', flush=True); time.sleep(30)")
+
+
+def test_launcher_watch_sees_the_deepspeed_launchers_parent_die(tmp_path):
+    """Under the deepspeed launcher the rank watches two links; killing the runner above it breaks the second."""
+    import os
+    import sys
+
+    from proc_utils import children, process_group
+
+    out = open(tmp_path / "rank.txt", "w")
+    with process_group([sys.executable, "-c", _OUTER, _MIDDLE, _RANK], stdout=out, text=True) as outer:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (tmp_path / "rank.txt").read_text().count("\n") >= 2:
+            time.sleep(0.05)  # "up" and the rank's link count
+        middle = children(outer.pid)
+        os.kill(outer.pid, signal.SIGKILL)
+        outer.wait()
+        while time.monotonic() < deadline and (tmp_path / "rank.txt").read_text().count("\n") < 3:
+            time.sleep(0.05)
+        for pid in middle:
+            os.kill(pid, signal.SIGKILL)  # the rank is in the same session: the group kill takes it
+    lines = (tmp_path / "rank.txt").read_text().splitlines()
+    assert lines[1] == "2", lines  # its parent, and the launcher's parent
+    assert lines[2].startswith("the deepspeed launcher's parent (pid") and lines[2].endswith("is gone"), lines

@@ -5,6 +5,7 @@ comparison is against the uninterrupted reference run of conftest.py.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from conftest_runtime import COMMON, STEPS
@@ -126,3 +127,54 @@ def test_sigterm_to_the_launcher_checkpoints_current_step(setup, tmp_path):
     latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
     step = int(latest.split("_")[1])
     assert step >= 3 and max(r["step"] for r in records(tmp_path, 0)) == step - 1
+
+
+def test_sigkill_to_torchrun_leaves_no_rank_behind(setup, tmp_path):
+    """A launcher killed hard cannot stop its ranks: they notice, checkpoint an agreed step and exit in < 30 s."""
+    import os
+    import signal
+    import sys
+
+    from proc_utils import children, process_group
+    from runtime_utils import env_for_children, free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
+           "-m", "dflash_ds.train", *args_for(setup, tmp_path, "--max-steps", "1000", "--train.log_interval", "1")]
+    ranks: list[int] = []
+    # Files, not pipes: nobody reads a pipe once its launcher is dead, and a full pipe blocks the ranks.
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        try:
+            with process_group(cmd, stdout=out, stderr=err, env=env_for_children(), cwd=tmp_path) as proc:
+                deadline = time.monotonic() + 240
+                metrics = tmp_path / "metrics.jsonl"
+                while time.monotonic() < deadline and proc.poll() is None:
+                    if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                        break
+                    time.sleep(0.2)
+                ranks = children(proc.pid)
+                assert len(ranks) == 3, ranks
+                os.kill(proc.pid, signal.SIGKILL)
+                killed = time.monotonic()
+                while time.monotonic() - killed < 45 and any(alive(p) for p in ranks):
+                    time.sleep(0.2)
+                took = time.monotonic() - killed
+        finally:
+            for p in ranks:  # never leave one behind, whatever the assertions below say
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+    log = (tmp_path / "err.txt").read_text() + (tmp_path / "out.txt").read_text()
+    assert took < 30, (took, [p for p in ranks if alive(p)], log[-4000:])
+    assert "launcher (pid" in log and "is gone" in log, log[-4000:]
+    # the drafters could still agree: they checkpointed the step they stopped at
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    step = int(latest.split("_")[1])
+    assert step >= 2 and max(r["step"] for r in records(tmp_path, 0)) == step - 1, log[-3000:]
+
+
+def alive(pid: int) -> bool:
+    """A process that still runs (a zombie waiting for init to reap it has finished)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

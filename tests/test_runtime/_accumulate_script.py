@@ -1,0 +1,55 @@
+"""One process, world size 1: a dropped (non-finite) micro-batch under gradient accumulation.
+
+Engine A accumulates 2 micro-batches, the first dropped (`_accumulate(loss=None)`), the second
+with loss L; engine B (same init) takes one step on L / 2. Both must end with the same weights:
+the dropped micro-batch contributed exactly nothing and DeepSpeed stepped at the right boundary.
+Prints one JSON line for the test.
+"""
+
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+target, pg_file, config = sys.argv[1:4]
+dist.init_process_group("gloo", init_method=f"file://{pg_file}", rank=0, world_size=1)
+
+from dflash_ds.config import load_config  # noqa: E402
+from dflash_ds.runtime.drafter_worker import _accumulate, _build, _forward  # noqa: E402
+from dflash_ds.runtime.plan import resolve_arch  # noqa: E402
+
+cfg = load_config(config, {"target": target, "optim": {"warmup_steps": 0}})  # lr 0 at step 0 otherwise
+arch = resolve_arch(cfg)
+ctx = SimpleNamespace(device=torch.device("cpu"))
+gen = torch.Generator().manual_seed(0)
+
+
+def batch():
+    ids = torch.randint(0, arch.vocab_size, (2, 64), generator=gen)
+    return {"input_ids": ids, "loss_mask": torch.ones_like(ids), "lengths": torch.tensor([64, 50]),
+            "context": torch.randn(2, 64, len(arch.target_layer_ids) * arch.hidden_size, generator=gen)}
+
+
+b0, b1, b2, b3 = batch(), batch(), batch(), batch()
+f32 = torch.float32
+a = _build(cfg, ctx, f32, 2, universal=False)
+init = [p.detach().clone() for p in a.module.drafter.parameters()]
+_accumulate(a, None, 2, b0, cfg, f32, 0)  # dropped
+_accumulate(a, _forward(a, b1, cfg, f32, 1, 0.0)[0].loss, 2, b1, cfg, f32, 1)
+steps_after_first = a.global_steps
+after_a = [p.detach().clone() for p in a.module.drafter.parameters()]
+b = _build(cfg, ctx, f32, 1, universal=False)
+same_init = max((p - q).abs().max().item() for p, q in zip(b.module.drafter.parameters(), init))
+_accumulate(b, _forward(b, b1, cfg, f32, 1, 0.0)[0].loss * 0.5, 1, b1, cfg, f32, 1)
+diff = max((p - q).abs().max().item() for p, q in zip(b.module.drafter.parameters(), after_a))
+moved = max((p - q).abs().max().item() for p, q in zip(after_a, init))
+for x, g in ((b2, 2), (b3, 3)):  # the next step's boundary is where it should be
+    _accumulate(a, _forward(a, x, cfg, f32, g, 0.0)[0].loss, 2, x, cfg, f32, g)
+print(json.dumps({"diff": diff, "moved": moved, "same_init": same_init, "steps_after_first": steps_after_first,
+                  "steps_after_second": a.global_steps}), flush=True)
+dist.destroy_process_group()
