@@ -15,7 +15,7 @@ from dflash_ds.errors import DFlashError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "make-tiny-target": ("dflash_ds.tiny_target", "write a small seeded Qwen3 target model + tokenizer (HF format)"),
+    "make-tiny-target": ("dflash_ds.tiny_target", "write a small seeded target model (Qwen3, or --family NAME) + tokenizer (HF format)"),
     "init-drafter": ("dflash_ds.init_drafter", "derive a drafter config from a target and save a random-init drafter"),
     "train-step": ("dflash_ds.single_step", "run a few single-device training steps of the DFlash core (smoke test)"),
     "prepare": ("dflash_ds.data.prepare", "tokenize conversations with the target's chat template into an Arrow dataset"),

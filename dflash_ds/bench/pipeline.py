@@ -252,8 +252,9 @@ def run(args: argparse.Namespace) -> int:
             run_target(ctx, cfg, data, watchdog)
         else:
             from dflash_ds.runtime.drafter_worker import run_drafter
+            from dflash_ds.runtime.resume import plan_resume
 
-            run_drafter(ctx, cfg, data, watchdog)
+            run_drafter(ctx, cfg, data, watchdog, plan_resume(cfg, layout.num_drafters))
         wall["c"] = time.perf_counter()
         if lead:
             result = _result(ctx, cfg, args, arch, out)

@@ -200,9 +200,8 @@ def load_target_head(path: str | Path, dtype: torch.dtype = torch.float32) -> tu
     # A tied head is the embedding matrix itself, whether or not the checkpoint also stores a copy.
     head_w = embed_w if head_name is None or cfg["tie_word_embeddings"] else read(head_name)
     want = (int(cfg["vocab_size"]), int(cfg["hidden_size"]))
-    for name, w in ((embed_name, embed_w), (head_name, head_w)):
-        if w is head_w and head_w is embed_w:
-            continue
+    checked = [(embed_name, embed_w)] + ([] if head_w is embed_w else [(head_name, head_w)])
+    for name, w in checked:
         if tuple(w.shape) != want:
             raise DFlashError(f"target folder {path}: {name} has shape {list(w.shape)}, expected "
                               f"[{want[0]}, {want[1]}] (vocab_size, hidden_size of config.json)")
