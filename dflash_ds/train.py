@@ -23,6 +23,8 @@ FLAGS = [
     ("--resume", "train.resume", str, "auto (latest complete checkpoint), none, or a checkpoint path"),
     ("--zero-stage", "train.zero_stage", int, "DeepSpeed ZeRO stage 0..3 (ds_configs/zero{N}.json)"),
     ("--ds-config", "train.ds_config", str, "explicit DeepSpeed JSON (overrides --zero-stage)"),
+    ("--global-batch", "train.global_batch", int, "micro-batches per optimizer step over all drafters; each of D "
+     "drafters accumulates global_batch / D (default: the checkpoint's, else one per drafter)"),
     ("--gamma", "loss.gamma", float, "position decay gamma of the loss"),
     ("--num-target-ranks", "topology.num_target_ranks", int, "ranks that run the target (the last ones)"),
     ("--targets-per-node", "topology.targets_per_node", int, "per-node layout: the last N local ranks are targets, each feeding the drafters of its own node"),

@@ -151,15 +151,10 @@ def test_make_tiny_target_family_flag(tmp_path, capsys):
     assert "--layers applies to --family qwen3 only" in capsys.readouterr().err
 
 
-# The families whose training path differs from the tiny Qwen3 target every trainer test already uses
-# (a wrapper with text_config and prefixed weights, linear attention, sliding windows and sinks, MLA, an
-# extra MTP copy of the embedding, MoE): each trains end to end. Llama, Qwen2 and Qwen3-MoE are plain decoder
-# stacks read exactly as Qwen3 is; they are covered in-process above (load, capture, head, lossless decoding).
-E2E = ["qwen3_5", "qwen3_5_moe", "gpt_oss", "deepseek_v3", "glm4_moe"]
 S, F = "sliding_attention", "full_attention"
 
 
-@pytest.mark.parametrize("family", E2E)
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_prepare_train_export_eval(family, tmp_path):
     """prepare -> 1 target + 1 drafter rank, 2 steps (torchrun, gloo) -> export -> eval lossless at temperature 0.
 
