@@ -172,7 +172,14 @@ def make_tiny_target(
         dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    return save_tiny(Qwen3ForCausalLM(config), tokenizer, out)
+
+
+def save_tiny(model, tokenizer, out: Path) -> Path:
+    """Write a freshly built tiny model (fp32, eval) and its tokenizer to `out` in the HF format."""
+    import torch
+
+    model = model.to(torch.float32).eval()
     silence_unprintable(model, tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id

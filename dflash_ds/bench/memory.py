@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ds.bench import memory_model as mm
-from dflash_ds.errors import DFlashError
+from dflash_ds.errors import DFlashError, read_json_file
 
 # Published text-config values as we read them (memory depends on the shapes only).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -89,13 +89,7 @@ def target_config(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """(name, text config) of --target or --preset."""
     if not args.target:
         return args.preset, dict(PRESETS[args.preset])
-    path = Path(args.target) / "config.json"
-    if not path.is_file():
-        raise DFlashError(f"bench memory: --target {args.target} has no config.json")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DFlashError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    cfg = read_json_file(Path(args.target) / "config.json", f"bench memory: --target {args.target} has no config.json")
     text = {**cfg, **cfg.get("text_config", {})}  # vision-language wrappers keep the LM under text_config
     text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
     missing = [k for k in SHAPE_FIELDS if k not in text]

@@ -18,12 +18,11 @@ Attention layer types follow the serving engines' DFlash loaders (read in SGLang
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_ds.errors import DFlashError
+from dflash_ds.errors import DFlashError, read_json_file
 
 SAFETENSORS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -187,10 +186,5 @@ class DrafterArch:
 def read_drafter_arch(path: str | Path) -> DrafterArch:
     """Read the DrafterArch of an export folder, with errors naming the file."""
     cfg_path = Path(path) / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise DFlashError(f"drafter folder {path} has no {CONFIG_NAME}")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DFlashError(f"{cfg_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    cfg = read_json_file(cfg_path, f"drafter folder {path} has no {CONFIG_NAME}")
     return DrafterArch.from_json_dict(cfg, str(cfg_path))

@@ -72,17 +72,11 @@ def make_tiny_family(out_dir: str | Path, family: str, vocab_size: int = 512, se
     import torch
     import transformers
 
-    from dflash_ds.tiny_target import build_tokenizer, prepare_out_dir, silence_unprintable
+    from dflash_ds.tiny_target import build_tokenizer, prepare_out_dir, save_tiny
 
     out = prepare_out_dir(out_dir, force)
     tokenizer = build_tokenizer(vocab_size)
     special = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     config = family_config(family, max(vocab_size, len(tokenizer)), special)
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[family][1])(config).to(torch.float32).eval()
-    silence_unprintable(model, tokenizer)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny(getattr(transformers, FAMILIES[family][1])(config), tokenizer, out)

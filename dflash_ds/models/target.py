@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_ds.errors import DFlashError
+from dflash_ds.errors import DFlashError, read_json_file
 
 
 def read_target_config(path: str | Path) -> dict[str, Any]:
@@ -28,12 +28,7 @@ def read_target_config(path: str | Path) -> dict[str, Any]:
     if not path.is_dir():
         raise DFlashError(f"target folder {path} does not exist")
     cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise DFlashError(f"target folder {path} has no config.json (expected a local HF model folder)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DFlashError(f"{cfg_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    cfg = read_json_file(cfg_path, f"target folder {path} has no config.json (expected a local HF model folder)")
     model_type = cfg.get("model_type")
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
