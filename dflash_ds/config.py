@@ -159,6 +159,13 @@ class TopologyConfig:
     """Target ranks in the whole job (the last ranks: drafters take the first), unless targets_per_node is set."""
     targets_per_node: int = 0
     """If > 0: the last N local ranks of every node are targets, each node's targets feeding only its drafters."""
+    colocate: bool = False
+    """Every rank loads the frozen target and trains the drafter (target forward, then the drafter step, on the
+    same GPU; all ranks in the ZeRO group, no bridge). One GPU works. num_target_ranks and targets_per_node are
+    not used."""
+    colocate_overlap: bool = False
+    """Colocated only: compute the next batch's target forward on a side thread (its own CUDA stream on GPU)
+    while the drafter step runs. Off by default: see docs/BENCHMARKS.md "Colocated training"."""
 
 
 @dataclass
@@ -261,6 +268,12 @@ def validate(cfg: Config) -> Config:
         raise DFlashError(
             f"config: data.max_length = {cfg.data.max_length} must be <= data.token_budget = "
             f"{cfg.data.token_budget} (one longest sequence must fit a micro-batch)")
+    t = cfg.topology
+    if t.colocate and t.targets_per_node:
+        raise DFlashError(f"config: topology.colocate = true runs the target on every rank: topology.targets_per_node "
+                          f"= {t.targets_per_node} cannot be combined with it")
+    if t.colocate_overlap and not t.colocate:
+        raise DFlashError("config: topology.colocate_overlap = true needs topology.colocate = true (--colocate)")
     return cfg
 
 

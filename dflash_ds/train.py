@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, _, tp, help_text in FLAGS:
         p.add_argument(flag, type=tp, default=None, help=help_text)
     p.add_argument("--no-wandb", action="store_true", help="do not log to W&B")
+    p.add_argument("--colocate", action="store_true",
+                   help="colocated training (topology.colocate): every rank runs the target forward and trains the "
+                        "drafter; works on one GPU; --num-target-ranks / --targets-per-node are not used")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -62,6 +65,8 @@ def config_from_args(argv: list[str]):
             node[parts[-1]] = value
     if args.no_wandb:
         overrides.setdefault("wandb", {})["enabled"] = False
+    if args.colocate:
+        overrides.setdefault("topology", {})["colocate"] = True
     from dflash_ds.config import parse_overrides
 
     extra = parse_overrides(rest)

@@ -76,6 +76,8 @@ class Layout:
     # Set for a per-node layout (every node runs this many ranks, some targets, some drafters):
     # batches are then routed within each node (see `route`).
     ranks_per_node: int | None = None
+    # Colocated: no target ranks; every rank (a drafter here) also runs the frozen target on its own batches.
+    colocated: bool = False
     _index: dict[int, tuple[Role, int]] = field(init=False, repr=False, compare=False)
     _local: dict[int, tuple[list[int], int, int]] | None = field(init=False, repr=False, compare=False)
 
@@ -86,7 +88,9 @@ class Layout:
                 f"layout does not cover ranks 0..{self.world_size - 1} exactly once: "
                 f"targets {self.target_ranks}, drafters {self.drafter_ranks}"
             )
-        if not self.target_ranks or not self.drafter_ranks:
+        if self.colocated and self.target_ranks:
+            raise DFlashError(f"a colocated layout has no target ranks of its own, got {self.target_ranks}")
+        if not self.drafter_ranks or not (self.target_ranks or self.colocated):
             raise DFlashError(
                 f"layout has {len(self.target_ranks)} target and {len(self.drafter_ranks)} "
                 "drafter ranks: need at least one target and one drafter"
@@ -141,6 +145,10 @@ class Layout:
         """Number of drafter ranks (D)."""
         return len(self.drafter_ranks)
 
+    def role_name(self, rank: int) -> str:
+        """What a rank does, for messages: target, drafter or colocated."""
+        return "colocated" if self.colocated else self.role_of(rank)
+
     def role_of(self, rank: int) -> Role:
         """The role of a global rank."""
         return self._lookup(rank)[0]
@@ -155,6 +163,9 @@ class Layout:
 
     def describe(self) -> str:
         """One line for the console: which ranks do what."""
+        if self.colocated:
+            return (f"{self.world_size} colocated rank(s): each runs the target forward and trains the drafter "
+                    f"(ranks {self.drafter_ranks})")
         return (f"{self.world_size} ranks: targets {self.target_ranks}, "
                 f"drafters {self.drafter_ranks}" + ("; routed within each node" if self.node_local else ""))
 
@@ -254,7 +265,7 @@ class RoleContext:
     role: Role
     role_rank: int
     role_world: int
-    bridge: BridgeGroup  # all ranks, global rank numbering; see bridge.py
+    bridge: BridgeGroup | None  # all ranks, global rank numbering (see bridge.py); None when colocated
     store: dist.Store  # the shared TCPStore hosted by global rank 0
     device: torch.device
     backend: str
@@ -326,11 +337,12 @@ def init_role_groups(
         device = torch.device("cpu")
     dist.init_process_group(ROLE_BACKENDS[backend], store=dist.PrefixStore(f"dflash/{role}", store),
                             rank=role_rank, world_size=len(role_ranks), timeout=timeout)
-    bridge = _make_bridge(BRIDGE_BACKENDS[backend], dist.PrefixStore("dflash/bridge", store), rank,
-                          layout.world_size, timeout)
+    # A colocated job has nothing to carry between ranks but the ZeRO group's collectives.
+    bridge = None if layout.colocated else _make_bridge(BRIDGE_BACKENDS[backend], dist.PrefixStore("dflash/bridge", store),
+                                                         rank, layout.world_size, timeout)
     from dflash_ds.distributed import audit
 
-    if audit.enabled():  # tests: check every tensor handed to torch.distributed (distributed/audit.py)
+    if audit.enabled() and bridge is not None:  # tests: check every tensor handed to torch.distributed (distributed/audit.py)
         bridge = audit.install(bridge, device)
     return RoleContext(layout, rank, role, role_rank, len(role_ranks), bridge, store, device, backend,
                        timeout_s)

@@ -89,6 +89,9 @@ class Receiver:
         """The step is done with this batch: its buffer may receive a later one."""
         self.pool.release(tensors)
 
+    def close(self) -> None:
+        """Nothing to stop: the thread ends with its schedule (or with the process, a daemon)."""
+
 
 def _load_drafter(cfg: Config, seed: int) -> DFlashDrafter:
     if cfg.drafter:
@@ -122,16 +125,23 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
     data.global_batch = resume.global_batch
     acc = data.accumulation
     if leader:
-        print(f"[dflash-ds] building the DeepSpeed engine on {n_d} drafter rank(s); global batch "
+        print(f"[dflash-ds] {'loading the target on every rank, ' if layout.colocated else ''}building the "
+              f"DeepSpeed engine on {n_d} drafter rank(s); global batch "
               f"{data.global_batch} = {n_d} x {acc} accumulated micro-batch(es)...", flush=True)
-    engine = _build(cfg, ctx, dtype, acc, universal=resume.mode == "universal")
+    target = None
+    if layout.colocated:  # before the engine: the drafter shares the target's embedding and head
+        from dflash_ds.models.target import load_target
+
+        target = load_target(cfg.target, dtype=dtype, device=ctx.device)
+    engine = _build(cfg, ctx, dtype, acc, universal=resume.mode == "universal", target=target)
     start_step, cursor = 0, Cursor(0, 0)
     if resume.path is not None:
         state = ckpt.read_state(resume.path)
         engine.load_checkpoint(str(resume.path), tag=resume.tag, load_module_strict=True)
         start_step, cursor = int(state["step"]), Cursor(**state["cursor"])
     if leader:
-        _send_start(ctx, start_step, cursor, data.global_batch)
+        if layout.num_targets:
+            _send_start(ctx, start_step, cursor, data.global_batch)
         how = {"direct": "", "universal": f" (resharded from {resume.saved_drafters} drafter rank(s))"}
         print(f"[dflash-ds] {layout.describe()}; ZeRO-{engine.zero_optimization_stage()}; "
               f"{'resuming from ' + str(resume.path) + how[resume.mode] if resume.path else 'fresh start'} "
@@ -144,8 +154,14 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
     record_file = (records_dir / f"drafter{d}.jsonl").open("a")
 
     stop = last_step(cfg)
-    receiver = Receiver(ctx, data, start_step, cursor, stop,
-                        lambda spec: payload_specs(spec, arch, dtype, cfg.loss.kl_weight > 0), depth=2)
+    if target is not None:
+        from dflash_ds.runtime.colocated import LocalTargets
+
+        receiver = LocalTargets(ctx, target, data, start_step, cursor, stop, arch.target_layer_ids,
+                                cfg.loss.kl_weight > 0, prefetch=cfg.data.prefetch, overlap=cfg.topology.colocate_overlap)
+    else:
+        receiver = Receiver(ctx, data, start_step, cursor, stop,
+                            lambda spec: payload_specs(spec, arch, dtype, cfg.loss.kl_weight > 0), depth=2)
     window = MetricWindow(len(data.boundaries), arch.block_size - 1, n_d, d)
     reset_peak_memory(ctx.device)
     t_last, run_start, last_cursor = time.perf_counter(), time.perf_counter(), cursor
@@ -194,7 +210,7 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
             now = time.perf_counter()
             if leader:
                 monitor.log(totals.record(done, last_cursor.epoch, now - t_last, data.global_batch, n_d,
-                                          layout.num_targets, cfg.train.max_steps,
+                                          layout.num_targets or n_d, cfg.train.max_steps,
                                           (now - run_start) / max(done - start_step, 1)))
             window.clear()
             reset_peak_memory(ctx.device)
@@ -207,13 +223,13 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
             ckpt.save_checkpoint(engine, done, out, state, cfg.train.keep_last,
                                  lambda folder: _export(engine, arch, dtype, folder))
         if stopping:
-            _finish(record_file, monitor)
+            _finish(record_file, monitor, receiver)
             if monitor is not None:
                 print(f"[dflash-ds] stop requested ({watchdog.stop_reason()}): checkpoint at step "
                       f"{done} in {ckpt.find_latest(out)}; exiting with status {EXIT_PREEMPTED}; "
                       f"--resume auto continues", flush=True)
             return EXIT_PREEMPTED
-    _finish(record_file, monitor)
+    _finish(record_file, monitor, receiver)
     if monitor is not None:
         print(f"[dflash-ds] done: step {stop} of {cfg.train.max_steps}; metrics {out / 'metrics.jsonl'}; "
               f"checkpoint {ckpt.find_latest(out)}", flush=True)
@@ -247,9 +263,17 @@ def _agree_on_resume(ctx: RoleContext, cfg: Config, mine: ResumePlan, arch, lead
     return plan
 
 
-def _build(cfg: Config, ctx: RoleContext, dtype: torch.dtype, accumulation: int, universal: bool):
-    """The DeepSpeed engine over the drafter, with the target's frozen embedding and LM head."""
-    embed, head = load_target_head(cfg.target, dtype=dtype)
+def _build(cfg: Config, ctx: RoleContext, dtype: torch.dtype, accumulation: int, universal: bool, target=None):
+    """The DeepSpeed engine over the drafter, with the target's frozen embedding and LM head.
+
+    Those two are read from the target's safetensors, or shared with the loaded target (colocated).
+    """
+    if target is not None:
+        from dflash_ds.runtime.colocated import frozen_head
+
+        embed, head = frozen_head(target)
+    else:
+        embed, head = load_target_head(cfg.target, dtype=dtype)
     drafter = _load_drafter(cfg, cfg.train.seed).to(dtype)  # an export may be bf16 (a bf16 target's init)
     ac = cfg.model.activation_checkpointing
     drafter.activation_checkpointing = ctx.device.type == "cuda" if ac is None else ac
@@ -325,6 +349,8 @@ def _trainer_state(cfg: Config, arch, n_d: int, global_batch: int, engine, dtype
                    cur: Cursor) -> dict:
     """trainer_state.json: where the run is, how it trains (resharding reads this) and the drafter shape."""
     return {"step": step, "cursor": asdict(cur), "seed": cfg.train.seed, "num_drafters": n_d,
+            # informational: a colocated checkpoint resumes disaggregated on the same drafter count, and back
+            "colocated": bool(cfg.topology.colocate),
             "global_batch": global_batch, "zero_stage": engine.zero_optimization_stage(),
             "dtype": str(dtype).removeprefix("torch."),
             "arch": {"block_size": arch.block_size, "target_layer_ids": arch.target_layer_ids,
@@ -344,7 +370,8 @@ def _export(engine, arch, dtype: torch.dtype, folder: Path) -> None:
         export.to(dtype).save_pretrained(folder)
 
 
-def _finish(record_file, monitor) -> None:
+def _finish(record_file, monitor, receiver) -> None:
+    receiver.close()
     record_file.close()
     if monitor is not None:
         monitor.close()

@@ -14,8 +14,11 @@ from dflash_ds.runtime.watchdog import Watchdog
 def job_layout(cfg: Config, world_size: int, local_world_size: int | None) -> Layout:
     """Drafters take the first ranks (global rank 0 leads: monitoring, W&B, checkpoints), targets the last.
 
-    With topology.targets_per_node = k, the last k local ranks of every node are targets.
+    With topology.targets_per_node = k, the last k local ranks of every node are targets. Colocated
+    (topology.colocate): every rank is a drafter that runs the target itself, one rank is enough.
     """
+    if cfg.topology.colocate:
+        return Layout(world_size, [], list(range(world_size)), colocated=True)
     per_node = cfg.topology.targets_per_node or None
     base = make_layout(world_size, None if per_node else cfg.topology.num_target_ranks,
                        nproc_per_node=local_world_size, targets_per_node=per_node)
@@ -69,7 +72,7 @@ def run_job(cfg: Config) -> int:
                            timeout_s=cfg.train.timeout_s, local_rank=env.local_rank)
 
     def describe(rank: int) -> str:
-        return f"rank {rank} ({layout.role_of(rank)} {layout.local_rank_in_role(rank)})"
+        return f"rank {rank} ({layout.role_name(rank)} {layout.local_rank_in_role(rank)})"
 
     watchdog = Watchdog(ctx.store, env.rank, layout.world_size, describe, cfg.train.heartbeat_timeout_s,
                         launcher_grace_s=cfg.train.launcher_grace_s).start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -56,3 +57,155 @@ def test_text_report_and_errors(capsys) -> None:
     assert main(["plan", "--gpus", "3", "--nodes", "2"]) == 2
     assert "not a multiple" in capsys.readouterr().err
     assert main(["plan", "--gpus", "8", "--target-tok-per-s", "100"]) == 2
+
+
+# ---------------------------------------------------------------- colocated or disaggregated
+
+GB = 1e9
+
+
+def drafter_bytes_by_hand(h: int, i: int, nh: int, nkv: int, d: int, v: int, ranks: int) -> dict[str, float]:
+    """docs/MEMORY.md's terms at the defaults (5 layers, 16,384 tokens, 2,048 anchors x 16, bf16, checkpointing,
+    flex, ZeRO-2, KL on), with one captured batch alive (colocated: no bridge)."""
+    q, kv, b = nh * d, nkv * d, 2
+    layer = h * q + 2 * h * kv + q * h + 2 * d + 3 * h * i + 2 * h
+    psi = 5 * layer + 5 * h * h + 2 * h
+    t, c = 2048 * 16, 16384  # block tokens, context tokens
+    a_tok = 2 * h * (4 + 2 * b) + (q + kv) * (4 + 3 * b) + 4 * b * i + 4 * nh
+    held = 2 * (t + c) * d * b + c * h * (4 + 2 * b) + t * h * b + 4 * t * h * b  # RoPE, context, embeddings, inputs
+    backward = t * b * (i + 2.5 * h) + c * h * b + t * a_tok + c * nkv * d * (4 + 3 * b)  # last layer's backward
+    return {"model_states": 2 * psi + 14 * psi / ranks, "frozen": 2 * v * h * 2, "captured": c * 6 * h * 2,
+            "micro": held + backward, "psi": psi}
+
+
+QWEN3_8B_SHAPE = (4096, 12288, 32, 8, 128, 151936)
+QWEN36_27B_SHAPE = (5120, 17408, 24, 4, 256, 248320)
+
+
+def test_hand_memory_matches_memory_md() -> None:
+    """The hand formula above is docs/MEMORY.md's: its published Psi and micro-step peaks."""
+    assert drafter_bytes_by_hand(*QWEN3_8B_SHAPE, 1)["psi"] == 1_048_626_432
+    assert drafter_bytes_by_hand(*QWEN36_27B_SHAPE, 1)["psi"] == 1_835_072_000
+    assert drafter_bytes_by_hand(*QWEN3_8B_SHAPE, 1)["micro"] / GB == pytest.approx(10.73, abs=0.005)
+    assert drafter_bytes_by_hand(*QWEN36_27B_SHAPE, 1)["micro"] / GB == pytest.approx(14.31, abs=0.005)
+
+
+def test_qwen3_8b_colocated_wins(capsys) -> None:
+    """Example (a): a target rank 4x a drafter rank on 4 GPUs; 1 + 3 leaves a third of the target idle."""
+    p = plan_json(capsys, "--gpus", "4", "--target-tok-per-s", "28000", "--drafter-tok-per-s", "7000",
+                  "--target-params-b", "8.2")
+    c, dis, mem = p["colocated"], p["disaggregated"], p["colocated"]["memory"]
+    assert c["tok_per_s_per_gpu"] == pytest.approx(28000 * 7000 / (28000 + 7000)) == pytest.approx(5600)
+    assert c["tok_per_s"] == pytest.approx(4 * 5600) and c["rate_source"] == "1 / (1/a + 1/b)"
+    assert (dis["target_ranks"], dis["drafter_ranks"], dis["tok_per_s"]) == (1, 3, min(28000, 3 * 7000))
+    assert dis["tok_per_s_per_gpu"] == pytest.approx(21000 / 4)
+    hand = drafter_bytes_by_hand(*QWEN3_8B_SHAPE, ranks=4)  # ZeRO over all 4 colocated GPUs
+    drafter = hand["model_states"] + hand["frozen"] + hand["captured"] + hand["micro"]
+    assert mem["target_bytes"] == pytest.approx(8.2e9 * 2)
+    assert mem["drafter_bytes"] == pytest.approx(drafter)
+    assert mem["total_bytes"] == pytest.approx(16.4e9 + drafter + 8e9) and mem["total_bytes"] / GB == pytest.approx(44.2, abs=0.05)
+    assert mem["fits"] is True
+    assert p["choice"]["mode"] == "colocated" and "6.7% faster" in p["choice"]["reason"]  # 22,400 / 21,000
+    assert p["split"]["best"]["target_ranks"] == 1  # the existing keys are still there
+
+
+def test_qwen36_27b_does_not_fit(capsys) -> None:
+    """Example (b): colocated would be faster by the rates, but 54 GB of target leaves no room for training."""
+    p = plan_json(capsys, "--gpus", "4", "--preset", "qwen3.6-27b", "--target-params-b", "27",
+                  "--target-tok-per-s", "9000", "--drafter-tok-per-s", "5000")
+    assert p["model"]["hidden"] == 5120 and p["model"]["vocab"] == 248320
+    c, dis, mem = p["colocated"], p["disaggregated"], p["colocated"]["memory"]
+    assert c["tok_per_s"] == pytest.approx(4 / (1 / 9000 + 1 / 5000))  # 12,857: more than the split...
+    assert (dis["target_ranks"], dis["drafter_ranks"], dis["tok_per_s"]) == (2, 2, min(2 * 9000, 2 * 5000))
+    hand = drafter_bytes_by_hand(*QWEN36_27B_SHAPE, ranks=4)
+    drafter = hand["model_states"] + hand["frozen"] + hand["captured"] + hand["micro"]
+    assert mem["target_bytes"] == pytest.approx(54e9) and mem["drafter_bytes"] == pytest.approx(drafter)
+    assert mem["total_bytes"] == pytest.approx(54e9 + drafter + 8e9) and mem["total_bytes"] > 80e9  # ...but 92.5 GB
+    assert mem["fits"] is False
+    assert p["choice"]["mode"] == "disaggregated"
+    assert f"target 54.00 GB + drafter {drafter / GB:.2f} GB + headroom 8.00 GB" in p["choice"]["reason"]
+
+
+def test_one_gpu_is_colocated_only(capsys) -> None:
+    p = plan_json(capsys, "--gpus", "1", "--target-tok-per-s", "28000", "--drafter-tok-per-s", "7000",
+                  "--target-params-b", "8.2")
+    assert p["disaggregated"]["possible"] is False and p["split"] is None
+    assert p["colocated"]["tok_per_s"] == pytest.approx(5600)
+    hand = drafter_bytes_by_hand(*QWEN3_8B_SHAPE, ranks=1)
+    assert hand["model_states"] == 16 * hand["psi"]  # ZeRO-2 on one rank partitions nothing
+    assert p["colocated"]["memory"]["drafter_bytes"] == pytest.approx(
+        hand["model_states"] + hand["frozen"] + hand["captured"] + hand["micro"])
+    assert p["choice"] == {"mode": "colocated", "reason": "the only mode with 1 GPU per node"}
+    assert main(["plan", "--gpus", "1"]) == 0  # no rates, no target size: said, not an error
+    assert "disaggregated: impossible" in capsys.readouterr().out
+
+
+def test_one_gpu_too_small_is_an_error(capsys) -> None:
+    assert main(["plan", "--gpus", "1", "--preset", "qwen3.6-27b", "--target-params-b", "27"]) == 2
+    err = capsys.readouterr().err
+    hand = drafter_bytes_by_hand(*QWEN36_27B_SHAPE, ranks=1)
+    drafter = hand["model_states"] + hand["frozen"] + hand["captured"] + hand["micro"]
+    assert "cannot hold a target and a drafter" in err
+    assert f"target 54.00 GB + drafter {drafter / GB:.2f} GB + headroom 8.00 GB = {(62e9 + drafter) / GB:.2f} GB" in err
+    # Given a measured drafter memory instead of the estimate, and a bigger GPU, it fits.
+    p = plan_json(capsys, "--gpus", "1", "--target-params-b", "27", "--drafter-memory-gb", "50",
+                  "--gpu-memory-gb", "141")
+    assert p["colocated"]["memory"]["total_bytes"] == pytest.approx((54 + 50 + 8) * GB) and p["choice"]["mode"] == "colocated"
+
+
+def test_measured_colocated_rate_from_bench(capsys, tmp_path) -> None:
+    bench = tmp_path / "pipe.json"
+    result = {"target_capacity": {"tok_per_s_per_rank": 28000.0}, "drafter_capacity": {"tok_per_s_per_rank": 7000.0},
+              "colocated": {"tok_per_s": 20000.0, "tok_per_s_per_rank": 5000.0}}
+    bench.write_text("a log line\n" + json.dumps(result))
+    p = plan_json(capsys, "--gpus", "4", "--from-bench", str(bench))
+    c = p["colocated"]
+    assert c["tok_per_s_per_gpu"] == 5000 and c["tok_per_s"] == 4 * 5000  # measured, preferred over the formula
+    assert c["formula_tok_per_s_per_gpu"] == pytest.approx(5600) and c["rate_source"].startswith("measured")
+    assert p["choice"]["mode"] == "disaggregated"  # 20,000 < min(28,000, 3 x 7,000) = 21,000
+    assert p["choice"]["reason"] == f"disaggregated is {1 - 20000 / 21000:.1%} faster"
+    assert main(["plan", "--gpus", "4", "--from-bench", str(bench)]) == 0
+    out = capsys.readouterr().out
+    assert "c = 5,000 tok/s (measured: bench pipeline (d)" in out and "recommended: 1 target + 3 drafter" in out
+    bench.write_text(json.dumps({**result, "colocated": None}))  # bench pipeline --no-colocated: the formula
+    assert plan_json(capsys, "--gpus", "4", "--from-bench", str(bench))["colocated"]["tok_per_s"] == pytest.approx(22400)
+    p = plan_json(capsys, "--gpus", "4", "--from-bench", str(bench), "--colocated-tok-per-s", "6000")
+    assert p["colocated"]["tok_per_s"] == 24000 and p["colocated"]["rate_source"] == "--colocated-tok-per-s"
+
+
+def test_exact_split_ties_and_keeps_disaggregated(capsys) -> None:
+    # N b / (a + b) = 4 x 7,000 / 28,000 = 1 target exactly: 1 x 21,000 = 3 x 7,000 = 4 / (1/21,000 + 1/7,000)
+    p = plan_json(capsys, "--gpus", "4", "--target-tok-per-s", "21000", "--drafter-tok-per-s", "7000")
+    assert p["colocated"]["tok_per_s"] == pytest.approx(21000) and p["disaggregated"]["tok_per_s"] == 21000
+    assert p["choice"]["mode"] == "disaggregated" and "equal" in p["choice"]["reason"]
+    assert p["colocated"]["memory"]["fits"] is None  # no target size given: not checked
+
+
+def test_target_weight_bytes_from_folder(capsys, tmp_path) -> None:
+    cfg = {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 3000)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 1000)
+    mem = plan_json(capsys, "--gpus", "2", "--target", str(tmp_path))["colocated"]["memory"]
+    assert mem["target_bytes"] == 4000 and "sum of 2" in mem["target_source"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 3500}}))
+    mem = plan_json(capsys, "--gpus", "2", "--target", str(tmp_path))["colocated"]["memory"]
+    assert mem["target_bytes"] == 3500 and "metadata.total_size" in mem["target_source"]
+    assert mem["drafter"]["shape"] == {"hidden": 256, "intermediate": 768, "heads": 4, "kv_heads": 2, "head_dim": 64,
+                                       "layers": 5}
+    assert mem["fits"] is True
+
+
+def test_text_report_shows_the_colocated_arithmetic(capsys) -> None:
+    assert main(["plan", "--gpus", "4", "--target-tok-per-s", "28000", "--drafter-tok-per-s", "7000",
+                 "--target-params-b", "8.2"]) == 0
+    out = capsys.readouterr().out
+    hand = drafter_bytes_by_hand(*QWEN3_8B_SHAPE, ranks=4)
+    drafter = hand["model_states"] + hand["frozen"] + hand["captured"] + hand["micro"]
+    assert "c = 1 / (1/a + 1/b) = 1 / (1/28,000 + 1/7,000) = 5,600 tok/s" in out
+    assert "N x c = 4 x 5,600 = 22,400 tok/s" in out
+    assert re.search(rf"model_states_zero2 +{hand['model_states'] / GB:.2f}\n", out)
+    assert f"16.40 + {drafter / GB:.2f} + 8.00 = {(24.4e9 + drafter) / GB:.2f} GB <= 80 GB: fits" in out
+    assert "colocated 22,400 tok/s (5,600 per GPU) vs disaggregated 21,000 tok/s (5,250 per GPU, 1 target + 3 drafter)" in out
+    assert out.rstrip().endswith("recommended: --colocate on 4 GPU(s), expected 22,400 tok/s: colocated is 6.7% faster")

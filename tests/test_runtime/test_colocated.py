@@ -1,0 +1,140 @@
+"""Colocated training (--colocate): every rank runs the target and trains the drafter, no bridge.
+
+Compared with the uninterrupted 1 target + 2 drafter reference run of conftest.py (same data,
+seed, ZeRO-2, 20 steps): a 2-rank colocated run trains the same global batches at the same steps
+with the same losses; its step-10 checkpoint resumed under the deepspeed launcher reproduces its
+own second half bit for bit; one colocated rank accumulating the reference's global batch of 2
+trains it too, through a SIGTERM (checkpoint, exit 75) and a resume, and its export evaluates
+losslessly; a killed rank is named.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest_runtime import COMMON, STEPS
+from proc_utils import run_bounded
+from runtime_utils import env_for_children, free_port, read_jsonl, torchrun
+
+
+def args_for(setup, out, *extra):
+    target, data = setup
+    return [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(out), "--no-wandb",
+            "--zero-stage", "2", "--colocate", *extra]
+
+
+def per_batch(out) -> dict[int, dict]:
+    """Global batch id -> its last record (a resumed run appends), over every rank's record file."""
+    got: dict[int, dict] = {}
+    for f in sorted((out / "records").glob("drafter*.jsonl")):
+        for rec in read_jsonl(f):
+            got[rec["batch_id"]] = rec
+    return got
+
+
+def export_weights(out, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "checkpoints" / f"step_{step:08d}" / "export" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def colocated(setup, tmp_path_factory):
+    """torchrun --nproc_per_node 2 ... --colocate: 20 steps, checkpoints at 10 and 20."""
+    out = tmp_path_factory.mktemp("colocated")
+    r = torchrun(2, args_for(setup, out), cwd=out)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return out, r
+
+
+def test_two_colocated_ranks_train_the_disaggregated_runs_batches(colocated, reference):
+    out, r = colocated
+    ref_out, _ = reference
+    assert "2 colocated rank(s): each runs the target forward and trains the drafter" in r.stdout
+    got, want = per_batch(out), per_batch(ref_out)
+    assert sorted(got) == sorted(want) == list(range(2 * STEPS))
+    for b, rec in want.items():
+        assert got[b]["step"] == rec["step"] and got[b]["micro"] == rec["micro"], b
+        assert abs(got[b]["loss"] - rec["loss"]) < 1e-4, (b, got[b], rec)
+        assert got[b]["target_rank"] == b % 2  # each rank ran the target on its own batch
+    for mine, theirs in zip(read_jsonl(out / "metrics.jsonl"), read_jsonl(ref_out / "metrics.jsonl")):
+        assert mine["step"] == theirs["step"] and abs(mine["loss"] - theirs["loss"]) < 1e-4
+        assert mine["label_positions"] == theirs["label_positions"]
+    # Checkpoints and the export: the same shape and format, the same weights as the disaggregated run's.
+    for step in (10, 20):
+        state = json.loads((out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
+        assert (state["step"], state["num_drafters"], state["global_batch"], state["colocated"]) == (step, 2, 2, True)
+    ref_ck = ref_out / "checkpoints" / "step_00000020" / "export"
+    assert json.loads((out / "checkpoints/step_00000020/export/config.json").read_text()) == \
+        json.loads((ref_ck / "config.json").read_text())
+    mine, theirs = export_weights(out, 20), export_weights(ref_out, 20)
+    assert mine.keys() == theirs.keys()
+    assert max((mine[k] - theirs[k]).abs().max().item() for k in mine) < 1e-5
+
+
+def test_colocated_resume_under_the_deepspeed_launcher_is_bit_exact(setup, colocated, tmp_path):
+    """The step-10 checkpoint, resumed by `deepspeed --hostfile` on 2 colocated ranks: steps 10-19 and the
+    step-20 export equal the uninterrupted colocated run's exactly."""
+    out, _ = colocated
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step_00000010", ckpts / "step_00000010")
+    (ckpts / "latest").write_text("step_00000010\n")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
+           "--node_rank", "0", "--num_nodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           "--module", "dflash_ds.train", *args_for(setup, run, "--resume", "auto")]
+    r = run_bounded(cmd, 360, env=env_for_children(), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "resuming from" in r.stdout and "step_00000010 at step 10" in r.stdout, r.stdout[-2000:]
+    got, want = per_batch(run), per_batch(out)
+    assert sorted(got) == [b for b in sorted(want) if want[b]["step"] >= 10]
+    for b, rec in got.items():
+        assert (rec["step"], rec["loss"]) == (want[b]["step"], want[b]["loss"]), b  # bit for bit
+    mine, theirs = export_weights(run, 20), export_weights(out, 20)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_one_colocated_rank_sigterm_resume_export_eval(setup, reference, tmp_path):
+    """One rank (--nproc_per_node 1) accumulating the reference's global batch of 2, with the target forward
+    overlapped on a side thread: SIGTERM at step 7 -> checkpoint step 8, exit 75; --resume auto -> the
+    reference's 40 batches at the reference's steps, losses within 1e-4; the export evaluates losslessly."""
+    from dflash_ds.cli import main
+
+    ref_out, _ = reference
+    target, data = setup
+    extra = ["--global-batch", "2", "--topology.colocate_overlap", "true"]
+    r1 = torchrun(1, args_for(setup, tmp_path, *extra), env={"DFLASH_FAULT_RANK": "0", "DFLASH_FAULT_TERM_AT": "7"},
+                  timeout=300, cwd=tmp_path)
+    assert r1.returncode != 0 and "exitcode  : 75" in r1.stderr, r1.stdout[-2000:] + r1.stderr[-4000:]
+    assert "stop requested (SIGTERM on rank 0): checkpoint at step 8" in r1.stdout, r1.stdout[-2000:]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+    r2 = torchrun(1, args_for(setup, tmp_path, "--resume", "auto", "--topology.colocate_overlap", "true"),
+                  timeout=300, cwd=tmp_path)
+    assert r2.returncode == 0, r2.stdout[-2000:] + r2.stderr[-4000:]
+    assert "1 colocated rank(s)" in r2.stdout and "global batch 2 = 1 x 2" in r2.stdout
+    got, want = per_batch(tmp_path), per_batch(ref_out)
+    assert sorted(got) == sorted(want)
+    for b, rec in want.items():
+        assert (got[b]["step"], got[b]["micro"]) == (rec["step"], b % 2), b
+        assert abs(got[b]["loss"] - rec["loss"]) < 1e-4, (b, got[b], rec)
+    export = tmp_path / "checkpoints" / "step_00000020" / "export"
+    result = tmp_path / "eval.json"
+    assert main(["eval", "--target", str(target), "--drafter", str(export), "--data", str(data), "--num-prompts", "2",
+                 "--max-new-tokens", "8", "--json", str(result), "--device", "cpu"]) == 0
+    res = json.loads(result.read_text())
+    assert res["lossless_checked"] and res["mismatches"] == [] and res["num_prompts"] == 2
+
+
+def test_lost_colocated_rank_is_named(setup, tmp_path):
+    r = torchrun(2, args_for(setup, tmp_path, "--train.timeout_s", "20", "--train.heartbeat_timeout_s", "10"),
+                 env={"DFLASH_FAULT_RANK": "1", "DFLASH_FAULT_KILL_AT": "6"}, timeout=300, cwd=tmp_path)
+    assert r.returncode != 0
+    assert "lost rank 1 (colocated 1)" in r.stderr, r.stderr[-4000:]
