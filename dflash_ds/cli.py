@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("dflash_ds.report", "PNG plots and a text summary from a run's metrics.jsonl"),
     "check-hostfile": ("dflash_ds.check_hostfile", "validate a deepspeed hostfile (HOST slots=N lines) before launching"),
     "ckpt": ("dflash_ds.ckpt_cli", "inspect a checkpoint: step, drafter count, global batch, where it can resume"),
-    "plan": ("dflash_ds.plan_capacity", "recommend target/drafter ranks, bytes per token and link bandwidth"),
+    "plan": ("dflash_ds.plan_capacity", "colocated or disaggregated (which target/drafter ranks), bytes per token and link bandwidth"),
 }
 
 

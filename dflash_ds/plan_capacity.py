@@ -70,8 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target parameters in billions; weight bytes = this x 1e9 x --dtype-bytes "
                              "(default: the size of --target's safetensors)")
     parser.add_argument("--drafter-memory-gb", type=float, default=None,
-                        help="drafter training memory per GPU in GB, as `dflash-ds bench memory` measures it "
-                             "(default: bench memory's model at bf16, checkpointing, ZeRO over all colocated GPUs)")
+                        help="drafter training memory per GPU in GB, as `dflash-ds bench memory` measures it (its "
+                             "total also counts the embedding + LM head and four payloads: an upper bound here); "
+                             "default: bench memory's model at bf16, checkpointing, ZeRO over all colocated GPUs")
     parser.add_argument("--token-budget", type=int, default=DataConfig.token_budget,
                         help=f"tokens per micro-batch of the drafter memory estimate (data.token_budget, default "
                              f"{DataConfig.token_budget})")
@@ -145,8 +146,8 @@ def drafter_memory(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: 
     """Per-GPU drafter training bytes: bench memory's model at the GPU settings, ZeRO over `ranks`, no bridge.
 
     Colocated, the context comes from this GPU's own target forward: one captured batch alive (the
-    disaggregated drafter keeps four received payloads). The frozen embedding and LM head are a copy
-    of their own beside the target's, as the colocated bench builds them (`load_target_head`).
+    disaggregated drafter keeps four received payloads), and the frozen embedding and LM head are
+    the target's own tensors (`runtime/colocated.frozen_head`), counted in its weights, not here.
     """
     if args.drafter_memory_gb is not None:
         return {"bytes": args.drafter_memory_gb * GB, "source": "--drafter-memory-gb", "terms": {}}
@@ -170,7 +171,7 @@ def drafter_memory(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: 
     micro = mm.micro_step_terms(shape, step, param_grads=False)
     phase = max(mm.PHASES, key=lambda ph: sum(micro[ph].values()))
     static = mm.static_terms(shape, args.token_budget, args.zero_stage, ranks, kl=kl, payloads_alive=1)
-    terms = {k: v for k, v in static.items() if k != "payload_buffers"}
+    terms = {k: v for k, v in static.items() if k not in ("payload_buffers", "frozen_embed_head")}
     terms["captured_batch"] = static["payload_buffers"]
     terms[f"micro_step_peak_{phase}"] = sum(micro["held"].values()) + sum(micro[phase].values())
     return {"bytes": sum(terms.values()), "terms": terms, "params": mm.drafter_params(shape),

@@ -31,7 +31,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "pipeline": (
         "dflash_ds.bench.pipeline",
-        "target and drafter capacity, the real pipeline's tokens/s, and a colocated baseline",
+        "target and drafter capacity, the real pipeline's tokens/s, and the colocated trainer's",
     ),
     "zero": (
         "dflash_ds.bench.zero",

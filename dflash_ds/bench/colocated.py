@@ -1,96 +1,71 @@
-"""`bench pipeline`'s colocated baselines: target forward then drafter step in series on every rank.
+"""`bench pipeline`'s colocated phases: the colocated trainer itself (`--colocate`) on the bench's ranks.
 
-(d) runs one child process per rank, data-parallel over all of them; (d') one child alone on
-rank 0. A child joins a fresh process group of its own on the job's TCPStore: the job's default
-groups are role-local (DeepSpeed sees only drafters there), and a fresh process keeps
-DeepSpeed's global state its own. Run as `python -m dflash_ds.bench.colocated` by
-`run_colocated`, with its rank and phase in the environment.
+(d) runs the trainer colocated on every rank of the job, (d') on rank 0 alone (the others idle).
+Each runs in a child process per rank that joins a fresh job of its own (MASTER_PORT moved up
+by a phase's offset, so its store and groups are its own): the bench's default groups are
+role-local, and a fresh process keeps DeepSpeed's global state to itself. The child is
+`run_job` with topology.colocate, writing metrics.jsonl to `<scratch>/colocated_<phase>`; its
+tokens/s is read from those records as (c)'s are. Started as `python -m dflash_ds.bench.colocated`
+by `run_colocated`, its rank and phase in the environment.
+
+Batches: the colocated job's global batch is its rank count W (one batch per rank and step), so
+it runs ceil(steps x D / W) steps, logging every ceil(warmup x D / W): the same stream of batches
+as the pipeline's steps x D, cut into steps of W (with W = 1, (d'), exactly the pipeline's batches).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from dflash_ds.bench.stages import capture, make_engine, put, timed, train_step
+# MASTER_PORT of each phase's child job, above the bench's own (its store is at +1, role groups +2/+3);
+# the child's store and groups sit at +1..+3 above that.
+PHASE_PORT_OFFSET = {"d": 5, "s": 9}
 
-STORE_PORT_OFFSET = 1  # topology's shared TCPStore
-COLOCATED_PORT_OFFSET = 5  # MASTER_PORT seen by the colocated children (a rendezvous port of their own)
+
+def phase_steps(steps: int, warmup: int, drafters: int, world: int) -> tuple[int, int]:
+    """(steps, log interval = warm-up steps) of a colocated job on `world` ranks covering steps x drafters batches."""
+    return -(-steps * drafters // world), -(-warmup * drafters // world)
 
 
-def run_colocated(ctx, env, cfg, args, phase: str, world: int) -> None:
-    """(d) or (d'): one child process per rank below `world`; they meet on the shared store in a fresh group."""
+def run_colocated(ctx, env, cfg, args, phase: str, world: int, out: Path) -> Path:
+    """(d) or (d'): the colocated trainer on the ranks below `world`; returns its run folder."""
     from dataclasses import asdict
 
+    steps, warmup = phase_steps(args.steps, args.warmup_steps, ctx.layout.num_drafters, world)
+    run_dir = out / f"colocated_{phase}"
+    child = asdict(cfg)
+    child["topology"].update({"colocate": True, "colocate_overlap": bool(args.colocate_overlap)})
+    child["train"].update({"output_dir": str(run_dir), "max_steps": steps, "log_interval": warmup,
+                           "global_batch": world})
     child_env = dict(os.environ, RANK=str(ctx.global_rank), WORLD_SIZE=str(world),
-                     LOCAL_RANK=str(env.local_rank), LOCAL_SIZE=str(env.local_world_size or ctx.layout.world_size),
-                     MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port + COLOCATED_PORT_OFFSET),
-                     DFLASH_BENCH_STORE=f"{env.master_addr}:{env.master_port + STORE_PORT_OFFSET}",
-                     DFLASH_BENCH_CONFIG=json.dumps(asdict(cfg)),
-                     DFLASH_BENCH_PHASE=json.dumps({"name": phase, "steps": args.steps, "warmup": args.warmup_steps,
-                                                    "drafters": ctx.layout.num_drafters,
-                                                    "timeout_s": args.timeout_s}))
-    child_env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+                     LOCAL_RANK=str(env.local_rank), LOCAL_WORLD_SIZE=str(min(world, env.local_world_size or world)),
+                     MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port + PHASE_PORT_OFFSET[phase]),
+                     DFLASH_BENCH_CONFIG=json.dumps(child))
+    for key in ("TORCHELASTIC_USE_AGENT_STORE", "LOCAL_SIZE"):
+        child_env.pop(key, None)
     proc = subprocess.run([sys.executable, "-m", "dflash_ds.bench.colocated"], env=child_env, stdout=sys.stderr,
                           timeout=args.timeout_s * 2)
     if proc.returncode != 0:
         from dflash_ds.errors import DFlashError
 
-        raise DFlashError(f"colocated baseline ({phase}) failed on rank {ctx.global_rank} (exit {proc.returncode})")
+        raise DFlashError(f"colocated phase ({phase}) failed on rank {ctx.global_rank} (exit {proc.returncode})")
+    return run_dir
 
 
 def colocated_child() -> int:
-    """Body of one colocated worker: target forward then drafter step, DP over every rank."""
-    import datetime
-
+    """One rank of the colocated trainer, one thread per rank on CPU as in the bench's other phases."""
     import torch
-    import torch.distributed as dist
 
     from dflash_ds.config import load_config
-    from dflash_ds.data.batching import Cursor
-    from dflash_ds.models.target import load_target
-    from dflash_ds.runtime.plan import load_batch, open_data, resolve_arch, torch_dtype
+    from dflash_ds.runtime.launch import run_job
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    phase = json.loads(os.environ["DFLASH_BENCH_PHASE"])
-    cfg = load_config(None, json.loads(os.environ["DFLASH_BENCH_CONFIG"]))
-    addr, port = os.environ["DFLASH_BENCH_STORE"].rsplit(":", 1)
-    timeout = datetime.timedelta(seconds=phase["timeout_s"])
-    cuda = torch.cuda.is_available()
-    if not cuda:
+    if not torch.cuda.is_available():
         torch.set_num_threads(1)
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout)
-    from dflash_ds.distributed.topology import role_backend
-
-    dist.init_process_group(role_backend(cuda), store=dist.PrefixStore(f"bench/pipeline/colocated/{phase['name']}",
-                                                                              store),
-                            rank=rank, world_size=world, timeout=timeout)
-    arch, dtype = resolve_arch(cfg), torch_dtype(cfg, cuda)
-    target = load_target(cfg.target, dtype=dtype, device=device)
-    engine = make_engine(cfg, dtype)
-    data = open_data(cfg, world, arch.vocab_size)
-    # The same global batch stream as the pipeline's first steps x drafters batches, `world` per step.
-    n_steps = -(-phase["steps"] * phase["drafters"] // world)
-    warmup = -(-phase["warmup"] * phase["drafters"] // world)
-    mine = [(k, specs[rank]) for k, (_, specs) in zip(range(n_steps), data.steps(Cursor(0, 0)))]
-    loaded = [(k, spec, load_batch(data.dataset, spec)) for k, spec in mine]  # loading is not timed, as in (a)
-
-    def forward_then_step(k: int, batch: dict) -> None:
-        """What a colocated worker does per batch."""
-        train_step(engine, cfg, capture(target, batch, arch, device, cfg.loss.kl_weight > 0), k * world + rank, k, dtype)
-
-    work = [(k, spec.real_tokens, functools.partial(forward_then_step, k, batch)) for k, spec, batch in loaded]
-    put(store, f"bench/pipeline/{phase['name']}/{rank}", timed(work, warmup, device))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
+    return run_job(load_config(None, json.loads(os.environ["DFLASH_BENCH_CONFIG"])))
 
 
 if __name__ == "__main__":  # a child started by run_colocated

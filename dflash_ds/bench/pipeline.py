@@ -4,11 +4,11 @@ Launched like training (`torchrun --nproc_per_node N -m dflash_ds bench pipeline
 --data D`), with training's layout (drafters first, targets last; rank 0 prints). One job, the
 same ranks and the same global batch stream for five measurements, in this order:
 
-(d) colocated: every rank is a colocated worker running the target forward and then the
-    drafter step in series, one DeepSpeed engine data-parallel over all ranks, as colocated
-    trainers do, in child processes (`bench/colocated.py`) before the parent loads any model.
-(d') serial: one colocated worker alone on rank 0 (the other ranks idle), the same work in
-    series on one rank: what overlapping the two stages gains, on world-size times the ranks.
+(d) colocated: the colocated trainer itself (`--colocate`: every rank runs the target forward and
+    then the drafter step, one DeepSpeed engine data-parallel over all ranks) on every rank, in
+    child processes (`bench/colocated.py`) before the parent loads any model.
+(d') serial: the colocated trainer on rank 0 alone (the other ranks idle): both stages in series
+    on one rank, what overlapping them gains, on world-size times the ranks.
 (a) target capacity: each target rank runs forward + capture of the batches routed to it.
 (b) drafter capacity: each drafter rank runs the DeepSpeed step on the states of its batches,
     captured by an untimed pass of the targets and held in memory.
@@ -56,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=5, help="first steps of every phase left out of the timing")
     parser.add_argument("--num-target-ranks", type=int, default=None, help="target ranks (the last ones)")
     parser.add_argument("--output-dir", default="", help="scratch folder of phase (c) (default: a temporary one, removed)")
-    parser.add_argument("--no-colocated", action="store_true", help="skip the colocated baseline (d)")
+    parser.add_argument("--no-colocated", action="store_true", help="skip the colocated phases (d) and (d')")
+    parser.add_argument("--colocate-overlap", action="store_true",
+                        help="run (d) and (d') with topology.colocate_overlap (the next batch's target forward on "
+                             "a side thread / CUDA stream during the drafter step)")
     parser.add_argument("--concurrent", action="store_true",
                         help="time (a) and (b) at the same time, every rank kept busy until all are done "
                              "(default: one after the other, the other ranks idle)")
@@ -188,6 +191,16 @@ def _pipeline_rate(out: Path, warmup: int) -> dict[str, Any]:
             "loss_first": records[0]["loss"], "loss_last": records[-1]["loss"]}
 
 
+def _colocated_rate(out: Path, phase: str, args, drafters: int, world: int) -> dict[str, Any]:
+    """(d) / (d') from the colocated trainer's metrics.jsonl, as (c)'s."""
+    from dflash_ds.bench.colocated import phase_steps
+
+    _, warmup = phase_steps(args.steps, args.warmup_steps, drafters, world)
+    rate = _pipeline_rate(out / f"colocated_{phase}", warmup)
+    return {**rate, "ranks": world, "tok_per_s_per_rank": rate["tok_per_s"] / world,
+            "overlap": bool(args.colocate_overlap)}
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of `dflash-ds bench pipeline` (one process per rank)."""
     import torch
@@ -226,10 +239,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_colocated:
             from dflash_ds.bench.colocated import run_colocated
 
-            run_colocated(ctx, env, cfg, args, "d", world)  # DP over every rank
+            run_colocated(ctx, env, cfg, args, "d", world, out)  # DP over every rank
             store_barrier(ctx.store, "bench/pipeline/serial", world, args.timeout_s)
-            if lead:  # one worker alone, the other ranks idle: both stages in series on one device
-                run_colocated(ctx, env, cfg, args, "s", 1)
+            if lead:  # one colocated rank alone, the others idle: both stages in series on one device
+                run_colocated(ctx, env, cfg, args, "s", 1, out)
         store_barrier(ctx.store, "bench/pipeline/a", world, args.timeout_s)
         wall["d"] = time.perf_counter()
         work, captured = _target_work(ctx, cfg, data, batches) if ctx.is_target else ([], [])
@@ -281,9 +294,8 @@ def _result(ctx, cfg, args, arch, out: Path) -> dict[str, Any]:
     b = _gather(ctx.store, "bench/pipeline/b", lay.drafter_ranks, w)
     c = _pipeline_rate(out, args.warmup_steps)
     c["tok_per_s_per_rank"] = c["tok_per_s"] / lay.world_size
-    d = None if args.no_colocated else _gather(ctx.store, "bench/pipeline/d", list(range(lay.world_size)),
-                                                max(1, w * lay.num_drafters // lay.world_size))
-    serial = None if args.no_colocated else _gather(ctx.store, "bench/pipeline/s", [0], max(1, w * lay.num_drafters))
+    d = None if args.no_colocated else _colocated_rate(out, "d", args, lay.num_drafters, lay.world_size)
+    serial = None if args.no_colocated else _colocated_rate(out, "s", args, lay.num_drafters, 1)
     import torch
 
     from dflash_ds.models.target import read_target_config
@@ -317,9 +329,9 @@ def _print(r: dict[str, Any]) -> None:
             ["(b) drafter capacity (step from memory)", r["drafter_capacity"], f"{c['num_drafter_ranks']} drafter"],
             ["(c) pipeline (the trainer)", r["pipeline"], f"{c['num_target_ranks']}+{c['num_drafter_ranks']}"]]
     if r["colocated"]:
-        rows.append(["(d) colocated, target then step, DP", r["colocated"], f"{r['colocated']['ranks']} colocated"])
+        rows.append(["(d) colocated trainer (--colocate), DP", r["colocated"], f"{r['colocated']['ranks']} colocated"])
     if r.get("colocated_serial"):
-        rows.append(["(d') one colocated worker alone (serial)", r["colocated_serial"], "1 colocated"])
+        rows.append(["(d') one colocated rank alone (serial)", r["colocated_serial"], "1 colocated"])
     table = [[name, ranks, f"{x['tok_per_s']:,.0f}", f"{x['tok_per_s_per_rank']:,.0f}", f"{x['tok_per_s_median']:,.0f}",
               f"{x['tokens']:,}", f"{x['seconds']:.2f}"] for name, x, ranks in rows]
     print_table(f"bench pipeline: target {c['target_layers']} layers, drafter {c['drafter_layers']} layers, "

@@ -1,7 +1,7 @@
 """The per-batch work every `bench pipeline` phase times: target forward + capture, one drafter step.
 
-Shared by the pipeline's own phases (`bench/pipeline.py`) and the colocated baselines
-(`bench/colocated.py`), so that all of them time exactly the same work.
+Used by the pipeline's capacity phases (a) and (b) (`bench/pipeline.py`), so that both time
+exactly the work the trainer does per batch.
 """
 
 from __future__ import annotations

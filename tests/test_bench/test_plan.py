@@ -1,4 +1,4 @@
-"""`dflash-ds plan`: the split and the wire arithmetic, checked by hand (pure, in-process)."""
+"""`dflash-ds plan`: the split, the wire arithmetic and colocated vs disaggregated, checked by hand (pure, in-process)."""
 
 from __future__ import annotations
 
@@ -64,9 +64,10 @@ def test_text_report_and_errors(capsys) -> None:
 GB = 1e9
 
 
-def drafter_bytes_by_hand(h: int, i: int, nh: int, nkv: int, d: int, v: int, ranks: int) -> dict[str, float]:
+def drafter_bytes_by_hand(h: int, i: int, nh: int, nkv: int, d: int, ranks: int) -> dict[str, float]:
     """docs/MEMORY.md's terms at the defaults (5 layers, 16,384 tokens, 2,048 anchors x 16, bf16, checkpointing,
-    flex, ZeRO-2, KL on), with one captured batch alive (colocated: no bridge)."""
+    flex, ZeRO-2, KL on), with one captured batch alive (colocated: no bridge) and no embedding + LM head (colocated:
+    the target's own, in its weights)."""
     q, kv, b = nh * d, nkv * d, 2
     layer = h * q + 2 * h * kv + q * h + 2 * d + 3 * h * i + 2 * h
     psi = 5 * layer + 5 * h * h + 2 * h
@@ -74,12 +75,12 @@ def drafter_bytes_by_hand(h: int, i: int, nh: int, nkv: int, d: int, v: int, ran
     a_tok = 2 * h * (4 + 2 * b) + (q + kv) * (4 + 3 * b) + 4 * b * i + 4 * nh
     held = 2 * (t + c) * d * b + c * h * (4 + 2 * b) + t * h * b + 4 * t * h * b  # RoPE, context, embeddings, inputs
     backward = t * b * (i + 2.5 * h) + c * h * b + t * a_tok + c * nkv * d * (4 + 3 * b)  # last layer's backward
-    return {"model_states": 2 * psi + 14 * psi / ranks, "frozen": 2 * v * h * 2, "captured": c * 6 * h * 2,
+    return {"model_states": 2 * psi + 14 * psi / ranks, "captured": c * 6 * h * 2,
             "micro": held + backward, "psi": psi}
 
 
-QWEN3_8B_SHAPE = (4096, 12288, 32, 8, 128, 151936)
-QWEN36_27B_SHAPE = (5120, 17408, 24, 4, 256, 248320)
+QWEN3_8B_SHAPE = (4096, 12288, 32, 8, 128)  # H, I, nh, nkv, d
+QWEN36_27B_SHAPE = (5120, 17408, 24, 4, 256)
 
 
 def test_hand_memory_matches_memory_md() -> None:
@@ -100,11 +101,11 @@ def test_qwen3_8b_colocated_wins(capsys) -> None:
     assert (dis["target_ranks"], dis["drafter_ranks"], dis["tok_per_s"]) == (1, 3, min(28000, 3 * 7000))
     assert dis["tok_per_s_per_gpu"] == pytest.approx(21000 / 4)
     hand = drafter_bytes_by_hand(*QWEN3_8B_SHAPE, ranks=4)  # ZeRO over all 4 colocated GPUs
-    drafter = hand["model_states"] + hand["frozen"] + hand["captured"] + hand["micro"]
+    drafter = hand["model_states"] + hand["captured"] + hand["micro"]
     assert mem["target_bytes"] == pytest.approx(8.2e9 * 2)
     assert mem["drafter_bytes"] == pytest.approx(drafter)
-    assert mem["total_bytes"] == pytest.approx(16.4e9 + drafter + 8e9) and mem["total_bytes"] / GB == pytest.approx(44.2, abs=0.05)
-    assert mem["fits"] is True
+    assert mem["total_bytes"] == pytest.approx(16.4e9 + drafter + 8e9) and mem["total_bytes"] / GB == pytest.approx(41.71, abs=0.005)
+    assert mem["fits"] is True and "frozen_embed_head" not in mem["drafter"]["terms"]  # shared with the target
     assert p["choice"]["mode"] == "colocated" and "6.7% faster" in p["choice"]["reason"]  # 22,400 / 21,000
     assert p["split"]["best"]["target_ranks"] == 1  # the existing keys are still there
 
@@ -118,9 +119,9 @@ def test_qwen36_27b_does_not_fit(capsys) -> None:
     assert c["tok_per_s"] == pytest.approx(4 / (1 / 9000 + 1 / 5000))  # 12,857: more than the split...
     assert (dis["target_ranks"], dis["drafter_ranks"], dis["tok_per_s"]) == (2, 2, min(2 * 9000, 2 * 5000))
     hand = drafter_bytes_by_hand(*QWEN36_27B_SHAPE, ranks=4)
-    drafter = hand["model_states"] + hand["frozen"] + hand["captured"] + hand["micro"]
+    drafter = hand["model_states"] + hand["captured"] + hand["micro"]
     assert mem["target_bytes"] == pytest.approx(54e9) and mem["drafter_bytes"] == pytest.approx(drafter)
-    assert mem["total_bytes"] == pytest.approx(54e9 + drafter + 8e9) and mem["total_bytes"] > 80e9  # ...but 92.5 GB
+    assert mem["total_bytes"] == pytest.approx(54e9 + drafter + 8e9) and mem["total_bytes"] > 80e9  # ...but 87.4 GB
     assert mem["fits"] is False
     assert p["choice"]["mode"] == "disaggregated"
     assert f"target 54.00 GB + drafter {drafter / GB:.2f} GB + headroom 8.00 GB" in p["choice"]["reason"]
@@ -134,7 +135,7 @@ def test_one_gpu_is_colocated_only(capsys) -> None:
     hand = drafter_bytes_by_hand(*QWEN3_8B_SHAPE, ranks=1)
     assert hand["model_states"] == 16 * hand["psi"]  # ZeRO-2 on one rank partitions nothing
     assert p["colocated"]["memory"]["drafter_bytes"] == pytest.approx(
-        hand["model_states"] + hand["frozen"] + hand["captured"] + hand["micro"])
+        hand["model_states"] + hand["captured"] + hand["micro"])
     assert p["choice"] == {"mode": "colocated", "reason": "the only mode with 1 GPU per node"}
     assert main(["plan", "--gpus", "1"]) == 0  # no rates, no target size: said, not an error
     assert "disaggregated: impossible" in capsys.readouterr().out
@@ -144,7 +145,7 @@ def test_one_gpu_too_small_is_an_error(capsys) -> None:
     assert main(["plan", "--gpus", "1", "--preset", "qwen3.6-27b", "--target-params-b", "27"]) == 2
     err = capsys.readouterr().err
     hand = drafter_bytes_by_hand(*QWEN36_27B_SHAPE, ranks=1)
-    drafter = hand["model_states"] + hand["frozen"] + hand["captured"] + hand["micro"]
+    drafter = hand["model_states"] + hand["captured"] + hand["micro"]
     assert "cannot hold a target and a drafter" in err
     assert f"target 54.00 GB + drafter {drafter / GB:.2f} GB + headroom 8.00 GB = {(62e9 + drafter) / GB:.2f} GB" in err
     # Given a measured drafter memory instead of the estimate, and a bigger GPU, it fits.
@@ -202,7 +203,7 @@ def test_text_report_shows_the_colocated_arithmetic(capsys) -> None:
                  "--target-params-b", "8.2"]) == 0
     out = capsys.readouterr().out
     hand = drafter_bytes_by_hand(*QWEN3_8B_SHAPE, ranks=4)
-    drafter = hand["model_states"] + hand["frozen"] + hand["captured"] + hand["micro"]
+    drafter = hand["model_states"] + hand["captured"] + hand["micro"]
     assert "c = 1 / (1/a + 1/b) = 1 / (1/28,000 + 1/7,000) = 5,600 tok/s" in out
     assert "N x c = 4 x 5,600 = 22,400 tok/s" in out
     assert re.search(rf"model_states_zero2 +{hand['model_states'] / GB:.2f}\n", out)

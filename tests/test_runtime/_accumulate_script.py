@@ -3,6 +3,8 @@
 Engine A accumulates 2 micro-batches, the first dropped (`_accumulate(loss=None)`), the second
 with loss L; engine B (same init) takes one step on L / 2. Both must end with the same weights:
 the dropped micro-batch contributed exactly nothing and DeepSpeed stepped at the right boundary.
+Also (colocated): an engine built beside the loaded target shares the target's embedding and head
+tensors (no second copy) and trains to the same first-step weights as one built from the safetensors.
 Prints one JSON line for the test.
 """
 
@@ -47,9 +49,20 @@ b = _build(cfg, ctx, f32, 1, universal=False)
 same_init = max((p - q).abs().max().item() for p, q in zip(b.module.drafter.parameters(), init))
 _accumulate(b, _forward(b, b1, cfg, f32, 1, 0.0)[0].loss * 0.5, 1, b1, cfg, f32, 1)
 diff = max((p - q).abs().max().item() for p, q in zip(b.module.drafter.parameters(), after_a))
+b_after = [p.detach().clone() for p in b.module.drafter.parameters()]
 moved = max((p - q).abs().max().item() for p, q in zip(after_a, init))
 for x, g in ((b2, 2), (b3, 3)):  # the next step's boundary is where it should be
     _accumulate(a, _forward(a, x, cfg, f32, g, 0.0)[0].loss, 2, x, cfg, f32, g)
+from dflash_ds.models.target import load_target, target_parts  # noqa: E402
+
+tgt = load_target(target)
+c = _build(cfg, ctx, f32, 1, universal=False, target=tgt)
+parts = target_parts(tgt)
+shared = (c.module.embed_weight.data_ptr() == parts.embed.weight.data_ptr()
+          and (c.module.tied_head or c.module.head_weight.data_ptr() == parts.head.weight.data_ptr()))
+_accumulate(c, _forward(c, b1, cfg, f32, 1, 0.0)[0].loss * 0.5, 1, b1, cfg, f32, 1)
+colocated_diff = max((p - q).abs().max().item() for p, q in zip(c.module.drafter.parameters(), b_after))
 print(json.dumps({"diff": diff, "moved": moved, "same_init": same_init, "steps_after_first": steps_after_first,
-                  "steps_after_second": a.global_steps}), flush=True)
+                  "steps_after_second": a.global_steps, "colocated_shares_head": shared,
+                  "colocated_diff": colocated_diff}), flush=True)
 dist.destroy_process_group()

@@ -157,19 +157,33 @@ def test_checkpoint_that_cannot_be_split_fails_before_any_model(g4_zero2, capsys
     assert info["step"] == 4 and info["resume_on_drafters"]["2"] == "yes (shards as written)"
 
 
-def test_dropped_micro_batch_contributes_nothing(setup, tmp_path):
-    """With accumulation, a non-finite micro-batch is dropped from its step: the weights are those of a
-    step on the other micro-batch alone (at half weight), and DeepSpeed still steps at every boundary."""
+@pytest.fixture(scope="module")
+def in_process(setup, tmp_path_factory) -> dict:
+    """_accumulate_script.py's results: one process, world size 1, three engines."""
     import sys
 
     from proc_utils import run_bounded
     from runtime_utils import REPO, env_for_children
 
     target, _ = setup
+    tmp = tmp_path_factory.mktemp("in_process")
     r = run_bounded([sys.executable, str(REPO / "tests/test_runtime/_accumulate_script.py"), str(target),
-                     str(tmp_path / "pg"), COMMON[1]], 180, env=env_for_children(), cwd=tmp_path)
+                     str(tmp / "pg"), COMMON[1]], 180, env=env_for_children(), cwd=tmp)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_colocated_engine_shares_the_targets_head(in_process):
+    """Built beside the loaded target (--colocate), the engine holds the target's own embedding / head tensors
+    and its first step equals the one of an engine whose head was read from the safetensors."""
+    assert in_process["colocated_shares_head"] is True
+    assert in_process["colocated_diff"] == 0.0
+
+
+def test_dropped_micro_batch_contributes_nothing(in_process):
+    """With accumulation, a non-finite micro-batch is dropped from its step: the weights are those of a
+    step on the other micro-batch alone (at half weight), and DeepSpeed still steps at every boundary."""
+    got = in_process
     assert got["same_init"] == 0.0 and got["moved"] > 1e-4, got
     assert got["diff"] < 1e-6, got
     assert (got["steps_after_first"], got["steps_after_second"]) == (1, 2), got
