@@ -66,6 +66,10 @@ def config_from_args(argv: list[str]):
     if args.no_wandb:
         overrides.setdefault("wandb", {})["enabled"] = False
     if args.colocate:
+        if args.num_target_ranks is not None or args.targets_per_node is not None:
+            from dflash_ds.errors import DFlashError
+
+            raise DFlashError("--colocate runs the target on every rank: drop --num-target-ranks / --targets-per-node")
         overrides.setdefault("topology", {})["colocate"] = True
     from dflash_ds.config import parse_overrides
 

@@ -122,6 +122,8 @@ def install(bridge, device: torch.device):
         rank = os.environ.get("DFLASH_GLOBAL_RANK", os.environ.get("RANK", "0"))
         atexit.register(_write, out / f"rank{rank}.json", emulated)
         _state["installed"] = True
+    if bridge is None:  # colocated: no bridge, the role group's calls are still audited
+        return None
     return _AuditedBridge(bridge, device, backend_devices(BRIDGE_BACKENDS[emulated]))
 
 

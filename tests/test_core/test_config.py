@@ -54,6 +54,9 @@ def test_overrides_parse_and_apply(tmp_path):
     (["--train.zero_stage", "4"], "train.zero_stage = 4 must be 0, 1, 2 or 3"),
     (["--train.max_steps", "ten"], "train.max_steps = 'ten' must be an integer"),
     (["--data.max_length", "9000", "--data.token_budget", "4096"], "data.max_length = 9000 must be <="),
+    (["--topology.colocate", "true", "--topology.targets_per_node", "2"],
+     "topology.colocate = true runs the target on every rank: topology.targets_per_node = 2 cannot be combined"),
+    (["--topology.colocate_overlap", "true"], "topology.colocate_overlap = true needs topology.colocate = true"),
 ])
 def test_bad_config_errors_name_field(overrides, message):
     with pytest.raises(DFlashError) as err:

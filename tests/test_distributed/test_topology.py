@@ -69,6 +69,27 @@ def test_layout_must_cover_every_rank_once() -> None:
         make_layout(3, 1).role_of(3)
 
 
+def test_colocated_layout_every_rank_a_drafter_one_rank_enough() -> None:
+    from dflash_ds.config import load_config
+    from dflash_ds.runtime.launch import job_layout
+    from dflash_ds.train import config_from_args
+
+    cfg = config_from_args(["--colocate"])
+    assert cfg.topology.colocate
+    one, four = job_layout(cfg, 1, 1), job_layout(cfg, 4, 4)
+    assert (one.target_ranks, one.drafter_ranks, one.num_targets, one.num_drafters) == ([], [0], 0, 1)
+    assert four.drafter_ranks == [0, 1, 2, 3] and four.role_name(3) == "colocated"
+    assert four.local_rank_in_role(3) == 3 and four.role_of(3) == "drafter"  # the ZeRO group is every rank
+    assert four.describe().startswith("4 colocated rank(s)")
+    assert job_layout(load_config(None, {}), 3, 3).role_name(2) == "target"
+    with pytest.raises(DFlashError, match="--colocate runs the target on every rank: drop --num-target-ranks"):
+        config_from_args(["--colocate", "--num-target-ranks", "1"])
+    with pytest.raises(DFlashError, match="no target ranks of its own"):
+        Layout(2, [1], [0], colocated=True)
+    with pytest.raises(DFlashError, match="need at least one target and one drafter"):
+        Layout(2, [], [0, 1])
+
+
 def test_read_launch_env_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)

@@ -5,7 +5,7 @@ seed, ZeRO-2, 20 steps): a 2-rank colocated run trains the same global batches a
 with the same losses; its step-10 checkpoint resumed under the deepspeed launcher reproduces its
 own second half bit for bit; one colocated rank accumulating the reference's global batch of 2
 trains it too, through a SIGTERM (checkpoint, exit 75) and a resume, and its export evaluates
-losslessly; a killed rank is named.
+losslessly; the reference's own checkpoint resumes colocated, and a killed rank is named.
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ def export_weights(out, step: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def colocated(setup, tmp_path_factory):
-    """torchrun --nproc_per_node 2 ... --colocate: 20 steps, checkpoints at 10 and 20."""
+    """torchrun --nproc_per_node 2 ... --colocate: 20 steps, checkpoints at 10 and 20; every tensor handed to
+    torch.distributed audited as if the groups were the GPU ones (distributed/audit.py)."""
     out = tmp_path_factory.mktemp("colocated")
-    r = torchrun(2, args_for(setup, out), cwd=out)
+    r = torchrun(2, args_for(setup, out), cwd=out,
+                 env={"DFLASH_DIST_AUDIT": str(out / "audit"), "DFLASH_DIST_AUDIT_AS": "nccl"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return out, r
 
@@ -75,6 +77,16 @@ def test_two_colocated_ranks_train_the_disaggregated_runs_batches(colocated, ref
     mine, theirs = export_weights(out, 20), export_weights(ref_out, 20)
     assert mine.keys() == theirs.keys()
     assert max((mine[k] - theirs[k]).abs().max().item() for k in mine) < 1e-5
+
+
+def test_colocated_tensors_suit_the_gpu_groups(colocated):
+    out, _ = colocated
+    reports = {p.stem: json.loads(p.read_text()) for p in (out / "audit").glob("rank*.json")}
+    assert sorted(reports) == ["rank0", "rank1"]
+    for name, rep in reports.items():
+        assert rep["emulated_backend"] == "nccl" and rep["violations"] == [], (name, rep["violations"][:3])
+        assert "bridge/dflash_ds" not in rep["calls"]  # nothing crosses a bridge
+        assert rep["calls"].get("role/dflash_ds", 0) >= 20 + 4, rep["calls"]  # per-step flags + metric windows
 
 
 def test_colocated_resume_under_the_deepspeed_launcher_is_bit_exact(setup, colocated, tmp_path):
@@ -133,8 +145,21 @@ def test_one_colocated_rank_sigterm_resume_export_eval(setup, reference, tmp_pat
     assert res["lossless_checked"] and res["mismatches"] == [] and res["num_prompts"] == 2
 
 
-def test_lost_colocated_rank_is_named(setup, tmp_path):
+def test_disaggregated_checkpoint_resumes_colocated_and_a_lost_rank_is_named(setup, reference, tmp_path):
+    """The reference's (1 target + 2 drafters) step-10 checkpoint resumes on 2 colocated ranks: steps 10-13
+    train the reference's batches (losses within 1e-4); rank 1 is then SIGKILLed at step 14 and rank 0
+    names it and exits non-zero."""
+    ref_out, _ = reference
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    shutil.copytree(ref_out / "checkpoints" / "step_00000010", ckpts / "step_00000010")
+    (ckpts / "latest").write_text("step_00000010\n")
     r = torchrun(2, args_for(setup, tmp_path, "--train.timeout_s", "20", "--train.heartbeat_timeout_s", "10"),
-                 env={"DFLASH_FAULT_RANK": "1", "DFLASH_FAULT_KILL_AT": "6"}, timeout=300, cwd=tmp_path)
+                 env={"DFLASH_FAULT_RANK": "1", "DFLASH_FAULT_KILL_AT": "14"}, timeout=300, cwd=tmp_path)
     assert r.returncode != 0
     assert "lost rank 1 (colocated 1)" in r.stderr, r.stderr[-4000:]
+    got, want = per_batch(tmp_path), per_batch(ref_out)
+    trained = [b for b in sorted(want) if 10 <= want[b]["step"] < 14]
+    assert sorted(got) == trained == list(range(20, 28)), sorted(got)  # nothing of step 14 was recorded
+    for b in trained:
+        assert got[b]["step"] == want[b]["step"] and abs(got[b]["loss"] - want[b]["loss"]) < 1e-4, b
