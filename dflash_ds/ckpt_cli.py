@@ -53,7 +53,8 @@ def format_info(info: dict) -> str:
         f"checkpoint      {info['path']}",
         f"step            {info['step']} of {info['max_steps']}",
         f"data cursor     epoch {cur.get('epoch')}, batch {cur.get('batch_index')}",
-        f"drafter ranks   {info['num_drafters']}",
+        f"drafter ranks   {info['num_drafters']}" + (" (colocated: each also ran the target; resumes either way)"
+                                                     if info["colocated"] else ""),
         f"global batch    {info['global_batch']} micro-batches per step"
         + (f" ({info['micro_batches_per_drafter']} per drafter)" if info["micro_batches_per_drafter"] else ""),
         f"ZeRO stage      {info['zero_stage']}",

@@ -21,6 +21,7 @@ BS = 4  # block size of the oracle and random drafters
 NEW = 16  # generated tokens per run
 # Families whose cache holds state that cannot be cut back (linear attention, sliding windows).
 STATEFUL = {"qwen3_5", "qwen3_5_moe", "gpt_oss"}
+DISAGGREGATED_E2E = {"qwen3_5", "gpt_oss", "deepseek_v3"}  # 1 target + 1 drafter in the end-to-end test; the rest colocated
 
 
 @pytest.fixture(autouse=True)
@@ -156,7 +157,8 @@ S, F = "sliding_attention", "full_attention"
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_prepare_train_export_eval(family, tmp_path):
-    """prepare -> 1 target + 1 drafter rank, 2 steps (torchrun, gloo) -> export -> eval lossless at temperature 0.
+    """prepare -> 2 steps of training (torchrun, gloo: 1 target + 1 drafter rank for the hybrid, sliding and MLA
+    families, one colocated rank for the others) -> export -> eval lossless at temperature 0.
 
     The Qwen3.5/3.6 target trains the drafter layout of the released Qwen3.6 drafters (sliding-window
     layers + a full one; window 5 < block 8, so it cuts inside the block too): the export and the trainer
@@ -177,9 +179,14 @@ def test_family_prepare_train_export_eval(family, tmp_path):
     data = make_dataset(target, tmp_path / "prepared", n=12, max_length=128, block_size=8)
     out = tmp_path / "run"
     layout = ["--model.layer_types", f"[{S}, {F}]", "--model.sliding_window", "5"] if sliding else []
-    r = torchrun(2, ["--config", str(REPO / "configs/tiny.yaml"), "--target", str(target), "--data", str(data),
-                     "--output-dir", str(out), "--no-wandb", "--max-steps", "2", "--train.save_interval", "2",
-                     "--train.log_interval", "1", "--data.token_budget", "512", "--train.timeout_s", "90", *layout],
+    # Colocated (one rank runs the target and trains) for the families whose layers are all full attention;
+    # 1 target + 1 drafter for the hybrid, sliding and MLA ones, so both paths see the unusual targets.
+    colocated = family not in DISAGGREGATED_E2E
+    r = torchrun(1 if colocated else 2,
+                 ["--config", str(REPO / "configs/tiny.yaml"), "--target", str(target), "--data", str(data),
+                  "--output-dir", str(out), "--no-wandb", "--max-steps", "2", "--train.save_interval", "2",
+                  "--train.log_interval", "1", "--data.token_budget", "512", "--train.timeout_s", "90", *layout,
+                  *(["--colocate"] if colocated else [])],
                  timeout=240, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     ck = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()

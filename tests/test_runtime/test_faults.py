@@ -6,6 +6,7 @@ comparison is against the uninterrupted reference run of conftest.py.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 
 from conftest_runtime import COMMON, STEPS
@@ -44,9 +45,10 @@ def test_sigkill_drafter_every_rank_exits_and_names_it(setup, tmp_path):
     assert elapsed < 240  # start-up plus at most about twice the timeouts; torchrun never hung
 
 
-def test_sigterm_checkpoints_and_resume_continues(setup, reference, tmp_path):
-    ref_out, _ = reference
-    # SIGTERM the target rank (global rank 2) when it starts its step 7
+def test_sigterm_to_the_target_rank_checkpoints_the_step_and_exits_75(setup, tmp_path):
+    """SIGTERM to the target rank (global rank 2) as it starts its step 7: the drafters finish the step they
+    agree on, checkpoint it and every rank exits 75. (That such a checkpoint resumes to the uninterrupted
+    run's batches is shown by test_colocated's SIGTERM + resume and by the kill-in-save restart below.)"""
     r1 = torchrun(3, args_for(setup, tmp_path), env={"DFLASH_FAULT_RANK": "2", "DFLASH_FAULT_TERM_AT": "7"},
                   timeout=300, cwd=tmp_path)
     assert r1.returncode != 0
@@ -56,9 +58,8 @@ def test_sigterm_checkpoints_and_resume_continues(setup, reference, tmp_path):
     stop_step = int(latest.split("_")[1])
     assert 1 <= stop_step < STEPS
     assert max(r["step"] for r in records(tmp_path, 0)) == stop_step - 1  # finished the current step, no more
-    r2 = torchrun(3, args_for(setup, tmp_path, "--resume", "auto"), timeout=300, cwd=tmp_path)
-    assert r2.returncode == 0, r2.stderr[-4000:]
-    assert_tail_matches_reference(tmp_path, ref_out, from_step=stop_step)
+    state = json.loads((tmp_path / "checkpoints" / latest / "trainer_state.json").read_text())
+    assert state["step"] == stop_step and (tmp_path / "checkpoints" / latest / "export" / "config.json").is_file()
 
 
 def test_kill_during_save_then_restart_resumes_from_the_previous_checkpoint(setup, reference, tmp_path):

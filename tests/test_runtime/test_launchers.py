@@ -54,14 +54,27 @@ def test_deepspeed_launcher_with_hostfile(setup, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--num-target-ranks", "3"], "--num-target-ranks 3 leaves 0 drafter ranks in a world of 3"),
     (["--num-target-ranks", "5"], "--num-target-ranks 5 leaves 0 drafter ranks in a world of 3"),
     (["--ds-config", "/nonexistent/zero.json"], "--ds-config /nonexistent/zero.json does not exist"),
+    (["--colocate", "--targets-per-node", "1"], "--colocate runs the target on every rank"),
 ])
-def test_bad_layout_or_ds_config_fails_before_loading(setup, tmp_path, extra, message):
+def test_bad_layout_or_ds_config_is_one_error(setup, tmp_path, extra, message):
+    """What every rank checks before any group or model (`validate_job`), in process."""
+    from dflash_ds.errors import DFlashError
+    from dflash_ds.runtime.launch import validate_job
+    from dflash_ds.train import config_from_args
+
     target, data = setup
-    r = torchrun(3, [*SHORT, "--target", str(target), "--data", str(data), "--output-dir", str(tmp_path), *extra],
-                 timeout=120, cwd=tmp_path)
+    with pytest.raises(DFlashError) as err:
+        validate_job(config_from_args([*SHORT, "--target", str(target), "--data", str(data), *extra]), 3, 3)
+    assert message in str(err.value)
+
+
+def test_bad_layout_fails_on_every_rank_before_loading(setup, tmp_path):
+    target, data = setup
+    message = "--num-target-ranks 3 leaves 0 drafter ranks in a world of 3"
+    r = torchrun(3, [*SHORT, "--target", str(target), "--data", str(data), "--output-dir", str(tmp_path),
+                     "--num-target-ranks", "3"], timeout=120, cwd=tmp_path)
     assert r.returncode != 0
     errors = [line for line in r.stderr.splitlines() if "dflash-ds train (rank" in line]
     assert errors and all(message in line for line in errors), r.stderr[-3000:]
