@@ -12,24 +12,25 @@ Pure arithmetic, no GPU and no process group:
   it sustains c = 1 / (1/a + 1/b) tok/s (or the rate `bench pipeline` measured, phase (d)), N c
   on N GPUs, if the target's weights + the drafter's training memory + a headroom fit one GPU;
 - choice: the mode with more tokens/s (a tie keeps disaggregated: less memory per GPU).
+
+The colocated rate, its memory check and the choice live in `plan_colocated.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dflash_ds.config import DataConfig, DrafterConfig, LossConfig, TrainConfig
+from dflash_ds.config import DataConfig, TrainConfig
 from dflash_ds.errors import DFlashError
+from dflash_ds.plan_colocated import (PRESET_NAMES, choice_lines, choose, colocated_lines, colocated_memory,
+                                      colocated_option)
 
 QWEN3_8B = {"hidden": 4096, "vocab": 151936, "layers": 36}
 # The bridge carries input_ids and loss_mask as int64 (see target_worker): 8 + 8 bytes per token.
 ID_BYTES = 16
-GB = 1e9
-PRESET_NAMES = ("qwen3-8b", "qwen3.6-27b")  # bench/memory.py's PRESETS (imported only when needed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,83 +117,6 @@ def best_split(gpus: int, nodes: int, a: float, b: float) -> dict[str, Any]:
     return {"best": best, "options": options}
 
 
-def colocated_rate(a: float, b: float) -> float:
-    """Tokens/s of one GPU running a target forward (a tok/s alone) then a drafter step (b) in series."""
-    return 1.0 / (1.0 / a + 1.0 / b)
-
-
-def target_weight_bytes(args: argparse.Namespace) -> tuple[float | None, str]:
-    """The target's weight bytes and where they came from (None: unknown)."""
-    if args.target_params_b is not None:
-        return (args.target_params_b * 1e9 * args.dtype_bytes,
-                f"--target-params-b {args.target_params_b:g} x 1e9 x {args.dtype_bytes} B")
-    if not args.target:
-        return None, "unknown: give --target-params-b or --target"
-    folder = Path(args.target)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            return float(json.loads(index.read_text())["metadata"]["total_size"]), f"{index.name} metadata.total_size"
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # fall back to the files themselves
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        return None, f"unknown: {folder} has no *.safetensors; give --target-params-b"
-    return float(sum(f.stat().st_size for f in files)), f"sum of {len(files)} *.safetensors file sizes (as stored)"
-
-
-def drafter_memory(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: int, vocab: int, layers_read: int,
-                   ranks: int) -> dict[str, Any]:
-    """Per-GPU drafter training bytes: bench memory's model at the GPU settings, ZeRO over `ranks`, no bridge.
-
-    Colocated, the context comes from this GPU's own target forward: one captured batch alive (the
-    disaggregated drafter keeps four received payloads), and the frozen embedding and LM head are
-    the target's own tensors (`runtime/colocated.frozen_head`), counted in its weights, not here.
-    """
-    if args.drafter_memory_gb is not None:
-        return {"bytes": args.drafter_memory_gb * GB, "source": "--drafter-memory-gb", "terms": {}}
-    from dflash_ds.bench import memory as bm
-    from dflash_ds.bench import memory_model as mm
-
-    loss = LossConfig()
-    missing = [k for k in bm.SHAPE_FIELDS if k not in shape_cfg]
-    if missing:
-        return {"bytes": None, "source": f"unknown: the target config has no {missing[0]!r}; give --drafter-memory-gb",
-                "terms": {}}
-    shape = replace(bm.drafter_shape({**shape_cfg, "vocab_size": vocab}, hidden, args.drafter_layers,
-                                     DrafterConfig.block_size), num_read=layers_read)
-    kl = not args.no_last_hidden
-    step_args = argparse.Namespace(token_budget=args.token_budget,
-                                   seq_len=min(DataConfig.max_length, args.token_budget),
-                                   block_size=shape.block_size, num_anchors=loss.num_anchors,
-                                   max_anchors=loss.max_anchors_per_batch, chunk_blocks=loss.chunk_blocks,
-                                   kl_weight=1.0 if kl else 0.0)
-    step = bm.step_shape(step_args, dtype_bytes=2, checkpointing=True, dense=False, cuda=True)
-    micro = mm.micro_step_terms(shape, step, param_grads=False)
-    phase = max(mm.PHASES, key=lambda ph: sum(micro[ph].values()))
-    static = mm.static_terms(shape, args.token_budget, args.zero_stage, ranks, kl=kl, payloads_alive=1)
-    terms = {k: v for k, v in static.items() if k not in ("payload_buffers", "frozen_embed_head")}
-    terms["captured_batch"] = static["payload_buffers"]
-    terms[f"micro_step_peak_{phase}"] = sum(micro["held"].values()) + sum(micro[phase].values())
-    return {"bytes": sum(terms.values()), "terms": terms, "params": mm.drafter_params(shape),
-            "source": f"memory model: bf16, checkpointing, token budget {args.token_budget:,}, ZeRO-{args.zero_stage} "
-                      f"over {ranks} rank(s), KL {'on' if kl else 'off'}",
-            "shape": {"hidden": shape.hidden, "intermediate": shape.intermediate, "heads": shape.heads,
-                      "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "layers": shape.num_layers}}
-
-
-def colocated_memory(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: int, vocab: int,
-                     layers_read: int) -> dict[str, Any]:
-    """Does one GPU hold the target's weights, the drafter's training memory and the headroom?"""
-    target, target_source = target_weight_bytes(args)
-    drafter = drafter_memory(args, shape_cfg, hidden, vocab, layers_read, args.gpus)
-    headroom, limit = args.headroom_gb * GB, args.gpu_memory_gb * GB
-    total = None if target is None or drafter["bytes"] is None else target + drafter["bytes"] + headroom
-    return {"target_bytes": target, "target_source": target_source, "drafter_bytes": drafter["bytes"],
-            "drafter": drafter, "headroom_bytes": headroom, "gpu_bytes": limit, "total_bytes": total,
-            "fits": None if total is None else total <= limit}
-
-
 def _rates(args: argparse.Namespace) -> tuple[float | None, float | None, str, float | None]:
     """(a, b, their source, the colocated rate per rank that bench pipeline measured or None)."""
     if args.from_bench:
@@ -206,56 +130,6 @@ def _rates(args: argparse.Namespace) -> tuple[float | None, float | None, str, f
     if (args.target_tok_per_s is None) != (args.drafter_tok_per_s is None):
         raise DFlashError("give both --target-tok-per-s and --drafter-tok-per-s (or --from-bench)")
     return args.target_tok_per_s, args.drafter_tok_per_s, "given", None
-
-
-def _colocated(args: argparse.Namespace, a: float | None, b: float | None, measured: float | None,
-               memory: dict[str, Any]) -> dict[str, Any]:
-    """The colocated option: its rate per GPU (and where it comes from), total and memory."""
-    formula = colocated_rate(a, b) if a and b else None
-    if args.colocated_tok_per_s is not None:
-        c, source = args.colocated_tok_per_s, "--colocated-tok-per-s"
-    elif measured is not None:
-        c, source = measured, f"measured: bench pipeline (d), {args.from_bench}"
-    else:
-        c, source = formula, "1 / (1/a + 1/b)" if formula else None
-    if c is not None and c <= 0:
-        raise DFlashError("the colocated tokens/s must be > 0")
-    return {"tok_per_s_per_gpu": c, "tok_per_s": None if c is None else c * args.gpus, "rate_source": source,
-            "formula_tok_per_s_per_gpu": formula, "gpus": args.gpus, "memory": memory}
-
-
-def _unchecked(mem: dict[str, Any]) -> str:
-    """Why the colocated memory was not checked ('' when it was)."""
-    if mem["fits"] is not None:
-        return ""
-    return f" (memory not checked: {mem['target_source'] if mem['target_bytes'] is None else mem['drafter']['source']})"
-
-
-def choose(p: dict[str, Any]) -> dict[str, Any]:
-    """Colocated or disaggregated: more total tok/s wins; a tie or an unknown rate keeps disaggregated."""
-    col, dis, mem = p["colocated"], p["disaggregated"], p["colocated"]["memory"]
-    why_not_col = None
-    if mem["fits"] is False:
-        gb = {k: f"{mem[k] / GB:,.2f} GB" for k in ("target_bytes", "drafter_bytes", "headroom_bytes", "total_bytes",
-                                                    "gpu_bytes")}
-        why_not_col = (f"colocated does not fit one GPU: target {gb['target_bytes']} + drafter {gb['drafter_bytes']} + "
-                       f"headroom {gb['headroom_bytes']} = {gb['total_bytes']} > {gb['gpu_bytes']}")
-    if not dis["possible"]:
-        if why_not_col:
-            raise DFlashError(f"{p['gpus'] // p['nodes']} GPU per node cannot hold a target and a drafter rank, and "
-                              f"{why_not_col}: add GPUs, or lower the drafter's memory (--token-budget, ZeRO-3)")
-        return {"mode": "colocated", "reason": "the only mode with 1 GPU per node" + _unchecked(mem)}
-    if why_not_col:
-        return {"mode": "disaggregated", "reason": why_not_col}
-    if col["tok_per_s"] is None or dis["tok_per_s"] is None:
-        return {"mode": None, "reason": "no rates: give --target-tok-per-s and --drafter-tok-per-s (or --from-bench)"}
-    gain = col["tok_per_s"] / dis["tok_per_s"] - 1
-    if abs(gain) < 1e-9:  # N b / (a + b) whole: the split is exact and both modes give N ab / (a + b)
-        gain = 0.0
-    if gain > 0:
-        return {"mode": "colocated", "reason": f"colocated is {gain:.1%} faster" + _unchecked(mem)}
-    return {"mode": "disaggregated", "reason": f"disaggregated is {-gain:.1%} faster" if gain < 0 else
-            "equal tok/s: disaggregated kept (less memory per GPU)"}
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -308,7 +182,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     elif a is not None and (a <= 0 or b <= 0):
         raise DFlashError("target and drafter tokens/s must be > 0")
     out["disaggregated"] = dis
-    out["colocated"] = _colocated(args, a, b, measured, colocated_memory(args, shape_cfg, hidden, vocab, k))
+    out["colocated"] = colocated_option(args, a, b, measured, colocated_memory(args, shape_cfg, hidden, vocab, k))
     out["colocated"]["rates"] = {"a": a, "b": b, "source": rate_source if a is not None else None}
     out["choice"] = choose(out)
     return out
@@ -370,75 +244,9 @@ def _split_lines(p: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _split_flag(p: dict[str, Any]) -> str:
-    best = p["split"]["best"]
-    return (f"--num-target-ranks {best['target_ranks']}" if p["nodes"] == 1
-            else f"--targets-per-node {best['targets_per_node']}")
-
-
-def _num(x: float | None, fmt: str = "8.2f", scale: float = GB) -> str:
-    return "       ?" if x is None else format(x / scale, fmt)
-
-
-def _colocated_lines(p: dict[str, Any]) -> list[str]:
-    c, mem, r = p["colocated"], p["colocated"]["memory"], p["colocated"]["rates"]
-    n, d = c["gpus"], mem["drafter"]
-    lines = [f"colocated (--colocate): each of the {n} GPU(s) runs the target forward, then the drafter step, "
-             "in series (no overlap assumed):"]
-    if c["formula_tok_per_s_per_gpu"] is not None:
-        lines.append(f"  per GPU   c = 1 / (1/a + 1/b) = 1 / (1/{r['a']:,.0f} + 1/{r['b']:,.0f}) = "
-                     f"{c['formula_tok_per_s_per_gpu']:,.0f} tok/s")
-    if c["tok_per_s_per_gpu"] is None:
-        lines.append("  rate: give --target-tok-per-s and --drafter-tok-per-s, --colocated-tok-per-s or --from-bench")
-    else:
-        if c["rate_source"] != "1 / (1/a + 1/b)":
-            lines.append(f"  per GPU   c = {c['tok_per_s_per_gpu']:,.0f} tok/s ({c['rate_source']}), used in place of "
-                         "the formula")
-        lines.append(f"  total     N x c = {n} x {c['tok_per_s_per_gpu']:,.0f} = {c['tok_per_s']:,.0f} tok/s")
-    lines += [f"  memory per GPU (GB = 1e9 bytes), against {mem['gpu_bytes'] / GB:,.0f} GB:",
-              f"    target weights             {_num(mem['target_bytes'])}  ({mem['target_source']})",
-              f"    drafter training           {_num(d['bytes'])}  ({d['source']})"]
-    lines += [f"      {name:<24} {_num(v)}" for name, v in d["terms"].items()]
-    lines.append(f"    headroom                   {_num(mem['headroom_bytes'])}  (--headroom-gb)")
-    if mem["total_bytes"] is None:
-        lines.append("    total                      not checked (a term is unknown)")
-    else:
-        sign, verdict = ("<=", "fits") if mem["fits"] else (">", "does NOT fit")
-        lines.append(f"    total                      {_num(mem['target_bytes'], '.2f')} + {_num(d['bytes'], '.2f')} + "
-                     f"{_num(mem['headroom_bytes'], '.2f')} = {_num(mem['total_bytes'], '.2f')} GB {sign} "
-                     f"{_num(mem['gpu_bytes'], ',.0f')} GB: {verdict}")
-    return lines
-
-
-def _choice_lines(p: dict[str, Any]) -> list[str]:
-    ch, c, dis = p["choice"], p["colocated"], p["disaggregated"]
-    col = "n/a" if c["tok_per_s"] is None else f"{c['tok_per_s']:,.0f} tok/s ({c['tok_per_s_per_gpu']:,.0f} per GPU)"
-    if not dis["possible"]:
-        split = "impossible"
-    elif dis["tok_per_s"] is None:
-        split = "n/a"
-    else:
-        split = (f"{dis['tok_per_s']:,.0f} tok/s ({dis['tok_per_s_per_gpu']:,.0f} per GPU, {dis['target_ranks']} "
-                 f"target + {dis['drafter_ranks']} drafter)")
-    lines = [f"colocated {col} vs disaggregated {split}"]
-    if ch["mode"] == "colocated":
-        expected = "" if c["tok_per_s"] is None else f", expected {c['tok_per_s']:,.0f} tok/s"
-        lines.append(f"recommended: --colocate on {p['gpus']} GPU(s){expected}: {ch['reason']}")
-    elif ch["mode"] == "disaggregated" and p["split"]:
-        best = p["split"]["best"]
-        lines.append(f"recommended: {best['target_ranks']} target + {best['drafter_ranks']} drafter ranks "
-                     f"({_split_flag(p)}), expected {best['tok_per_s']:,.0f} tok/s (drafter side assumes "
-                     f"data-parallel scaling): {ch['reason']}")
-    elif ch["mode"] == "disaggregated":
-        lines.append(f"recommended: disaggregated ({ch['reason']}); give rates to size the split")
-    else:
-        lines.append(f"recommended: {ch['reason']}")
-    return lines
-
-
 def report(p: dict[str, Any]) -> str:
     """The recommendation as text, arithmetic shown."""
-    return "\n".join(_wire_lines(p) + _split_lines(p) + _colocated_lines(p) + _choice_lines(p))
+    return "\n".join(_wire_lines(p) + _split_lines(p) + colocated_lines(p) + choice_lines(p))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -94,6 +94,8 @@ class LocalTargets:
 
     def _work(self) -> None:
         assert self._q is not None
+        if self.ctx.device.type == "cuda":
+            torch.cuda.set_device(self.ctx.device)  # the current device is per thread
         try:
             while not self._stop.is_set():
                 if self._stream is not None:
@@ -147,3 +149,18 @@ def frozen_head(target: torch.nn.Module):
     """The target's embedding and LM head modules: the drafter shares their tensors (no second copy)."""
     parts = target_parts(target)
     return parts.embed, parts.head
+
+
+def check_shared_head(engine, target: torch.nn.Module) -> str | None:
+    """A warning if the engine's frozen embedding / head are not the target's own tensors (a copy costs V x H x
+    dtype bytes each: 1.24 GB per matrix for Qwen3-8B in bf16), else None."""
+    parts, module = target_parts(target), engine.module
+    pairs = [(module.embed_weight, parts.embed.weight)]
+    if not module.tied_head:
+        pairs.append((module.head_weight, parts.head.weight))
+    copied = [mine for mine, theirs in pairs if mine.data_ptr() != theirs.data_ptr()]
+    if not copied:
+        return None
+    gb = sum(t.numel() * t.element_size() for t in copied) / 1e9
+    return (f"the DeepSpeed engine holds its own copy of the target's embedding/LM head ({gb:.2f} GB more on "
+            f"every rank than colocated training needs); is the target loaded in the run's dtype?")

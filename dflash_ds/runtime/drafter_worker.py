@@ -134,6 +134,12 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
 
         target = load_target(cfg.target, dtype=dtype, device=ctx.device)
     engine = _build(cfg, ctx, dtype, acc, universal=resume.mode == "universal", target=target)
+    if target is not None and leader:
+        from dflash_ds.runtime.colocated import check_shared_head
+
+        warning = check_shared_head(engine, target)
+        if warning:
+            print(f"[dflash-ds] warning: {warning}", file=sys.stderr, flush=True)
     start_step, cursor = 0, Cursor(0, 0)
     if resume.path is not None:
         state = ckpt.read_state(resume.path)

@@ -60,6 +60,10 @@ c = _build(cfg, ctx, f32, 1, universal=False, target=tgt)
 parts = target_parts(tgt)
 shared = (c.module.embed_weight.data_ptr() == parts.embed.weight.data_ptr()
           and (c.module.tied_head or c.module.head_weight.data_ptr() == parts.head.weight.data_ptr()))
+from dflash_ds.runtime.colocated import check_shared_head  # noqa: E402
+
+assert check_shared_head(c, tgt) is None  # what the trainer checks after building a colocated engine
+assert "holds its own copy" in check_shared_head(b, tgt)  # an engine whose head was read from the files
 _accumulate(c, _forward(c, b1, cfg, f32, 1, 0.0)[0].loss * 0.5, 1, b1, cfg, f32, 1)
 colocated_diff = max((p - q).abs().max().item() for p, q in zip(c.module.drafter.parameters(), b_after))
 print(json.dumps({"diff": diff, "moved": moved, "same_init": same_init, "steps_after_first": steps_after_first,
