@@ -51,13 +51,13 @@ def colocated(setup, tmp_path_factory):
     r = torchrun(2, args_for(setup, out), cwd=out,
                  env={"DFLASH_DIST_AUDIT": str(out / "audit"), "DFLASH_DIST_AUDIT_AS": "nccl"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return out, r
+    return out, r.stdout
 
 
 def test_two_colocated_ranks_train_the_disaggregated_runs_batches(colocated, reference):
-    out, r = colocated
+    out, stdout = colocated
     ref_out, _ = reference
-    assert "2 colocated rank(s): each runs the target forward and trains the drafter" in r.stdout
+    assert "2 colocated rank(s): each runs the target forward and trains the drafter" in stdout
     got, want = per_batch(out), per_batch(ref_out)
     assert sorted(got) == sorted(want) == list(range(2 * STEPS))
     for b, rec in want.items():
