@@ -11,12 +11,17 @@ directly on a shared store and never registered as a default group.
 
 Ports, all derived from the launcher's master port P:
 
-- P     belongs to the launcher (torchrun's agent store); never used here.
-- P + 1 the shared TCPStore, hosted by global rank 0 on `master_addr`. Every
-        group rendezvouses through it under its own prefix (`dflash/bridge`,
+- P     belongs to the launcher. Under torchrun it is the agent's store: used
+        once, to publish the port of ours (below), never for groups.
+- the shared TCPStore, hosted by global rank 0 on `master_addr`. Every group
+        rendezvouses through it under its own prefix (`dflash/bridge`,
         `dflash/target`, `dflash/drafter`). One host for all three keeps
         multi-node layouts simple: the first drafter may live on any node, but
-        global rank 0 is always on the node `master_addr` names.
+        global rank 0 is always on the node `master_addr` names. Under torchrun
+        rank 0 binds it on a free port and publishes the port in the agent's
+        store (`job_store`): with `--standalone` or a c10d rendezvous torchrun
+        picks P itself, and P + 1 may be any other socket's port. Without an
+        agent store (the deepspeed launcher) it is P + 1, which must be free.
 - P + 2 exported as MASTER_PORT to target ranks, P + 3 to drafter ranks.
         Nothing listens there; code that re-reads the env (DeepSpeed names its
         shared-memory all-reduce segments after MASTER_ADDR/MASTER_PORT) then
@@ -307,9 +312,8 @@ def init_role_groups(
 
     # torchrun tells env:// to use its agent's store; our role-local world is not
     # the agent's, so a later env:// init would wait for it forever (DESIGN §5).
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    store = dist.TCPStore(master_addr, master_port + STORE_PORT_OFFSET, layout.world_size,
-                          is_master=(rank == 0), timeout=timeout, wait_for_workers=True)
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) == "True"
+    store = job_store(master_addr, master_port, rank, layout.world_size, timeout, agent_store)
 
     # Ranks of my role on my host, for DeepSpeed's LOCAL_SIZE: its CPU shm
     # all-reduce assumes "all ranks local" when LOCAL_SIZE equals the world size.
@@ -346,6 +350,34 @@ def init_role_groups(
         bridge = audit.install(bridge, device)
     return RoleContext(layout, rank, role, role_rank, len(role_ranks), bridge, store, device, backend,
                        timeout_s)
+
+
+def job_store(master_addr: str, master_port: int, rank: int, world_size: int, timeout: datetime.timedelta,
+              agent_store: bool) -> dist.TCPStore:
+    """The job's TCPStore, hosted by global rank 0: on a free port published through torchrun's agent store,
+    else (no agent store: the deepspeed launcher) on master_port + 1."""
+    if not agent_store:
+        return dist.TCPStore(master_addr, master_port + STORE_PORT_OFFSET, world_size, is_master=(rank == 0),
+                             timeout=timeout, wait_for_workers=True)
+    launcher = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
+    # One key per run and attempt: the agent's store outlives a restarted attempt (--max-restarts).
+    key = (f"dflash/job_store_port/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    if rank == 0:
+        store = dist.TCPStore(master_addr, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        launcher.set(key, str(store.port))
+    else:
+        launcher.wait([key], timeout)
+        store = dist.TCPStore(master_addr, int(launcher.get(key)), world_size, is_master=False, timeout=timeout)
+    # Every rank connected before anyone goes on (what wait_for_workers does on a fixed port).
+    store.add("dflash/joined", 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add("dflash/joined", 0) < world_size:
+        if time.monotonic() > deadline:
+            raise DFlashError(f"only {store.add('dflash/joined', 0)} of {world_size} ranks reached the job's store "
+                              f"within {timeout.total_seconds():.0f}s")
+        time.sleep(0.02)
+    return store
 
 
 def _make_bridge(backend: str, store: dist.Store, rank: int, world: int,
