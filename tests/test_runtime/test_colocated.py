@@ -1,7 +1,7 @@
 """Colocated training (--colocate): every rank runs the target and trains the drafter, no bridge.
 
 Compared with the uninterrupted 1 target + 2 drafter reference run of conftest.py (same data,
-seed, ZeRO-2, 20 steps): a 2-rank colocated run (two torchrun agents, one rank each) trains the same global batches at the same steps
+seed, ZeRO-2, 20 steps): a 2-rank colocated run trains the same global batches at the same steps
 with the same losses; its step-10 checkpoint resumed under the deepspeed launcher reproduces its
 own second half bit for bit; one colocated rank accumulating the reference's global batch of 2
 trains it too, through a SIGTERM (checkpoint, exit 75) and a resume, and its export evaluates
@@ -45,25 +45,13 @@ def export_weights(out, step: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def colocated(setup, tmp_path_factory):
-    """Two colocated ranks on two "nodes": two torchrun agents (--nnodes 2 --nproc_per_node 1, c10d rendezvous:
-    torchrun picks the master port, the job's store port is published through its agent store) running
-    --colocate, 20 steps, checkpoints at 10 and 20; every tensor handed to torch.distributed audited as if
-    the groups were the GPU ones (distributed/audit.py). Returns (run folder, the agents' stdout)."""
-    import subprocess
-
-    from proc_utils import process_group
-
+    """torchrun --nproc_per_node 2 ... --colocate: 20 steps, checkpoints at 10 and 20; every tensor handed to
+    torch.distributed audited as if the groups were the GPU ones (distributed/audit.py)."""
     out = tmp_path_factory.mktemp("colocated")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "colocated",
-           "-m", "dflash_ds.train", *args_for(setup, out)]
-    env = {**env_for_children(), "DFLASH_DIST_AUDIT": str(out / "audit"), "DFLASH_DIST_AUDIT_AS": "nccl"}
-    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=out)
-    with process_group(cmd, **kw) as a0, process_group(cmd, **kw) as a1:
-        outs = [a.communicate(timeout=360) for a in (a0, a1)]
-    for a, (o, e) in zip((a0, a1), outs):
-        assert a.returncode == 0, o[-2000:] + e[-4000:]
-    return out, "".join(o for o, _ in outs)
+    r = torchrun(2, args_for(setup, out), cwd=out,
+                 env={"DFLASH_DIST_AUDIT": str(out / "audit"), "DFLASH_DIST_AUDIT_AS": "nccl"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return out, r.stdout
 
 
 def test_two_colocated_ranks_train_the_disaggregated_runs_batches(colocated, reference):
