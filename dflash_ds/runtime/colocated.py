@@ -33,6 +33,7 @@ from dflash_ds.data.batching import Cursor
 from dflash_ds.data.loader import PrefetchLoader
 from dflash_ds.models.target import capture_layers, target_parts
 from dflash_ds.runtime.plan import DataPlan
+from dflash_ds.runtime.target_worker import batch_meta
 
 
 class LocalTargets:
@@ -86,11 +87,8 @@ class LocalTargets:
             torch.cuda.current_stream(dev).synchronize()  # a forward time, not a launch time
         fwd = time.perf_counter() - t0
         self.served += 1
-        meta = {"bucket": spec.bucket, "epoch_after": after.epoch, "index_after": after.batch_index,
-                "real_tokens": spec.real_tokens, "padded_tokens": spec.padded_tokens, "num_seqs": spec.num_seqs,
-                "tgt_forward_s": fwd, "tgt_batch_per_s": self.served / max(time.perf_counter() - self.t_start, 1e-9),
-                "in_flight": 0, "target_rank": self.ctx.global_rank}
-        return batch_id, tensors, meta
+        rate = self.served / max(time.perf_counter() - self.t_start, 1e-9)
+        return batch_id, tensors, batch_meta(spec, after, fwd, rate, 0, self.ctx.global_rank)
 
     def _work(self) -> None:
         assert self._q is not None

@@ -100,19 +100,25 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
                                 last if send_last_hidden else None)
         fwd = time.perf_counter() - t0
         served += 1
-        # Header meta keys are at most 16 ASCII bytes (see bridge.py).
-        meta = {
-            "bucket": spec.bucket, "epoch_after": after.epoch, "index_after": after.batch_index,
-            "real_tokens": spec.real_tokens, "padded_tokens": spec.padded_tokens, "num_seqs": spec.num_seqs,
-            "tgt_forward_s": fwd, "tgt_batch_per_s": served / max(time.perf_counter() - t_start, 1e-9),
-            "in_flight": sender.in_flight(), "target_rank": ctx.global_rank,
-        }
+        meta = batch_meta(spec, after, fwd, served / max(time.perf_counter() - t_start, 1e-9), sender.in_flight(),
+                          ctx.global_rank)
         sender.send(layout.drafter_ranks[batch_id % n_d], tensors, meta, batch_id=batch_id)
     loader.close()
     if stopped:
         return EXIT_PREEMPTED  # batches still in flight belong to steps nobody will train
     sender.flush()
     return 0
+
+
+def batch_meta(spec, after: Cursor, forward_s: float, batches_per_s: float, in_flight: int, target_rank: int) -> dict:
+    """The header meta of one batch, as the drafter's metrics read it (a colocated rank builds the same).
+
+    Keys are at most 16 ASCII bytes (see bridge.py).
+    """
+    return {"bucket": spec.bucket, "epoch_after": after.epoch, "index_after": after.batch_index,
+            "real_tokens": spec.real_tokens, "padded_tokens": spec.padded_tokens, "num_seqs": spec.num_seqs,
+            "tgt_forward_s": forward_s, "tgt_batch_per_s": batches_per_s, "in_flight": in_flight,
+            "target_rank": target_rank}
 
 
 def build_payload(sender: bridge_mod.AsyncSender, planned: list, input_ids: torch.Tensor, loss_mask: torch.Tensor,

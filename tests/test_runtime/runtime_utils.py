@@ -120,3 +120,12 @@ def bench_torchrun(nproc: int, args: list[str], timeout: float = 300) -> subproc
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(free_port()), "-m", "dflash_ds", "bench", *args]
     return run_bounded(cmd, timeout, env=env_for_children(), cwd=REPO)
+
+
+def per_batch(out: Path) -> dict[int, dict]:
+    """Global batch id -> its last record (a resumed run appends), over every drafter's record file."""
+    got: dict[int, dict] = {}
+    for f in sorted((out / "records").glob("drafter*.jsonl")):
+        for rec in read_jsonl(f):
+            got[rec["batch_id"]] = rec
+    return got

@@ -19,22 +19,13 @@ import torch
 
 from conftest_runtime import COMMON, STEPS
 from proc_utils import run_bounded
-from runtime_utils import env_for_children, free_port, read_jsonl, torchrun
+from runtime_utils import env_for_children, free_port, per_batch, read_jsonl, torchrun
 
 
 def args_for(setup, out, *extra):
     target, data = setup
     return [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(out), "--no-wandb",
             "--zero-stage", "2", "--colocate", *extra]
-
-
-def per_batch(out) -> dict[int, dict]:
-    """Global batch id -> its last record (a resumed run appends), over every rank's record file."""
-    got: dict[int, dict] = {}
-    for f in sorted((out / "records").glob("drafter*.jsonl")):
-        for rec in read_jsonl(f):
-            got[rec["batch_id"]] = rec
-    return got
 
 
 def export_weights(out, step: int) -> dict[str, torch.Tensor]:

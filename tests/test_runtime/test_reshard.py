@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from conftest_runtime import COMMON
-from runtime_utils import read_jsonl, torchrun
+from runtime_utils import per_batch, read_jsonl, torchrun
 
 STEPS, HALF = 8, 4
 
@@ -24,15 +24,6 @@ def args_for(setup, out, *extra):
     target, data = setup
     return [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(out), "--no-wandb",
             "--max-steps", str(STEPS), "--train.save_interval", str(HALF), "--train.log_interval", "2", *extra]
-
-
-def per_batch(out) -> dict[int, dict]:
-    """Global batch id -> its last record, over every drafter's record file."""
-    got: dict[int, dict] = {}
-    for f in sorted((out / "records").glob("drafter*.jsonl")):
-        for rec in read_jsonl(f):
-            got[rec["batch_id"]] = rec
-    return got
 
 
 def assert_same_batches(got: dict, want: dict, steps: range, tol: float = 1e-4) -> None:
