@@ -15,17 +15,17 @@ from dflash_ds.errors import DFlashError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "make-tiny-target": ("dflash_ds.tiny_target", "write a small seeded target model (Qwen3, or --family NAME) + tokenizer (HF format)"),
-    "init-drafter": ("dflash_ds.init_drafter", "derive a drafter config from a target and save a random-init drafter"),
-    "train-step": ("dflash_ds.single_step", "run a few single-device training steps of the DFlash core (smoke test)"),
+    "make-tiny-target": ("dflash_ds.tiny.cli", "write a small seeded target model (Qwen3, or --family NAME) + tokenizer (HF format)"),
+    "init-drafter": ("dflash_ds.tools.init_drafter", "derive a drafter config from a target and save a random-init drafter"),
+    "train-step": ("dflash_ds.tools.train_step", "run a few single-device training steps of the DFlash core (smoke test)"),
     "prepare": ("dflash_ds.data.prepare", "tokenize conversations with the target's chat template into an Arrow dataset"),
     "regenerate": ("dflash_ds.data.regenerate", "rewrite assistant turns with the target's own answers"),
     "bench": ("dflash_ds.bench.cli", "benchmarks (attention, batching, comm, memory, pipeline, zero)"),
     "eval": ("dflash_ds.eval.cli", "acceptance length of a drafter by real speculative decoding"),
-    "report": ("dflash_ds.report", "PNG plots and a text summary from a run's metrics.jsonl"),
-    "check-hostfile": ("dflash_ds.check_hostfile", "validate a deepspeed hostfile (HOST slots=N lines) before launching"),
-    "ckpt": ("dflash_ds.ckpt_cli", "inspect a checkpoint: step, drafter count, global batch, where it can resume"),
-    "plan": ("dflash_ds.plan_capacity", "colocated or disaggregated (which target/drafter ranks), bytes per token and link bandwidth"),
+    "report": ("dflash_ds.tools.report", "PNG plots and a text summary from a run's metrics.jsonl"),
+    "check-hostfile": ("dflash_ds.tools.check_hostfile", "validate a deepspeed hostfile (HOST slots=N lines) before launching"),
+    "ckpt": ("dflash_ds.tools.ckpt", "inspect a checkpoint: step, drafter count, global batch, where it can resume"),
+    "plan": ("dflash_ds.plan.capacity", "colocated or disaggregated (which target/drafter ranks), bytes per token and link bandwidth"),
 }
 
 

@@ -3,27 +3,33 @@
 A run is a YAML/JSON file plus command-line overrides (`--section.key value`).
 Loading is strict: an unknown key is an error naming the closest valid key, and
 every value is checked against its field's rule before any heavy work starts.
+Reading files and overrides is in dflash_ds/config_parse.py (re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+# config_parse imports nothing from this module (no cycle); its helpers stay importable from here.
+from dflash_ds.config_parse import (  # noqa: F401
+    _apply,
+    _coerce,
+    _field_types,
+    _unknown_key,
+    class_field_docs,
+    parse_overrides,
+    read_config_file,
+)
 from dflash_ds.errors import DFlashError
 
 
 @dataclass
 class DrafterConfig:
-    """Shape of the drafter (DESIGN §2)."""
+    """Shape of the drafter (docs/DESIGN.md §2)."""
 
     num_layers: int = 5
     """Number of draft decoder layers (also the number of target layers read)."""
@@ -43,7 +49,7 @@ class DrafterConfig:
 
 @dataclass
 class LossConfig:
-    """The DFlash training loss (DESIGN §3)."""
+    """The DFlash training loss (docs/DESIGN.md §3)."""
 
     gamma: float = 7.0
     """Position decay w_k = exp(-(k-1)/gamma); larger weighs later positions more."""
@@ -95,7 +101,7 @@ class NoiseConfig:
 
 @dataclass
 class DataConfig:
-    """Batching of a prepared dataset (DESIGN §4)."""
+    """Batching of a prepared dataset (docs/DESIGN.md §4)."""
 
     path: str = ""
     """Prepared Arrow dataset folder (output of `dflash-ds prepare`)."""
@@ -288,110 +294,6 @@ def _validate_layer_types(m: DrafterConfig) -> None:
         raise DFlashError("config: model.layer_types has sliding_attention layers: set model.sliding_window")
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _unknown_key(key: str, valid: list[str], where: str) -> DFlashError:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
-    return DFlashError(f"config: unknown key {where}{key!r}{hint}")
-
-
-def _coerce(value: Any, tp: Any, name: str) -> Any:
-    """Check/convert one leaf value to the field's declared type."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], name)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise DFlashError(f"config: {name} = {value!r} must be a list")
-        return [_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise DFlashError(f"config: {name} = {value!r} must be true or false")
-    if tp is int:
-        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-            raise DFlashError(f"config: {name} = {value!r} must be an integer")
-        return int(value)
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise DFlashError(f"config: {name} = {value!r} must be a finite number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise DFlashError(f"config: {name} = {value!r} must be a string")
-        return str(value)
-    return value
-
-
-def _apply(obj: Any, data: dict[str, Any], where: str = "") -> None:
-    types = _field_types(type(obj))
-    for key, value in data.items():
-        if key not in types:
-            raise _unknown_key(key, list(types), where)
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise DFlashError(f"config: {where}{key} must be a mapping of its fields")
-            _apply(current, value, f"{where}{key}.")
-        else:
-            setattr(obj, key, _coerce(value, types[key], f"{where}{key}"))
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Parse a YAML or JSON config file into a dict (errors name the file)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DFlashError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) if path.suffix in (".yaml", ".yml") else json.loads(path.read_text())
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise DFlashError(f"config file {path}: cannot parse: {str(exc).splitlines()[0]}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise DFlashError(f"config file {path}: top level must be a mapping")
-    return data
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """Turn ['--optim.lr', '1e-3', '--train.seed=3'] into a nested dict (values parsed as YAML scalars)."""
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(items):
-        item = items[i]
-        if not item.startswith("--"):
-            raise DFlashError(f"override {item!r} must look like --section.key VALUE")
-        key = item[2:]
-        if "=" in key:
-            key, raw = key.split("=", 1)
-        else:
-            if i + 1 >= len(items):
-                raise DFlashError(f"override --{key} needs a value")
-            i += 1
-            raw = items[i]
-        value = yaml.safe_load(raw) if raw != "" else ""
-        node = out
-        parts = key.replace("-", "_").split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-        i += 1
-    return out
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
     """Defaults, then the file, then the overrides; strict and validated."""
     cfg = Config()
@@ -409,21 +311,4 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 def field_docs(cls: type = Config) -> dict[str, str]:
     """Dotted field name -> its one-line doc, read from the docstrings beside the fields."""
-    import ast
-    import inspect
-
-    docs: dict[str, str] = {}
-
-    def walk(klass: type, prefix: str) -> None:
-        tree = ast.parse(inspect.getsource(klass))
-        body = tree.body[0].body  # type: ignore[attr-defined]
-        for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[prefix + node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
-        for f in dataclasses.fields(klass):
-            hint = typing.get_type_hints(klass)[f.name]
-            if dataclasses.is_dataclass(hint):
-                walk(hint, f"{prefix}{f.name}.")
-
-    walk(cls, "")
-    return docs
+    return class_field_docs(cls)

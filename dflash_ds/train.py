@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import traceback
 
-# (flag, config field, type, help)
+# Short aliases (flag, config field, type, help). Every field also takes --section.key VALUE (parse_overrides);
+# --help lists them all from the config dataclasses' field docs (config_fields_help).
 FLAGS = [
     ("--target", "target", str, "local HF folder of the frozen target model"),
     ("--data", "data.path", str, "prepared dataset folder (dflash-ds prepare)"),
@@ -33,18 +35,63 @@ FLAGS = [
 ]
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps help at spaces only (never inside `1e-4` or `non-finite`), with a wider flag column."""
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 34, width=None) -> None:
+        super().__init__(prog, indent_increment, max_help_position, width)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
+
+
+class _TrainParser(argparse.ArgumentParser):
+    """Parses exactly like ArgumentParser; its help also lists every config field (`--section.key`)."""
+
+    def format_help(self) -> str:
+        return super().format_help() + "\n" + config_fields_help(self.formatter_class(prog=self.prog))
+
+
+def config_fields_help(formatter: argparse.HelpFormatter) -> str:
+    """Every config field, by section: its --section.key flag, value form, doc (config.field_docs) and default.
+
+    Help text only: the flags are not argparse arguments, they reach parse_overrides unparsed."""
+    from dflash_ds.config import Config
+    from dflash_ds.config_parse import describe_fields
+
+    cfg = Config()
+    sections: dict[str, list[argparse.Action]] = {}
+    for section, dotted, metavar, default, doc in describe_fields(cfg):
+        text = f"{doc} (default: {default})".replace("%", "%%")
+        action = argparse.Action([f"--{dotted}"], dest=dotted, metavar=metavar, help=text)
+        sections.setdefault(section, []).append(action)
+    for section, actions in sections.items():
+        klass = type(getattr(cfg, section)) if section else Config
+        title = f"config section {section}" if section else "config top-level fields"
+        formatter.start_section(f"{title} ({klass.__name__})")
+        formatter.add_text((klass.__doc__ or "").strip().splitlines()[0].replace("%", "%%"))
+        formatter.add_arguments(actions)
+        formatter.end_section()
+    return formatter.format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Flags of the training entry point; any other `--section.key value` is a config override."""
-    p = argparse.ArgumentParser(prog="python -m dflash_ds.train", description=__doc__.splitlines()[0],
-                                epilog="Any config field can be set with --section.key VALUE "
-                                       "(e.g. --optim.lr 3e-4); see dflash_ds/config.py.")
+    p = _TrainParser(prog="python -m dflash_ds.train", description=__doc__.splitlines()[0],
+                     formatter_class=_HelpFormatter,
+                     epilog="Every config field below can be set with --section.key VALUE or --section.key=VALUE, "
+                            "VALUE read as YAML (e.g. --optim.lr 3e-4, --model.target_layer_ids '[1, 2]', "
+                            "--wandb.enabled false). Precedence: defaults < --config file < the short flags "
+                            "above < --section.key overrides. Fields are defined in dflash_ds/config.py.")
     p.add_argument("--config", help="YAML/JSON run config (defaults: dflash_ds/config.py)")
-    for flag, _, tp, help_text in FLAGS:
-        p.add_argument(flag, type=tp, default=None, help=help_text)
-    p.add_argument("--no-wandb", action="store_true", help="do not log to W&B")
-    p.add_argument("--colocate", action="store_true",
-                   help="colocated training (topology.colocate): every rank runs the target forward and trains the "
-                        "drafter; works on one GPU; --num-target-ranks / --targets-per-node are not used")
+    short = p.add_argument_group("short flags (each sets the config field named in brackets)")
+    for flag, dotted, tp, help_text in FLAGS:
+        short.add_argument(flag, type=tp, default=None, help=f"{help_text} [--{dotted}]")
+    short.add_argument("--no-wandb", action="store_true", help="do not log to W&B [--wandb.enabled false]")
+    short.add_argument("--colocate", action="store_true",
+                       help="colocated training: every rank runs the target forward and trains the drafter; works "
+                            "on one GPU; --num-target-ranks / --targets-per-node are not used "
+                            "[--topology.colocate true]")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -93,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = os.environ.get("RANK", "?")
     try:
+        cfg = config_from_args(argv)  # first: --help and config errors need no torch
         from dflash_ds.runtime.launch import run_job
 
-        cfg = config_from_args(argv)
         return run_job(cfg)
     except DFlashError as exc:
         print(f"dflash-ds train (rank {rank}): error: {exc}", file=sys.stderr, flush=True)

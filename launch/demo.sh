@@ -17,7 +17,7 @@ dflash-ds make-tiny-target --out "$OUT/target" --layers 6
 stage "2/7 prompts (training and held-out sets are disjoint: different seeds, ids checked)"
 python - "$OUT" "$TRAIN_PROMPTS" "$EVAL_PROMPTS" <<'PY'
 import json, sys
-from dflash_ds.tiny_target import tiny_prompts
+from dflash_ds.tiny.corpus import tiny_prompts
 out, n_train, n_eval = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 train = tiny_prompts(n_train, seed=1)
 seen = {r["messages"][0]["content"] for r in train}

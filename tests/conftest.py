@@ -27,7 +27,7 @@ def no_leaked_shared_memory() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tiny_target_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Build (and cache per argument set) tiny targets: `factory(layers=2, seed=1) -> Path`."""
-    from dflash_ds.tiny_target import make_tiny_target
+    from dflash_ds.tiny.target import make_tiny_target
 
     cache: dict[tuple, Path] = {}
 

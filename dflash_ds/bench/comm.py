@@ -89,18 +89,11 @@ def human_bytes(n: float) -> str:
     return str(int(n))
 
 
-def bytes_per_token(feature_dim: int, last_dim: int, dtype) -> int:
-    """Payload bytes per token: context and final hidden in `dtype`, plus int64 ids and loss mask."""
-    import torch
-
-    from dflash_ds.plan_capacity import ID_BYTES
-
-    return (feature_dim + last_dim) * torch.empty((), dtype=dtype).element_size() + ID_BYTES
 
 
 def training_like_specs(nbytes: int, feature_dim: int, dtype, last_dim: int = 0) -> list:
     """(name, dtype, shape) of a payload shaped like one training batch, of about `nbytes` bytes."""
-    from dflash_ds.runtime.plan import payload_specs_for
+    from dflash_ds.distributed.wire import payload_specs_for
 
     tokens = max(1, nbytes // bytes_per_token(feature_dim, last_dim, dtype))
     rows = max(1, tokens // 2048)  # sequences of up to ~2k tokens, as training batches hold
@@ -130,7 +123,7 @@ def training_like_batch(nbytes: int, feature_dim: int, dtype, device, last_dim: 
 def config_batch(config: str, overrides: list[str], cuda: bool) -> dict[str, Any]:
     """Shape and payload bytes of one full training batch (token budget tokens) of a run config."""
     from dflash_ds.config import load_config, parse_overrides
-    from dflash_ds.runtime.plan import resolve_arch, torch_dtype
+    from dflash_ds.runtime.job import resolve_arch, torch_dtype
 
     cfg = load_config(config, parse_overrides([f"--{item}" for item in overrides]))
     arch = resolve_arch(cfg)
@@ -315,18 +308,6 @@ def _training_caption(t: dict[str, Any] | None) -> str:
 
 
 # ---------------------------------------------------------------- shared by the multi-rank benches
-
-
-def print_table(title: str, header: list[str], rows: list[list[str]], caption: str = "") -> None:
-    """A plain aligned text table (first column left, others right)."""
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    print(title)
-    for line in [header, *rows]:
-        cells = [str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(line, widths))]
-        print("  ".join(cells))
-    if caption:
-        print(caption)
-    sys.stdout.flush()
 
 
 def store_barrier(store, key: str, world: int, timeout_s: float) -> None:

@@ -25,16 +25,8 @@ from typing import Any
 
 from dflash_ds.bench import memory_model as mm
 from dflash_ds.errors import DFlashError, read_json_file
+from dflash_ds.models.presets import PRESETS
 
-# Published text-config values as we read them (memory depends on the shapes only).
-PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6,
-                     tie_word_embeddings=False),
-    "qwen3.6-27b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
-                        num_key_value_heads=4, head_dim=256, vocab_size=248320, rope_theta=1e7,
-                        tie_word_embeddings=False),
-}
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 BUDGET_GB = 60.0  # the per-drafter-rank target on an 80 GB GPU (docs/MEMORY.md)
 
@@ -332,7 +324,7 @@ def _gb(n: float) -> str:
 
 
 def _print(res: dict[str, Any]) -> None:
-    from dflash_ds.bench.comm import print_table
+    from dflash_ds.bench.table import print_table
 
     mfu = res["device"] != "cpu"
     rows = [[str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}", str(r["intermediate"]),

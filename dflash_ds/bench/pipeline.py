@@ -37,8 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_ds.bench.comm import print_table, quiet_stdout, store_barrier
+from dflash_ds.bench.comm import quiet_stdout, store_barrier
 from dflash_ds.bench.stages import capture, make_engine, put, timed, train_step
+from dflash_ds.bench.table import print_table
 from dflash_ds.config import Config  # light (dataclasses, yaml): fine for the --help import
 
 BENCH_CHANNEL = 40
@@ -120,8 +121,9 @@ def _median(xs: list[float]) -> float:
 
 def _target_work(ctx, cfg, data, batches) -> tuple[list, list]:
     """(a)'s work on a target rank (forward + capture of each routed batch), and the states of an untimed pass."""
+    from dflash_ds.data.stream import load_batch
     from dflash_ds.models.target import load_target
-    from dflash_ds.runtime.plan import load_batch, resolve_arch, torch_dtype
+    from dflash_ds.runtime.job import resolve_arch, torch_dtype
 
     lay, arch, keep = ctx.layout, resolve_arch(cfg), cfg.loss.kl_weight > 0
     model = load_target(cfg.target, dtype=torch_dtype(cfg, ctx.device.type == "cuda"), device=ctx.device)
@@ -134,7 +136,7 @@ def _target_work(ctx, cfg, data, batches) -> tuple[list, list]:
 
 def _drafter_work(ctx, cfg, batches, received: list) -> tuple[list, Any]:
     """(b)'s work on a drafter rank (one DeepSpeed step per held batch), and the engine."""
-    from dflash_ds.runtime.plan import torch_dtype
+    from dflash_ds.runtime.job import torch_dtype
 
     dtype = torch_dtype(cfg, ctx.device.type == "cuda")
     engine = make_engine(cfg, dtype)
@@ -205,9 +207,10 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `dflash-ds bench pipeline` (one process per rank)."""
     import torch
 
+    from dflash_ds.data.stream import open_data
     from dflash_ds.distributed.topology import init_role_groups, read_launch_env, shutdown
+    from dflash_ds.runtime.job import resolve_arch
     from dflash_ds.runtime.launch import validate_job
-    from dflash_ds.runtime.plan import open_data, resolve_arch
 
     env = read_launch_env()
     cfg = bench_config(args)

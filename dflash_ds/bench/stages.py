@@ -36,7 +36,7 @@ def make_engine(cfg: Config, dtype: Any) -> Any:
     from dflash_ds.models.drafter import DFlashDrafter
     from dflash_ds.models.target import load_target_head
     from dflash_ds.runtime.engine import DrafterTrainModule, build_engine, load_ds_config, resolve_ds_config
-    from dflash_ds.runtime.plan import resolve_arch
+    from dflash_ds.runtime.job import resolve_arch
 
     if cfg.drafter:
         drafter = DFlashDrafter.from_pretrained(cfg.drafter)
@@ -52,8 +52,8 @@ def train_step(engine: Any, cfg: Config, tensors: dict, batch_id: int, step: int
     """One drafter step exactly as run_drafter takes it (anchors and noise seeded per batch); returns the loss."""
     from dflash_ds.components.objective import TargetStates
     from dflash_ds.components.schedules import noise_std_at
-    from dflash_ds.runtime.drafter_worker import ANCHOR_SALT, NOISE_SALT
-    from dflash_ds.runtime.plan import batch_seed
+    from dflash_ds.runtime.step import ANCHOR_SALT, NOISE_SALT
+    from dflash_ds.runtime.step import batch_seed
 
     states = TargetStates(tensors["input_ids"], tensors["loss_mask"], tensors["lengths"],
                           tensors["context"].to(dtype), tensors.get("last_hidden"))

@@ -37,7 +37,8 @@ import sys
 import time
 from typing import Any
 
-from dflash_ds.bench.comm import print_table, quiet_stdout, store_barrier
+from dflash_ds.bench.comm import quiet_stdout, store_barrier
+from dflash_ds.bench.table import print_table
 
 STAGE_PORT_BASE = 10  # MASTER_PORT + 10 + k for the children of stage k (a rendezvous port of their own)
 GRAD_ATTRS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer")
@@ -159,7 +160,7 @@ def _drafter_module(spec: dict[str, Any]):
     from dflash_ds.runtime.engine import DrafterTrainModule
 
     if spec["target"]:
-        from dflash_ds.init_drafter import drafter_arch_from_target
+        from dflash_ds.models.from_target import drafter_arch_from_target
         from dflash_ds.models.target import load_target_head
 
         arch = drafter_arch_from_target(spec["target"], num_layers=spec["drafter_layers"], block_size=8)

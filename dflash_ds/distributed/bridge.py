@@ -432,7 +432,7 @@ class Receiver:
     `schedule` yields (batch_id, src) or (batch_id, src, specs). Receives are posted in the
     sender's order, header i, payload i, header i+1 (NCCL matches a pair's messages by order
     alone). When the schedule gives a batch's payload specs (the trainer derives them from the
-    shared data plan: `runtime.plan.payload_specs`), its header and payload receives are posted
+    shared data plan: `wire.payload_specs`), its header and payload receives are posted
     together, up to `depth` batches ahead, so the link never waits for the drafter; the header
     is then only checked against the plan. Otherwise the payload receive is posted once the
     header has arrived, and the next header right behind it. Payloads land in `pool` buffers if

@@ -2,7 +2,7 @@
 
 Drafters train in lockstep: micro-step s needs one micro-batch on each of the D
 drafters, so global batch g = s * D + d goes to drafter d. (An optimizer step of a global batch
-of G = A * D micro-batches is A consecutive micro-steps: `runtime/plan.DataPlan.micro_steps`.) The target that
+of G = A * D micro-batches is A consecutive micro-steps: `data/stream.BatchStream.micro_steps`.) The target that
 computes it is t = g % T, which keeps the T targets within one batch of each
 other over any prefix of the stream, whatever the ratio of T to D. This is
 the rule of a global layout; a per-node layout routes within each node

@@ -1,7 +1,7 @@
 """Colocated training (topology.colocate): every rank runs the frozen target on its own batches.
 
 A colocated rank is a drafter rank whose batches do not come over the bridge: `LocalTargets`
-walks the same data plan as the disaggregated receiver (`DataPlan.micro_steps`: drafter d's
+walks the same data plan as the disaggregated receiver (`BatchStream.micro_steps`: drafter d's
 batch of micro-step u is global batch u·D + d), runs the target forward with the layer hooks of
 `capture_layers` on this rank's device and hands the drafter loop the very tensors a target rank
 would have sent (input_ids, loss_mask, lengths, context[, last_hidden]) and the same header
@@ -31,9 +31,9 @@ import torch
 
 from dflash_ds.data.batching import Cursor
 from dflash_ds.data.loader import PrefetchLoader
+from dflash_ds.data.stream import BatchStream
+from dflash_ds.distributed.wire import batch_meta
 from dflash_ds.models.target import capture_layers, target_parts
-from dflash_ds.runtime.plan import DataPlan
-from dflash_ds.runtime.target_worker import batch_meta
 
 
 class LocalTargets:
@@ -43,7 +43,7 @@ class LocalTargets:
     meta, queue depth), `release(tensors)`, `close()`.
     """
 
-    def __init__(self, ctx, target: torch.nn.Module, data: DataPlan, start_step: int, cursor: Cursor,
+    def __init__(self, ctx, target: torch.nn.Module, data: BatchStream, start_step: int, cursor: Cursor,
                  stop_step: int, layer_ids: list[int], last_hidden: bool, prefetch: int = 2,
                  overlap: bool = False) -> None:
         self.ctx, self.target, self.layer_ids, self.last_hidden = ctx, target, list(layer_ids), last_hidden

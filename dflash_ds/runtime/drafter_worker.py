@@ -34,16 +34,15 @@ from dflash_ds.runtime import checkpoint as ckpt
 from dflash_ds.runtime import faults
 from dflash_ds.runtime.engine import (DrafterTrainModule, build_engine, gathered_drafter_state, load_ds_config,
                                       resolve_ds_config)
+from dflash_ds.data.stream import BatchStream
+from dflash_ds.distributed.wire import payload_specs, send_start
+from dflash_ds.runtime.job import last_step, resolve_arch, torch_dtype
 from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory
 from dflash_ds.runtime.monitor import Monitor, scrub_secrets
-from dflash_ds.runtime.step_metrics import MetricWindow
-from dflash_ds.runtime.plan import DataPlan, batch_seed, last_step, payload_specs, resolve_arch, torch_dtype
 from dflash_ds.runtime.resume import ResumePlan, convert_to_universal, universal_ready
-from dflash_ds.runtime.target_worker import CONTROL_TAG
+from dflash_ds.runtime.step import ANCHOR_SALT, NOISE_SALT, batch_seed
+from dflash_ds.runtime.step_metrics import MetricWindow
 from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
-
-ANCHOR_SALT, NOISE_SALT = 1, 2
-
 
 class Receiver:
     """Background thread receiving this drafter's batches in step order from the routed targets.
@@ -53,7 +52,7 @@ class Receiver:
     targets have produced them.
     """
 
-    def __init__(self, ctx: RoleContext, data: DataPlan, start_step: int, cursor: Cursor, max_steps: int,
+    def __init__(self, ctx: RoleContext, data: BatchStream, start_step: int, cursor: Cursor, max_steps: int,
                  specs_of, depth: int = 2) -> None:
         self.ctx, self.depth, self.q = ctx, depth, queue.Queue(maxsize=depth)
         # Reused receive buffers: fresh multi-MiB tensors per batch page-fault on every first touch.
@@ -62,7 +61,7 @@ class Receiver:
                                        daemon=True, name="drafter-receiver")
         self.thread.start()
 
-    def _work(self, data: DataPlan, start: int, cursor: Cursor, stop: int, specs_of) -> None:
+    def _work(self, data: BatchStream, start: int, cursor: Cursor, stop: int, specs_of) -> None:
         layout, d = self.ctx.layout, self.ctx.role_rank
         # The same walk over the data plan as the targets' (target_worker.my_batches).
         schedule = ((ms.batch_id(d), layout.target_ranks[layout.route(ms.index, d)], specs_of(ms.specs[d]))
@@ -110,7 +109,7 @@ def _check_resume_state(state: dict, arch, path: Path) -> None:
             raise DFlashError(f"checkpoint {path} has {key} = {saved[key]} but this run has {getattr(arch, key)}")
 
 
-def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog, resume: ResumePlan) -> int:
+def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watchdog, resume: ResumePlan) -> int:
     """Train until the last step (or a stop request), checkpoint, and return the exit status."""
     layout = ctx.layout
     d, n_d = ctx.role_rank, layout.num_drafters
@@ -147,7 +146,7 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdo
         start_step, cursor = int(state["step"]), Cursor(**state["cursor"])
     if leader:
         if layout.num_targets:
-            _send_start(ctx, start_step, cursor, data.global_batch)
+            send_start(ctx, start_step, cursor, data.global_batch)
         how = {"direct": "", "universal": f" (resharded from {resume.saved_drafters} drafter rank(s))"}
         print(f"[dflash-ds] {layout.describe()}; ZeRO-{engine.zero_optimization_stage()}; "
               f"{'resuming from ' + str(resume.path) + how[resume.mode] if resume.path else 'fresh start'} "
@@ -289,15 +288,6 @@ def _build(cfg: Config, ctx: RoleContext, dtype: torch.dtype, accumulation: int,
     return build_engine(module, cfg, ds)
 
 
-def _send_start(ctx: RoleContext, start_step: int, cursor: Cursor, global_batch: int) -> None:
-    """Tell every target where the run starts and its global batch (on the bridge's device: NCCL moves only
-    CUDA tensors)."""
-    start = torch.tensor([start_step, cursor.epoch, cursor.batch_index, global_batch], dtype=torch.long,
-                         device=ctx.device)
-    sends = [(t, bridge_mod.send_batch(ctx.bridge, t, {"start": start}, {}, batch_id=-1, tag=CONTROL_TAG))
-             for t in ctx.layout.target_ranks]
-    for t, works in sends:
-        bridge_mod.wait_all(works, t, ctx.timeout_s, "sending the start point")
 
 
 def _forward(engine, tensors: dict, cfg: Config, dtype: torch.dtype, batch_id: int, noise: float):

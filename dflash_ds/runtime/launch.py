@@ -48,7 +48,8 @@ def run_job(cfg: Config) -> int:
     """This rank's whole life in the job."""
     env = read_launch_env()
     layout = validate_job(cfg, env.world_size, env.local_world_size)
-    from dflash_ds.runtime.plan import open_data, resolve_arch
+    from dflash_ds.data.stream import open_data
+    from dflash_ds.runtime.job import resolve_arch
 
     arch = resolve_arch(cfg)  # before any group: a bad drafter/target pair fails fast on every rank
     # Memory-mapped and cheap: an empty dataset or out-of-vocabulary ids fail here on every rank,

@@ -29,7 +29,7 @@ from typing import Any
 from dflash_ds.config import Config
 from dflash_ds.errors import DFlashError
 from dflash_ds.runtime import checkpoint as ckpt
-from dflash_ds.runtime.plan import check_global_batch
+from dflash_ds.data.stream import check_global_batch
 
 UNIVERSAL_TAG = "ds_universal"
 UNIVERSAL_DONE = "UNIVERSAL_COMPLETE"

@@ -23,19 +23,13 @@ from dflash_ds.errors import DFlashError
 from dflash_ds.models.target import capture_layers, load_target
 from dflash_ds.runtime import faults
 from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
-from dflash_ds.runtime.plan import DataPlan, check_global_batch, last_step, payload_specs, resolve_arch, torch_dtype
-
-CONTROL_TAG = 7
-
-
-def receive_start(ctx: RoleContext, leader: int, timeout_s: float) -> tuple[int, Cursor, int]:
-    """The resume point (start step, data cursor) and the global batch chosen by the leader once its engine is up."""
-    _, tensors, _ = bridge_mod.recv_batch(ctx.bridge, leader, timeout_s=timeout_s, tag=CONTROL_TAG, device=ctx.device)
-    start = tensors["start"].tolist()
-    return int(start[0]), Cursor(int(start[1]), int(start[2])), int(start[3])
+from dflash_ds.data.stream import BatchStream, check_global_batch
+from dflash_ds.runtime.job import last_step, resolve_arch, torch_dtype
+from dflash_ds.distributed.wire import batch_meta, build_payload, payload_specs, receive_start
 
 
-def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog) -> int:
+
+def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watchdog) -> int:
     """Serve every batch routed to this target until the last step (or the drafters' stop step)."""
     layout = ctx.layout
     t_idx, n_d = ctx.role_rank, layout.num_drafters
@@ -108,42 +102,3 @@ def run_target(ctx: RoleContext, cfg: Config, data: DataPlan, watchdog: Watchdog
         return EXIT_PREEMPTED  # batches still in flight belong to steps nobody will train
     sender.flush()
     return 0
-
-
-def batch_meta(spec, after: Cursor, forward_s: float, batches_per_s: float, in_flight: int, target_rank: int) -> dict:
-    """The header meta of one batch, as the drafter's metrics read it (a colocated rank builds the same).
-
-    Keys are at most 16 ASCII bytes (see bridge.py).
-    """
-    return {"bucket": spec.bucket, "epoch_after": after.epoch, "index_after": after.batch_index,
-            "real_tokens": spec.real_tokens, "padded_tokens": spec.padded_tokens, "num_seqs": spec.num_seqs,
-            "tgt_forward_s": forward_s, "tgt_batch_per_s": batches_per_s, "in_flight": in_flight,
-            "target_rank": target_rank}
-
-
-def build_payload(sender: bridge_mod.AsyncSender, planned: list, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                  lengths: torch.Tensor, layers: list[torch.Tensor],
-                  last_hidden: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """A batch's bridge payload, written straight into a pooled send buffer (sent without a further copy).
-
-    `planned` is `plan.payload_specs` of the batch, the shapes the drafter has already posted its
-    receive for: a batch that differs is an error here, before anything is sent. The selected
-    layers are concatenated into the buffer's `context`, which the concatenation needed anyway;
-    `last_hidden` (for the KL term) is one extra copy of H values per token.
-    """
-    context_shape = (*layers[0].shape[:-1], sum(t.shape[-1] for t in layers))
-    specs = [("input_ids", input_ids.dtype, tuple(input_ids.shape)), ("loss_mask", loss_mask.dtype, tuple(loss_mask.shape)),
-             ("lengths", lengths.dtype, tuple(lengths.shape)), ("context", layers[0].dtype, context_shape)]
-    if last_hidden is not None:
-        specs.append(("last_hidden", last_hidden.dtype, tuple(last_hidden.shape)))
-    if specs != planned:
-        raise DFlashError(f"the target produced a batch of {bridge_mod.describe_specs(specs)}, but the data plan says "
-                          f"{bridge_mod.describe_specs(planned)} (is the target's dtype the run's dtype?)")
-    out = sender.empty(specs)
-    out["input_ids"].copy_(input_ids)
-    out["loss_mask"].copy_(loss_mask)
-    out["lengths"].copy_(lengths)
-    torch.cat(layers, dim=-1, out=out["context"])
-    if last_hidden is not None:
-        out["last_hidden"].copy_(last_hidden)
-    return out

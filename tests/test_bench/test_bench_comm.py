@@ -43,7 +43,7 @@ def test_bench_comm_table() -> None:
 
 def test_bench_comm_adds_a_row_for_one_training_batch_of_a_config(tiny_target: Path) -> None:
     """--config: one full batch of that run, token budget x (selected layers + final hidden if KL) x dtype + ids."""
-    from dflash_ds.init_drafter import drafter_arch_from_target
+    from dflash_ds.models.from_target import drafter_arch_from_target
 
     r = bench_torchrun(2, ["comm", "--sizes", "4K", "--iters", "2", "--warmup", "0", "--rounds", "1", "--config",
                            str(REPO / "configs/tiny.yaml"), "--set", f"target={tiny_target}",

@@ -88,7 +88,8 @@ def test_static_terms_by_hand() -> None:
 
 def test_params_formula_matches_the_drafter_module() -> None:
     """Psi counted by the formula equals the real module's parameter count (built on the meta device)."""
-    from dflash_ds.bench.memory import PRESETS, drafter_shape
+    from dflash_ds.models.presets import PRESETS
+    from dflash_ds.bench.memory import drafter_shape
     from dflash_ds.models.drafter import DFlashDrafter, DrafterArch, default_target_layer_ids
 
     for preset in PRESETS.values():

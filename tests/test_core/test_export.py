@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_ds.errors import DFlashError
-from dflash_ds.init_drafter import init_drafter, pick_mask_token_id
+from dflash_ds.tools.init_drafter import init_drafter
+from dflash_ds.models.from_target import pick_mask_token_id
 from dflash_ds.models.drafter import DFlashDrafter, default_target_layer_ids
 
 CONFIG_FIELDS = {"block_size", "num_target_layers", "dflash_config", "architectures", "rope_theta", "hidden_size",

@@ -12,7 +12,7 @@ import torch
 
 from dflash_ds.config import load_config
 from dflash_ds.models.drafter import DFlashDrafter, default_target_layer_ids
-from dflash_ds.runtime.plan import resolve_arch
+from dflash_ds.runtime.job import resolve_arch
 
 REPO = Path(__file__).resolve().parents[2]
 S, F = "sliding_attention", "full_attention"

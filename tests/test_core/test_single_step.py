@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from dflash_ds.init_drafter import init_drafter
+from dflash_ds.tools.init_drafter import init_drafter
 
 
 def train_step(target, drafter, *extra: str) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_ds.errors import DFlashError
-from dflash_ds.tiny_target import make_tiny_target
+from dflash_ds.tiny.target import make_tiny_target
 
 
 def _digests(folder: Path) -> dict[str, str]:

@@ -28,7 +28,7 @@ def target(tiny_target):
 def prompts(tiny_target):
     from transformers import AutoTokenizer
 
-    from dflash_ds.tiny_target import tiny_prompts
+    from dflash_ds.tiny.corpus import tiny_prompts
 
     tok = AutoTokenizer.from_pretrained(str(tiny_target))
     texts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False)
@@ -38,6 +38,6 @@ def prompts(tiny_target):
 
 @pytest.fixture(scope="session")
 def random_drafter(tiny_target, tmp_path_factory):
-    from dflash_ds.init_drafter import init_drafter
+    from dflash_ds.tools.init_drafter import init_drafter
 
     return init_drafter(tiny_target, tmp_path_factory.mktemp("eval") / "drafter", num_layers=2, block_size=BS).eval()

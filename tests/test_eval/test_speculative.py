@@ -21,9 +21,9 @@ def trained_drafter(tiny_target, target, tmp_path_factory):
 
     from dflash_ds.components.objective import TargetStates, drafter_objective
     from dflash_ds.config import LossConfig
-    from dflash_ds.init_drafter import init_drafter
+    from dflash_ds.tools.init_drafter import init_drafter
     from dflash_ds.models.target import capture_hidden
-    from dflash_ds.tiny_target import tiny_prompts
+    from dflash_ds.tiny.corpus import tiny_prompts
 
     torch.set_num_threads(1)
     drafter = init_drafter(tiny_target, tmp_path_factory.mktemp("eval") / "trained", num_layers=2, block_size=BS,
@@ -152,7 +152,7 @@ def test_temperature_sampling_runs(target, prompts, random_drafter):
 
 
 def test_eval_cli_jsonl_and_json(tiny_target, random_drafter, tmp_path, capsys):
-    from dflash_ds.tiny_target import tiny_prompts
+    from dflash_ds.tiny.corpus import tiny_prompts
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in tiny_prompts(2)))
@@ -188,8 +188,8 @@ def test_prepared_prompts_match_jsonl_prompts(tiny_target, tmp_path):
 
 
 def test_mismatched_drafter_is_a_clear_error(tiny_target, tiny_target_factory, tmp_path, capsys):
-    from dflash_ds.init_drafter import init_drafter
-    from dflash_ds.tiny_target import tiny_prompts
+    from dflash_ds.tools.init_drafter import init_drafter
+    from dflash_ds.tiny.corpus import tiny_prompts
 
     narrow = tiny_target_factory(hidden=64, head_dim=16)
     init_drafter(narrow, tmp_path / "narrow", num_layers=2, block_size=BS)
@@ -203,7 +203,7 @@ def test_mismatched_drafter_is_a_clear_error(tiny_target, tiny_target_factory, t
 
 def test_lossless_mismatch_names_the_prompt(tiny_target, random_drafter, tmp_path, capsys, monkeypatch):
     import dflash_ds.eval.cli as eval_cli
-    from dflash_ds.tiny_target import tiny_prompts
+    from dflash_ds.tiny.corpus import tiny_prompts
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in tiny_prompts(2)))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash_ds.eval.speculative import TargetSession, greedy_generate, speculative_generate
-from dflash_ds.models.families import FAMILIES, make_tiny_family
+from dflash_ds.tiny.families import FAMILIES, make_tiny_family
 from dflash_ds.models.target import capture_layers, load_target, load_target_head, read_target_config, target_parts
 
 BS = 4  # block size of the oracle and random drafters
@@ -37,7 +37,7 @@ def chat_prompt(path) -> list[int]:
     """One chat-template prompt of the tiny tokenizer (about 20 tokens: past gpt-oss's toy window of 8)."""
     from transformers import AutoTokenizer
 
-    from dflash_ds.tiny_target import tiny_prompts
+    from dflash_ds.tiny.corpus import tiny_prompts
 
     tok = AutoTokenizer.from_pretrained(str(path))
     text = tok.apply_chat_template(tiny_prompts(1)[0]["messages"], add_generation_prompt=True, tokenize=False)
@@ -78,7 +78,7 @@ def test_family_loads_captures_and_decodes_losslessly(family, tmp_path, monkeypa
     import transformers
 
     from dflash_ds.eval import tree as tree_mod
-    from dflash_ds.init_drafter import init_drafter
+    from dflash_ds.tools.init_drafter import init_drafter
 
     # One path per batched verify forward, so a tree of two leaves takes two (the chunking is exercised).
     monkeypatch.setattr(tree_mod, "ROWS_PER_FORWARD", 1)
@@ -171,7 +171,7 @@ def test_family_prepare_train_export_eval(family, tmp_path):
     from runtime_utils import REPO, make_dataset, torchrun
 
     from dflash_ds.cli import main
-    from dflash_ds.init_drafter import default_target_layer_ids
+    from dflash_ds.models.drafter_arch import default_target_layer_ids
     from dflash_ds.models.drafter import DFlashDrafter
 
     sliding = family == "qwen3_5"

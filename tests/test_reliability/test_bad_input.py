@@ -291,7 +291,7 @@ def test_eval_jsonl_prompts_without_chat_template_loads_no_model(no_template_tar
 def test_empty_dataset(tmp_path, how):
     import datasets
 
-    from dflash_ds.runtime.plan import open_data
+    from dflash_ds.data.stream import open_data
 
     empty = tmp_path / "empty"
     if how == "saved_empty":  # no Arrow file at all: datasets.load_from_disk itself would crash
@@ -323,7 +323,7 @@ def test_prepare_with_every_row_dropped_writes_nothing(tiny_target, tmp_path, ca
 
 
 def test_token_id_outside_the_vocabulary(tmp_path):
-    from dflash_ds.runtime.plan import open_data
+    from dflash_ds.data.stream import open_data
 
     data = write_dataset(tmp_path / "data", [list(range(1, 40)), [1, 2, 10**6, 3, 4]])
     with pytest.raises(DFlashError) as info:
@@ -361,7 +361,7 @@ def fake_checkpoint(folder: Path, arch: dict, complete: bool = True) -> Path:
 def test_resume_checkpoint_that_differs_from_the_config(tiny_target, tmp_path, key, saved):
     from dflash_ds.runtime import checkpoint as ckpt
     from dflash_ds.runtime.drafter_worker import _check_resume_state
-    from dflash_ds.runtime.plan import resolve_arch
+    from dflash_ds.runtime.job import resolve_arch
 
     arch = resolve_arch(load_config(TINY, {"target": str(tiny_target)}))
     now = getattr(arch, key)

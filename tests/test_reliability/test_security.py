@@ -107,7 +107,7 @@ def test_use_safe_loading_replaces_the_engine_loader():
 
 def test_drafter_export_without_safetensors_is_refused(tiny_target, tmp_path):
     """An export folder carrying only a pickle (pytorch_model.bin) is an error, never torch.load-ed."""
-    from dflash_ds.init_drafter import init_drafter
+    from dflash_ds.tools.init_drafter import init_drafter
     from dflash_ds.models.drafter import DFlashDrafter
 
     export = tmp_path / "drafter"

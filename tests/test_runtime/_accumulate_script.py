@@ -23,7 +23,7 @@ dist.init_process_group("gloo", init_method=f"file://{pg_file}", rank=0, world_s
 
 from dflash_ds.config import load_config  # noqa: E402
 from dflash_ds.runtime.drafter_worker import _accumulate, _build, _forward  # noqa: E402
-from dflash_ds.runtime.plan import resolve_arch  # noqa: E402
+from dflash_ds.runtime.job import resolve_arch  # noqa: E402
 
 cfg = load_config(config, {"target": target, "optim": {"warmup_steps": 0}})  # lr 0 at step 0 otherwise
 arch = resolve_arch(cfg)

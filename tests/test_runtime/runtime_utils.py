@@ -36,7 +36,7 @@ def _is_free(port: int) -> bool:
 
 def write_conversations(path: Path, n: int, seed: int = 0) -> Path:
     """ShareGPT-style rows with answers made of the tiny corpus' simple sentences."""
-    from dflash_ds.tiny_target import generate_corpus
+    from dflash_ds.tiny.corpus import generate_corpus
 
     rng = random.Random(seed)
     lines = generate_corpus(400, seed=seed + 7)

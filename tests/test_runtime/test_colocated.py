@@ -62,7 +62,7 @@ def test_two_colocated_ranks_train_the_disaggregated_runs_batches(colocated, ref
     for step in (10, 20):
         state = json.loads((out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
         assert (state["step"], state["num_drafters"], state["global_batch"], state["colocated"]) == (step, 2, 2, True)
-    from dflash_ds.ckpt_cli import format_info
+    from dflash_ds.tools.ckpt import format_info
     from dflash_ds.runtime.resume import checkpoint_info
 
     info = checkpoint_info(out / "checkpoints" / "step_00000020")

@@ -9,10 +9,10 @@ from dflash_ds.data.batching import BatchSpec
 from dflash_ds.data.loader import collate
 from dflash_ds.distributed.bridge import AsyncSender
 from dflash_ds.errors import DFlashError
-from dflash_ds.init_drafter import drafter_arch_from_target
+from dflash_ds.models.from_target import drafter_arch_from_target
 from dflash_ds.models.target import capture_layers, load_target
-from dflash_ds.runtime.plan import payload_specs
-from dflash_ds.runtime.target_worker import build_payload
+from dflash_ds.distributed.wire import payload_specs
+from dflash_ds.distributed.wire import build_payload
 
 
 @pytest.mark.parametrize("kl", [False, True])

@@ -49,9 +49,11 @@ def test_first_step_loss_equals_single_process(setup, reference):
     from dflash_ds.config import load_config
     from dflash_ds.data.batching import Cursor
     from dflash_ds.models.target import capture_hidden, load_target
-    from dflash_ds.runtime.drafter_worker import ANCHOR_SALT
+    from dflash_ds.runtime.step import ANCHOR_SALT
     from dflash_ds.runtime.engine import DrafterTrainModule
-    from dflash_ds.runtime.plan import batch_seed, load_batch, open_data, resolve_arch
+    from dflash_ds.runtime.step import batch_seed
+    from dflash_ds.data.stream import load_batch, open_data
+    from dflash_ds.runtime.job import resolve_arch
     from dflash_ds.models.drafter import DFlashDrafter
     from dflash_ds.models.target import load_target_head
     from dflash_ds.components.objective import TargetStates

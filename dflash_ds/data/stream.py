@@ -1,7 +1,7 @@
-"""What every rank agrees on before training: the drafter shape, the data, the step plan.
+"""The batch stream every rank walks: the prepared dataset cut into optimizer steps and micro-steps.
 
-Each rank derives the same facts from the config alone, so nothing but the resume point
-(step and data cursor, sent by the leader) has to travel at start-up.
+The stream is a pure function of (dataset, seed, token budget, buckets, global batch), identical on
+every rank, so a target knows which batches a drafter will ask for and a resume continues exactly.
 """
 
 from __future__ import annotations
@@ -18,37 +18,6 @@ from dflash_ds.config import Config
 from dflash_ds.data.batching import BatchSampler, BatchSpec, Cursor, bucket_boundaries
 from dflash_ds.data.loader import COLUMNS, collate, load_lengths
 from dflash_ds.errors import DFlashError
-from dflash_ds.models.drafter import DrafterArch, read_drafter_arch
-
-
-def resolve_arch(cfg: Config) -> DrafterArch:
-    """The drafter shape: from --drafter's config.json, else derived from the target and cfg.model."""
-    from dflash_ds.init_drafter import drafter_arch_from_target
-
-    if cfg.drafter:
-        arch = read_drafter_arch(cfg.drafter)
-        tgt = drafter_arch_from_target(cfg.target, num_layers=arch.num_hidden_layers, block_size=arch.block_size,
-                                       mask_token_id=arch.mask_token_id, target_layer_ids=arch.target_layer_ids)
-        check_arch_matches_target(arch, tgt, cfg.drafter, cfg.target)
-        return arch
-    return drafter_arch_from_target(cfg.target, num_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
-                                    mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids,
-                                    layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window)
-
-
-def check_arch_matches_target(arch: DrafterArch, tgt: DrafterArch, drafter_dir, target_dir) -> None:
-    """A drafter whose width, vocab or target depth differs from the target's -> one clear error."""
-    for name in ("num_target_layers", "hidden_size", "vocab_size"):
-        a, b = getattr(arch, name), getattr(tgt, name)
-        if a != b:
-            raise DFlashError(f"drafter {drafter_dir} has {name} = {a} but target {target_dir} has {b}")
-
-
-def torch_dtype(cfg: Config, cuda: bool) -> torch.dtype:
-    """Compute dtype: bf16 on GPU, fp32 on CPU unless the config says otherwise."""
-    if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cuda):
-        return torch.bfloat16
-    return torch.float32
 
 
 @dataclass(frozen=True)
@@ -57,7 +26,7 @@ class MicroStep:
 
     `index` = step * A + micro (A = micro-batches per drafter per step) numbers the micro-steps;
     drafter d's batch of it is global batch index * D + d = step * G + micro * D + d, so with
-    A = 1 this is the one-batch-per-drafter rule of `distributed/router.py`, and the G batches of
+    A = 1 this is the one-batch-per-drafter rule of `Layout.route`, and the G batches of
     a step are the same whatever D is.
     """
 
@@ -73,7 +42,7 @@ class MicroStep:
 
 
 @dataclass
-class DataPlan:
+class BatchStream:
     """The prepared dataset and its batch stream, identical on every rank.
 
     The stream is cut into optimizer steps of `global_batch` batches (G); each of the D drafters
@@ -129,7 +98,7 @@ def check_global_batch(global_batch: int, num_drafters: int, where: str = "") ->
                           f"divide {global_batch}: {', '.join(map(str, fits))})")
 
 
-def open_data(cfg: Config, num_drafters: int, vocab_size: int, global_batch: int | None = None) -> DataPlan:
+def open_data(cfg: Config, num_drafters: int, vocab_size: int, global_batch: int | None = None) -> BatchStream:
     """Load the prepared dataset (memory-mapped) and check it fits the run; errors name the folder."""
     from datasets import load_from_disk
 
@@ -161,7 +130,7 @@ def open_data(cfg: Config, num_drafters: int, vocab_size: int, global_batch: int
                           f"(prepared with another tokenizer?)")
     boundaries = bucket_boundaries(cfg.data.max_length, cfg.data.num_buckets)
     g = cfg.train.global_batch if global_batch is None else global_batch
-    return DataPlan(ds, lengths, boundaries, num_drafters, cfg.train.seed, cfg.data.token_budget, g)
+    return BatchStream(ds, lengths, boundaries, num_drafters, cfg.train.seed, cfg.data.token_budget, g)
 
 
 def _saved_without_rows(path: Path) -> bool:
@@ -177,40 +146,3 @@ def load_batch(dataset, spec: BatchSpec, pad_id: int = 0) -> dict[str, torch.Ten
     rows = dataset.select_columns(list(COLUMNS)).with_format(None)[spec.sample_ids]
     input_ids, loss_mask, attention_mask, lengths = collate(rows, spec, pad_id)
     return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask, "lengths": lengths}
-
-
-def payload_specs(spec: BatchSpec, arch: DrafterArch, dtype: torch.dtype,
-                  last_hidden: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """The bridge payload of one batch, (name, dtype, shape) in wire order, from the shared data plan alone.
-
-    The target builds its batch to these specs and the drafter posts its receive with them before
-    the batch exists (`bridge.Receiver`), so both must derive them here: right-padded int64 ids and
-    mask (`data.loader.collate`), lengths, the selected layers concatenated, and the final hidden
-    state when the loss has a KL term, in the run's dtype.
-    """
-    hidden = arch.hidden_size
-    return payload_specs_for(spec.num_seqs, spec.max_length, len(arch.target_layer_ids) * hidden,
-                             hidden if last_hidden else 0, dtype)
-
-
-def payload_specs_for(rows: int, width: int, context_dim: int, last_dim: int,
-                      dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """`payload_specs` from the shapes themselves (`bench comm` sends batches of this form); no final hidden if
-    last_dim is 0."""
-    specs = [("input_ids", torch.int64, (rows, width)), ("loss_mask", torch.int64, (rows, width)),
-             ("lengths", torch.int64, (rows,)), ("context", dtype, (rows, width, context_dim))]
-    if last_dim:
-        specs.append(("last_hidden", dtype, (rows, width, last_dim)))
-    return specs
-
-
-def batch_seed(seed: int, global_batch: int, salt: int) -> int:
-    """Seed of a per-batch generator (anchors, noise): a pure function, so resume is exact."""
-    return (seed * 1_000_003 + global_batch * 7919 + salt) % (2**63 - 1)
-
-
-def last_step(cfg: Config) -> int:
-    """Steps this invocation runs up to: train.stop_at if set (and earlier), else train.max_steps."""
-    if cfg.train.stop_at and cfg.train.stop_at < cfg.train.max_steps:
-        return cfg.train.stop_at
-    return cfg.train.max_steps

@@ -1,17 +1,17 @@
-"""`dflash-ds init-drafter`: derive a drafter from a target and save a random init in the export format."""
+"""The drafter shape derived from a target folder: width, heads, vocabulary, RoPE, layer ids, mask token.
+
+Reads the target's config.json and tokenizer only (no weights).
+"""
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_ds.errors import DFlashError
-from dflash_ds.models.drafter import DFlashDrafter, DrafterArch, default_target_layer_ids
+from dflash_ds.models.drafter_arch import DrafterArch, default_target_layer_ids
 from dflash_ds.models.target import read_target_config
 
 # "<|MASK|>" is SGLang's default DFlash mask token (dflash_config.mask_token when unset).
@@ -92,63 +92,3 @@ def target_dtype(target_dir: str | Path) -> torch.dtype:
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
-
-
-def init_drafter(target_dir: str | Path, out_dir: str | Path, *, num_layers: int = 5, block_size: int = 16,
-                 mask_token_id: int | None = None, seed: int = 0, force: bool = False,
-                 layer_types: list[str] | None = None, sliding_window: int | None = None) -> DFlashDrafter:
-    """Build, seed-init and save a drafter for `target_dir` into `out_dir` (atomically), in the target's dtype.
-
-    The export's dtype is what SGLang / vLLM run under --dtype auto, so a bf16 target's drafter
-    says bfloat16 (a float32 config would be served as float16 by SGLang).
-    """
-    out = Path(out_dir)
-    arch = drafter_arch_from_target(target_dir, num_layers=num_layers, block_size=block_size,
-                                    mask_token_id=mask_token_id, layer_types=layer_types,
-                                    sliding_window=sliding_window)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise DFlashError(f"output folder {out} is not empty (use --force to overwrite)")
-    model = DFlashDrafter(arch)
-    model.init_weights(seed)  # drawn in fp32, then cast: the same numbers whatever the dtype
-    model = model.to(target_dtype(target_dir))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return model
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="local HF folder of the target model (Qwen3 / Llama)")
-    p.add_argument("--out", required=True, help="folder to write the drafter export (config.json, model.safetensors)")
-    p.add_argument("--num-layers", type=int, default=5, help="draft decoder layers (default 5)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block incl. the anchor (default 16)")
-    p.add_argument("--mask-token-id", type=int, default=None,
-                   help="MASK token id (default: the tokenizer's mask token, <|mask|>, or a spare vocab row)")
-    p.add_argument("--layer-types", default="",
-                   help="comma-separated attention type per draft layer, full_attention or sliding_attention "
-                        "(default: all full_attention)")
-    p.add_argument("--sliding-window", type=int, default=None,
-                   help="window of the sliding_attention layers in positions, the query included")
-    p.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
-
-
-def run(args: argparse.Namespace) -> int:
-    types = [t.strip() for t in args.layer_types.split(",") if t.strip()] or None
-    model = init_drafter(args.target, args.out, num_layers=args.num_layers, block_size=args.block_size,
-                         mask_token_id=args.mask_token_id, seed=args.seed, force=args.force,
-                         layer_types=types, sliding_window=args.sliding_window)
-    n = sum(p.numel() for p in model.parameters())
-    a = model.arch
-    print(f"drafter: {a.num_hidden_layers} layers, hidden {a.hidden_size}, block {a.block_size}, "
-          f"target layers {a.target_layer_ids}, mask token {a.mask_token_id}, {n / 1e6:.2f} M params -> {args.out}")
-    if a.has_sliding:
-        print(f"layer types {a.layer_types}, sliding window {a.sliding_window}")
-    return 0

@@ -1,7 +1,7 @@
 """Tiny random targets of each supported family, for tests and demos without network access.
 
 Each family is built from its own transformers config at toy width (a few layers, hidden 64) and saved with
-`save_pretrained` (safetensors) beside the chat-template tokenizer of `tiny_target`, as the released
+`save_pretrained` (safetensors) beside the chat-template tokenizer of `tiny/tokenizer.py`, as the released
 checkpoints are: Qwen3.5/3.6 (dense and MoE) as their vision-language wrapper, so the folder exercises the
 same loading path (`AutoModelForCausalLM` maps the wrapper to its text-only causal LM) and the same
 safetensors keys (`model.language_model.*`).
@@ -72,7 +72,8 @@ def make_tiny_family(out_dir: str | Path, family: str, vocab_size: int = 512, se
     import torch
     import transformers
 
-    from dflash_ds.tiny_target import build_tokenizer, prepare_out_dir, save_tiny
+    from dflash_ds.tiny.target import prepare_out_dir, save_tiny
+    from dflash_ds.tiny.tokenizer import build_tokenizer
 
     out = prepare_out_dir(out_dir, force)
     tokenizer = build_tokenizer(vocab_size)

@@ -13,7 +13,7 @@ Pure arithmetic, no GPU and no process group:
   on N GPUs, if the target's weights + the drafter's training memory + a headroom fit one GPU;
 - choice: the mode with more tokens/s (a tie keeps disaggregated: less memory per GPU).
 
-The colocated rate, its memory check and the choice live in `plan_colocated.py`.
+The colocated rate, its memory check and the choice live in `plan/colocated.py`.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ds.config import DataConfig, TrainConfig
+from dflash_ds.distributed.wire import ID_BYTES
 from dflash_ds.errors import DFlashError
-from dflash_ds.plan_colocated import (PRESET_NAMES, choice_lines, choose, colocated_lines, colocated_memory,
+from dflash_ds.models.presets import PRESETS
+from dflash_ds.plan.colocated import (PRESET_NAMES, choice_lines, choose, colocated_lines, colocated_memory,
                                       colocated_option)
 
-QWEN3_8B = {"hidden": 4096, "vocab": 151936, "layers": 36}
-# The bridge carries input_ids and loss_mask as int64 (see target_worker): 8 + 8 bytes per token.
-ID_BYTES = 16
+_Q8 = PRESETS["qwen3-8b"]
+QWEN3_8B = {"hidden": _Q8["hidden_size"], "vocab": _Q8["vocab_size"], "layers": _Q8["num_hidden_layers"]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,7 +145,6 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         shape_cfg = read_target_config(args.target)
         hidden, vocab, source = hidden or int(shape_cfg["hidden_size"]), vocab or int(shape_cfg["vocab_size"]), args.target
     else:
-        from dflash_ds.bench.memory import PRESETS
 
         shape_cfg = dict(PRESETS[args.preset or "qwen3-8b"])  # the drafter's heads and MLP, scaled to H if H differs
         if hidden is None or vocab is None:

@@ -4,7 +4,7 @@ Colocated (`--colocate`): one GPU runs the target forward, then the drafter step
 sustains c = 1 / (1/a + 1/b) tok/s (or the rate `bench pipeline` measured, phase (d)), N c on N
 GPUs, if the target's weights + the drafter's training memory + a headroom fit one GPU. The
 choice: the mode with more tokens/s (a tie keeps disaggregated: less memory per GPU). The
-disaggregated split and the wire arithmetic are in `plan_capacity.py`.
+disaggregated split and the wire arithmetic are in `plan/capacity.py`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Any
 
 from dflash_ds.config import DataConfig, DrafterConfig, LossConfig
 from dflash_ds.errors import DFlashError
+from dflash_ds.models.presets import PRESETS
 
 GB = 1e9
-PRESET_NAMES = ("qwen3-8b", "qwen3.6-27b")  # bench/memory.py's PRESETS (imported only when needed)
+PRESET_NAMES = tuple(PRESETS)
 
 
 def colocated_rate(a: float, b: float) -> float:

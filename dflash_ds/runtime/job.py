@@ -1,0 +1,49 @@
+"""What every rank of a job derives from the config alone: the drafter shape, the dtype, the last step.
+
+`run_job` derives them once and hands them to the role it runs; each rank computes the same
+values, so nothing but the resume point (sent by the leader) has to travel at start-up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_ds.config import Config
+from dflash_ds.errors import DFlashError
+from dflash_ds.models.drafter_arch import DrafterArch, read_drafter_arch
+from dflash_ds.models.from_target import drafter_arch_from_target
+
+
+def resolve_arch(cfg: Config) -> DrafterArch:
+    """The drafter shape: from --drafter's config.json, else derived from the target and cfg.model."""
+    if cfg.drafter:
+        arch = read_drafter_arch(cfg.drafter)
+        tgt = drafter_arch_from_target(cfg.target, num_layers=arch.num_hidden_layers, block_size=arch.block_size,
+                                       mask_token_id=arch.mask_token_id, target_layer_ids=arch.target_layer_ids)
+        check_arch_matches_target(arch, tgt, cfg.drafter, cfg.target)
+        return arch
+    return drafter_arch_from_target(cfg.target, num_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
+                                    mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids,
+                                    layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window)
+
+
+def check_arch_matches_target(arch: DrafterArch, tgt: DrafterArch, drafter_dir, target_dir) -> None:
+    """A drafter whose width, vocab or target depth differs from the target's -> one clear error."""
+    for name in ("num_target_layers", "hidden_size", "vocab_size"):
+        a, b = getattr(arch, name), getattr(tgt, name)
+        if a != b:
+            raise DFlashError(f"drafter {drafter_dir} has {name} = {a} but target {target_dir} has {b}")
+
+
+def torch_dtype(cfg: Config, cuda: bool) -> torch.dtype:
+    """Compute dtype: bf16 on GPU, fp32 on CPU unless the config says otherwise."""
+    if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cuda):
+        return torch.bfloat16
+    return torch.float32
+
+
+def last_step(cfg: Config) -> int:
+    """Steps this invocation runs up to: train.stop_at if set (and earlier), else train.max_steps."""
+    if cfg.train.stop_at and cfg.train.stop_at < cfg.train.max_steps:
+        return cfg.train.stop_at
+    return cfg.train.max_steps
