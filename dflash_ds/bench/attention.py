@@ -1,7 +1,7 @@
 """`dflash-ds bench attention`: the drafter's training step under each block-sparse mask backend.
 
 The drafter attends from A anchor blocks of `block_size` tokens to [context, own block] under a
-block-sparse mask (DESIGN §3). On CPU the mask is a dense boolean tensor fed to SDPA; on GPU a
+block-sparse mask (docs/DESIGN.md §3). On CPU the mask is a dense boolean tensor fed to SDPA; on GPU a
 flex_attention BlockMask skips the masked tiles. This measures, for one synthetic batch of the
 chosen shape, forward + backward time of the drafter, tokens/s (sequence tokens per second), peak
 device memory and the largest output difference of each backend against the dense one.

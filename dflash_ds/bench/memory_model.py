@@ -50,7 +50,7 @@ GB = 1e9
 # 32, 64 and 128 (V = 16,384) gave 8.0 (fp32: logits + log-softmax's logsumexp temporary), 10.0
 # (bf16: + the bf16 logits) and 20.0 with KL, independent of the chunk to 0.1. CUDA, counted from
 # the kernels (not yet measured): the local backward holds the fp32 log-probs, their gradient and
-# the logits' gradient, 12; with KL, DESIGN §7's unchunked measurement, 32.5 (a safe upper bound).
+# the logits' gradient, 12; with KL, docs/DESIGN.md §7's unchunked measurement, 32.5 (a safe upper bound).
 CPU_LM_HEAD_BYTES = {4: 8.0, 2: 10.0}
 CPU_LM_HEAD_KL_BYTES = 20.0
 CUDA_LM_HEAD_BYTES = 12.0
@@ -65,7 +65,7 @@ CUDA_LM_HEAD_KL_BYTES = 32.5
 MLP_GRAD_I = 1.0
 GRAD_H = 2.5
 PHASES = ("forward", "loss", "backward")
-# The H200's dense bf16 peak (DESIGN §7), the denominator of MFU.
+# The H200's dense bf16 peak (docs/DESIGN.md §7), the denominator of MFU.
 H200_BF16_FLOPS = 790e12
 
 

@@ -1,4 +1,4 @@
-"""Anchor sampling, block labels, the DFlash loss and its metrics (DESIGN §3).
+"""Anchor sampling, block labels, the DFlash loss and its metrics (docs/DESIGN.md §3).
 
 Shapes: N blocks (batch x anchors flattened), K = block_size - 1 predicted positions
 per block, V vocabulary. Position k (1-based) of a block predicts x_{anchor+k}.

@@ -1,6 +1,6 @@
 """Which rank is a target and which a drafter, and the process groups each one gets.
 
-Why the groups look like this (DESIGN §5): when all ranks share one default
+Why the groups look like this (docs/DESIGN.md §5): when all ranks share one default
 process group and only drafters build the DeepSpeed engine, DeepSpeed still
 issues world-wide collectives (`save_checkpoint`'s tag all_reduce and final
 barrier, ZeRO-3's init barrier) that target ranks never join, and the job
@@ -311,7 +311,7 @@ def init_role_groups(
     timeout = datetime.timedelta(seconds=timeout_s)
 
     # torchrun tells env:// to use its agent's store; our role-local world is not
-    # the agent's, so a later env:// init would wait for it forever (DESIGN §5).
+    # the agent's, so a later env:// init would wait for it forever (docs/DESIGN.md §5).
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) == "True"
     store = job_store(master_addr, master_port, rank, layout.world_size, timeout, agent_store)
 

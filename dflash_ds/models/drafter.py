@@ -1,7 +1,7 @@
 """The DFlash drafter: a small block-diffusion transformer over target context features.
 
 Single-device model code: it imports no process group. The parameter names and
-the export folder match the public reference `DFlashDraftModel` (DESIGN §2), so
+the export folder match the public reference `DFlashDraftModel` (docs/DESIGN.md §2), so
 SGLang, vLLM and the reference code load what `save_pretrained` writes.
 
 Two forwards share the weights:
@@ -238,7 +238,7 @@ class DFlashDrafter(nn.Module):
     @staticmethod
     def block_mask(anchors: torch.Tensor, ctx_len: int, bs: int, use_flex: bool = False,
                    sliding_window: int | None = None) -> Any:
-        """Block-sparse mask: block j sees context < anchor_j and its own bs tokens (DESIGN §3).
+        """Block-sparse mask: block j sees context < anchor_j and its own bs tokens (docs/DESIGN.md §3).
 
         With `sliding_window` W (a sliding layer) the query at offset o of block j (position
         anchor_j + o) sees only keys at positions in (anchor_j + o - W, anchor_j + o]: causal
@@ -317,7 +317,7 @@ class DFlashDrafter(nn.Module):
 
     # ---- export format -------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | Path) -> Path:
-        """Write config.json and model.safetensors in the reference layout (DESIGN §2), in the weights' dtype."""
+        """Write config.json and model.safetensors in the reference layout (docs/DESIGN.md §2), in the weights' dtype."""
         from safetensors.torch import save_file
 
         out = Path(out_dir)

@@ -1,4 +1,4 @@
-"""The drafter's shape (`DrafterArch`) and its export config.json (DESIGN §2).
+"""The drafter's shape (`DrafterArch`) and its export config.json (docs/DESIGN.md §2).
 
 Attention layer types follow the serving engines' DFlash loaders (read in SGLang's
 `python/sglang/srt/models/dflash.py` + `speculative/dflash_utils.py`, vLLM's
@@ -31,7 +31,7 @@ LAYER_TYPES = (FULL, SLIDING)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DESIGN §2 rule (one draft layer -> [L // 2]; else n ids spread over [1, L-3]), distinct on shallow targets.
+    """docs/DESIGN.md §2 rule (one draft layer -> [L // 2]; else n ids spread over [1, L-3]), distinct on shallow targets.
 
     Real depths keep the public rule exactly (36 layers, 5 draft layers -> [1, 9, 17, 25, 33];
     64 layers -> [1, 16, 31, 46, 61], SpecForge's Qwen3.6-27B ids). It repeats ids once L < n + 3
@@ -127,7 +127,7 @@ class DrafterArch:
         )
 
     def to_json_dict(self) -> dict[str, Any]:
-        """The export config.json: a Qwen3 config plus the DFlash fields (DESIGN §2)."""
+        """The export config.json: a Qwen3 config plus the DFlash fields (docs/DESIGN.md §2)."""
         cfg = self.to_hf_config().to_dict()
         cfg.update(self.extra)
         cfg.update({

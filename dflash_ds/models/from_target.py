@@ -43,7 +43,7 @@ def drafter_arch_from_target(target_dir: str | Path, *, num_layers: int = 5, blo
                              mask_token_id: int | None = None, target_layer_ids: list[int] | None = None,
                              layer_types: list[str] | None = None,
                              sliding_window: int | None = None) -> DrafterArch:
-    """Width, heads, vocab and RoPE from the target; target_layer_ids by the default rule (DESIGN §2).
+    """Width, heads, vocab and RoPE from the target; target_layer_ids by the default rule (docs/DESIGN.md §2).
 
     Reads config.json and the tokenizer only (no weights), so it works on a config-only folder
     when mask_token_id is given.

@@ -4,7 +4,7 @@ Layout under OUTPUT_DIR/checkpoints/:
     step_00000010/            a complete checkpoint
         ds/                   engine.save_checkpoint (sharded over drafter ranks)
         trainer_state.json    step, data cursor, config, drafter shape
-        export/               HF export of the drafter (DESIGN §2)
+        export/               HF export of the drafter (docs/DESIGN.md §2)
         COMPLETE              written last, before the rename
     step_00000020.partial/    a save in progress (ignored and removed on the next start)
     latest                    name of the newest complete checkpoint, replaced atomically

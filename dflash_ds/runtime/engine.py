@@ -52,7 +52,7 @@ def load_ds_config(path: Path, cfg: Config, bf16: bool, accumulation: int = 1,
     ds["bf16"] = {"enabled": bool(bf16)}
     ds.pop("fp16", None)
     ds["zero_allow_untested_optimizer"] = True
-    # save_checkpoint's tag all_reduce must stay inside the drafter group (DESIGN §5).
+    # save_checkpoint's tag all_reduce must stay inside the drafter group (docs/DESIGN.md §5).
     ds.setdefault("checkpoint", {})["tag_validation"] = "Ignore"
     ds["checkpoint"]["load_universal"] = bool(load_universal)  # resharded: runtime/resume.py
     ds.setdefault("steps_per_print", 10**9)

@@ -31,7 +31,7 @@ def test_bench_batching_json() -> None:
             assert key in result[name], (name, key)
         assert 0 < result[name]["padding_efficiency"] <= 1
     ours, random4 = result["bucketed"], result["random_pad_to_longest"]
-    assert ours["padding_efficiency"] >= 0.95  # DESIGN §5: sorting inside buckets, ~0.999 at 50k samples
+    assert ours["padding_efficiency"] >= 0.95  # docs/DESIGN.md §5: sorting inside buckets, ~0.999 at 50k samples
     assert ours["padding_efficiency"] > random4["padding_efficiency"]
     assert ours["longest_same_bucket_run"] <= 3
     assert ours["max_padded_tokens"] <= 16384

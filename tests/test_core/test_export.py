@@ -1,4 +1,4 @@
-"""init-drafter output against the export format of DESIGN §2, and its bad-input errors."""
+"""init-drafter output against the export format of docs/DESIGN.md §2, and its bad-input errors."""
 
 import json
 import subprocess
