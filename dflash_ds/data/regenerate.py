@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dflash_ds.data import formats
-from dflash_ds.data.prepare import check_special_tokens, special_token_pattern
+from dflash_ds.data.chat import check_special_tokens, special_token_pattern
 from dflash_ds.errors import DFlashError
 
 

@@ -58,7 +58,7 @@ def _prepared_prompts(folder: Path, num_prompts: int) -> list[list[int]]:
 def _file_prompts(path: Path, target_dir: str | Path, num_prompts: int) -> list[list[int]]:
     # The conversation up to its last user turn, rendered with the generation prompt.
     from dflash_ds.data import formats
-    from dflash_ds.data.prepare import load_tokenizer
+    from dflash_ds.data.chat import load_tokenizer
 
     tok = load_tokenizer(str(target_dir))
     prompts = []
