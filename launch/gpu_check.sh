@@ -7,7 +7,7 @@
 # 2. `bench memory` for a Qwen3-8B-shaped drafter at the default config (5 layers, token budget
 #    16384, 512 anchors/seq capped at 2048 per batch, chunk 64) in bf16 with flex_attention and
 #    activation checkpointing: widths 256 and 512 and the full width 4096 (--full), measured peak
-#    (max_memory_allocated) beside the formula's prediction, tokens/s and MFU (790 TFLOP/s bf16);
+#    (max_memory_allocated) beside the formula's prediction, tokens/s and MFU (989 TFLOP/s dense bf16);
 # 3. the unit tests that need CUDA (compiled flex_attention vs dense, train-step in bf16 on CUDA,
 #    bench memory on CUDA); on a CPU-only machine they are skipped;
 # 4. colocated training on the one GPU (launch/gpu_colocated.sh: NCCL, bf16, flex_attention,

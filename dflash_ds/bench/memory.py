@@ -341,7 +341,7 @@ def _print(res: dict[str, Any]) -> None:
         f"one micro-step (objective + backward); measured = {res['peak_kind']} minus before the step"
         + (", allocations >= 64 KiB mmapped; " if res["cpu_allocations_mmapped"] else "; ") +
         f"LM-head chunk at {res['lm_head_bytes_per_entry']:g} B per (position x vocab entry)"
-        + ("; MFU: model FLOPs (fwd + 2x bwd, + recompute) / 790 TFLOP/s" if mfu else ""))
+        + (f"; MFU: model FLOPs (fwd + 2x bwd, + recompute) / {mm.H200_BF16_FLOPS / 1e12:.0f} TFLOP/s" if mfu else ""))
     f = res["full_width"]
     print(f"\npredicted per drafter rank at full width H={f['hidden']} ({f['params'] / 1e9:.2f}B drafter params, "
           f"{f['anchors_per_row']} anchors/seq): bf16, flex_attention, checkpointing on, ZeRO-{f['settings']['zero_stage']} "

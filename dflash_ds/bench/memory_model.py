@@ -66,7 +66,7 @@ MLP_GRAD_I = 1.0
 GRAD_H = 2.5
 PHASES = ("forward", "loss", "backward")
 # The H200's dense bf16 peak (docs/DESIGN.md §7), the denominator of MFU.
-H200_BF16_FLOPS = 790e12
+H200_BF16_FLOPS = 989e12
 
 
 @dataclass(frozen=True)
