@@ -48,17 +48,60 @@ def read_target_config(path: str | Path) -> dict[str, Any]:
     return text
 
 
-def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
-    """Load the target causal LM with from_pretrained, frozen and in eval mode; its parts are checked here."""
+ATTENTION_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                attn_implementation: str = "auto") -> nn.Module:
+    """Load the target causal LM straight onto `device` in `dtype`, frozen and in eval mode.
+
+    `device_map` places each tensor on the rank's device as it is read from the safetensors: no
+    rank stages the whole model in host RAM first (a Qwen3.6-27B is 54 GB in bf16: eight colocated
+    ranks staging it would need 432 GB of host memory). `attn_implementation` ("auto": transformers'
+    choice, sdpa on most models) selects the attention kernels; `describe_target` says which run.
+    """
     from transformers import AutoModelForCausalLM
 
     read_target_config(path)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise DFlashError(f"target attention implementation {attn_implementation!r}: expected one of "
+                          f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    extra = {} if attn_implementation == "auto" else {"attn_implementation": attn_implementation}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=torch.device(device),
+                                                     local_files_only=True, **extra)
+    except (ImportError, ValueError) as exc:
+        if attn_implementation == "auto" or attn_implementation not in str(exc):
+            raise
+        raise DFlashError(f"target {path}: attention implementation {attn_implementation} is not available "
+                          f"here ({str(exc).splitlines()[0]})") from None
     target_parts(model, str(path))  # a target the drafter cannot read fails now, not mid-run
-    model.to(device).eval()
+    model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+# Kernels of the Gated DeltaNet (linear-attention) layers of Qwen3.5/3.6 and Qwen3-Next: without them
+# transformers runs a pure-torch fallback that is far slower.
+LINEAR_ATTENTION_KERNELS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+
+
+def describe_target(model: nn.Module) -> str:
+    """One line for the log: dtype, device, which attention implementation runs, and linear-attention kernels."""
+    import importlib.util
+
+    p = next(model.parameters())
+    text = model.config.get_text_config()
+    line = (f"target {type(model).__name__}: {str(p.dtype).removeprefix('torch.')} on {p.device}, attention "
+            f"{getattr(model.config, '_attn_implementation', None) or 'default'}")
+    if "linear_attention" in (getattr(text, "layer_types", None) or []):
+        have = [pip for mod, pip in LINEAR_ATTENTION_KERNELS.items() if importlib.util.find_spec(mod)]
+        missing = [pip for pip in LINEAR_ATTENTION_KERNELS.values() if pip not in have]
+        line += ("; Gated DeltaNet layers use the fast kernels (" + ", ".join(have) + ")" if not missing else
+                 f"; Gated DeltaNet layers run the slow pure-torch fallback ({', '.join(missing)} not installed: "
+                 f"pip install {' '.join(missing)})")
+    return line
 
 
 @dataclass
@@ -131,7 +174,9 @@ def capture_layers(target: nn.Module, input_ids: torch.Tensor, attention_mask: t
             raise DFlashError(f"target layer id {idx} is outside the target's {len(layers)} layers")
         hooks.append(layers[idx].register_forward_hook(keep(idx)))
     try:
-        with torch.no_grad():
+        # inference_mode: no autograd bookkeeping at all; the captured tensors are only read (copied into a
+        # send buffer, concatenated, or fed to the frozen head), never saved for a backward.
+        with torch.inference_mode():
             out = parts.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     finally:
         for h in hooks:
