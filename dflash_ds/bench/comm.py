@@ -33,6 +33,8 @@ import sys
 import time
 from typing import Any, Iterator
 
+from dflash_ds.bench.table import print_table
+
 GPU_SIZES = "64K,256K,1M,4M,16M,64M,256M"
 CPU_SIZES = "64K,256K,1M,4M,16M,64M"  # gloo over loopback: 256M only makes the run slow
 RAW_TAG, GO_TAG, EXCHANGE_CHANNEL = 120, 121, 50
@@ -93,7 +95,7 @@ def human_bytes(n: float) -> str:
 
 def training_like_specs(nbytes: int, feature_dim: int, dtype, last_dim: int = 0) -> list:
     """(name, dtype, shape) of a payload shaped like one training batch, of about `nbytes` bytes."""
-    from dflash_ds.distributed.wire import payload_specs_for
+    from dflash_ds.distributed.wire import bytes_per_token, payload_specs_for
 
     tokens = max(1, nbytes // bytes_per_token(feature_dim, last_dim, dtype))
     rows = max(1, tokens // 2048)  # sequences of up to ~2k tokens, as training batches hold
@@ -108,7 +110,7 @@ def training_like_batch(nbytes: int, feature_dim: int, dtype, device, last_dim: 
     shared zero page, which is faster than real memory and flatters a transfer. `last_dim` > 0
     adds the final hidden state (sent when the loss has a KL term).
     """
-    from dflash_ds.distributed.bridge import packed_empty
+    from dflash_ds.distributed.payload import packed_empty
 
     batch = packed_empty(training_like_specs(nbytes, feature_dim, dtype, last_dim), device)
     batch["input_ids"].random_(0, 1000)
@@ -123,6 +125,7 @@ def training_like_batch(nbytes: int, feature_dim: int, dtype, device, last_dim: 
 def config_batch(config: str, overrides: list[str], cuda: bool) -> dict[str, Any]:
     """Shape and payload bytes of one full training batch (token budget tokens) of a run config."""
     from dflash_ds.config import load_config, parse_overrides
+    from dflash_ds.distributed.wire import bytes_per_token
     from dflash_ds.runtime.job import resolve_arch, torch_dtype
 
     cfg = load_config(config, parse_overrides([f"--{item}" for item in overrides]))
@@ -214,7 +217,8 @@ def _measure_pair(ctx, src: int, dst: int, cases: list[dict[str, Any]], iters: i
 def run(args: argparse.Namespace) -> int:
     """Entry point of `dflash-ds bench comm` (one process per rank)."""
     from dflash_ds.config import Config
-    from dflash_ds.distributed.topology import init_role_groups, read_launch_env, shutdown
+    from dflash_ds.distributed.launch_env import read_launch_env
+    from dflash_ds.distributed.topology import init_role_groups, shutdown
     from dflash_ds.errors import DFlashError
     from dflash_ds.runtime.launch import job_layout
 

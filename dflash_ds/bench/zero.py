@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `dflash-ds bench zero`."""
     import torch.distributed as dist
 
-    from dflash_ds.distributed.topology import read_launch_env
+    from dflash_ds.distributed.launch_env import read_launch_env
 
     runs = _runs(args)
     if "RANK" not in os.environ:
@@ -254,7 +254,7 @@ def _stage_child() -> int:
     addr, port = os.environ["DFLASH_BENCH_STORE"].rsplit(":", 1)
     timeout = datetime.timedelta(seconds=spec["timeout_s"])
     store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout)
-    from dflash_ds.distributed.topology import role_backend
+    from dflash_ds.distributed.backends import role_backend
 
     dist.init_process_group(role_backend(cuda), store=dist.PrefixStore(spec["key"], store), rank=rank,
                             world_size=world, timeout=timeout)

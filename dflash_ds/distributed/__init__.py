@@ -1,3 +1,4 @@
-"""Distributed plumbing: which rank is a target or a drafter (`topology`), the
-hidden-state exchange between them (`bridge`), and which target computes which
-batch for which drafter (`router`). No model code lives here."""
+"""Distributed plumbing: which rank is a target or a drafter and which target feeds which drafter
+(`layout`), the process groups each rank gets (`topology`, on `backends`), and the hidden-state
+exchange between them (`payload` on the wire, `bridge` moving it, `wire` what a batch holds).
+No model code lives here."""

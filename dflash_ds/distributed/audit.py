@@ -4,7 +4,7 @@ Why: NCCL carries CUDA tensors only. A CPU tensor reduced on an NCCL-only group 
 first step on a GPU cluster, yet passes on a CPU machine, where every group is gloo. With
 `DFLASH_DIST_AUDIT=DIR` set, each rank wraps torch.distributed's collectives and point-to-point
 calls and the bridge group, and checks every tensor that dflash_ds code passes against the
-device types the group would have a backend for in a GPU job (`topology.ROLE_BACKENDS` /
+device types the group would have a backend for in a GPU job (`backends.ROLE_BACKENDS` /
 `BRIDGE_BACKENDS` for "nccl"). DeepSpeed's and torch's own calls are counted but trusted: they
 place their tensors on the accelerator themselves. Each rank writes DIR/rank{R}.json at exit:
 calls per group kind and every violation with its call site.
@@ -13,6 +13,9 @@ On a CPU machine a host tensor and a tensor on the rank's device are both CPU te
 the bridge (whose tensors are all allocated on the rank's device) the audit can only check
 that a tensor is on the bridge's device; the role groups, whose GPU backend must carry host
 tensors, are checked exactly.
+
+The launching code installs it once the groups exist (`runtime/launch.run_job`:
+`if audit.enabled(): ctx.bridge = audit.install(ctx.bridge, ctx.device)`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dflash_ds.distributed.backends import BRIDGE_BACKENDS, ROLE_BACKENDS, backend_devices
 
 ENV = "DFLASH_DIST_AUDIT"
 # The backend to emulate: "nccl" checks placement as a GPU job would need it.
@@ -109,8 +114,6 @@ class _AuditedBridge:
 
 def install(bridge, device: torch.device):
     """Wrap torch.distributed's tensor calls (once per process) and return the audited bridge."""
-    from dflash_ds.distributed.topology import BRIDGE_BACKENDS, ROLE_BACKENDS, backend_devices
-
     emulated = _emulated()
     role_allowed = backend_devices(ROLE_BACKENDS[emulated])
     if not _state["installed"]:

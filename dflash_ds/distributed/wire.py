@@ -3,7 +3,7 @@
 Both ends derive a batch's payload shapes from the shared batch stream alone (`payload_specs`),
 so a drafter posts its receive before the target has computed the batch; the target writes the
 batch straight into a pooled send buffer of exactly those shapes (`build_payload`). Encoding
-(header, packing into one buffer, tags) is `bridge.py`'s.
+(header, packing into one buffer) is `payload.py`'s, moving the messages `bridge.py`'s.
 
 Bytes per token (Qwen3-8B, 5 layers read, bf16, KL on): 5 x 4096 x 2 (context) + 4096 x 2 (final
 hidden) + 16 (int64 ids and loss mask) = 49,168; shipping the target's logits instead of its final
@@ -18,6 +18,7 @@ import torch
 
 from dflash_ds.data.batching import BatchSpec, Cursor
 from dflash_ds.distributed import bridge as bridge_mod
+from dflash_ds.distributed.payload import describe_specs
 from dflash_ds.errors import DFlashError
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def bytes_per_token(feature_dim: int, last_dim: int, dtype) -> int:
 def batch_meta(spec, after: Cursor, forward_s: float, batches_per_s: float, in_flight: int, target_rank: int) -> dict:
     """The header meta of one batch, as the drafter's metrics read it (a colocated rank builds the same).
 
-    Keys are at most 16 ASCII bytes (see bridge.py).
+    Keys are at most 16 ASCII bytes (see payload.py).
     """
     return {"bucket": spec.bucket, "epoch_after": after.epoch, "index_after": after.batch_index,
             "real_tokens": spec.real_tokens, "padded_tokens": spec.padded_tokens, "num_seqs": spec.num_seqs,
@@ -87,8 +88,8 @@ def build_payload(sender: bridge_mod.AsyncSender, planned: list, input_ids: torc
     if last_hidden is not None:
         specs.append(("last_hidden", last_hidden.dtype, tuple(last_hidden.shape)))
     if specs != planned:
-        raise DFlashError(f"the target produced a batch of {bridge_mod.describe_specs(specs)}, but the data plan says "
-                          f"{bridge_mod.describe_specs(planned)} (is the target's dtype the run's dtype?)")
+        raise DFlashError(f"the target produced a batch of {describe_specs(specs)}, but the data plan says "
+                          f"{describe_specs(planned)} (is the target's dtype the run's dtype?)")
     out = sender.empty(specs)
     out["input_ids"].copy_(input_ids)
     out["loss_mask"].copy_(loss_mask)

@@ -1,5 +1,5 @@
 """Run by test_topology under torchrun or the deepspeed launcher: role groups from the launcher's env,
-one all_reduce per role, one batch from the target (rank 0) to every drafter; writes rank<N>.json."""
+one all_reduce per role, one batch from the target (the last rank) to every drafter; writes rank<N>.json."""
 
 import json
 import os
@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 
 from dflash_ds.distributed.bridge import recv_batch, send_batch, wait_all
-from dflash_ds.distributed.topology import init_role_groups, make_layout, read_launch_env, shutdown
+from dflash_ds.distributed.launch_env import read_launch_env
+from dflash_ds.distributed.layout import make_layout
+from dflash_ds.distributed.topology import init_role_groups, shutdown
 
 
 def main(out_dir: str) -> None:
@@ -30,11 +32,12 @@ def main(out_dir: str) -> None:
         "agent_store_after": os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
     }
     if ctx.is_target:
-        for d in layout.drafter_ranks:
-            works = send_batch(ctx.bridge, d, {"x": torch.arange(6).view(2, 3) * d}, {"sent_by": 0.0}, batch_id=d)
+        for d in layout.drafter_ranks:  # x differs per drafter, rank 0's included
+            works = send_batch(ctx.bridge, d, {"x": torch.arange(6).view(2, 3) * (d + 1)},
+                               {"sent_by": float(launch.rank)}, batch_id=d)
             wait_all(works, d, 60)
     else:
-        batch = recv_batch(ctx.bridge, src=0, timeout_s=60)
+        batch = recv_batch(ctx.bridge, src=layout.target_ranks[0], timeout_s=60)
         result["batch_id"] = batch.batch_id
         result["x"] = batch.tensors["x"].tolist()
         result["meta"] = batch.meta

@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from dflash_ds.distributed.bridge import (
-    ALIGN, AsyncSender, Batch, BridgeError, BridgeTimeoutError, BufferPool, Receiver, _payload_buffer, decode_header,
-    encode_header, packed_empty, payload_layout, recv_batch, send_batch, wait_all,
+    AsyncSender, Batch, BridgeTimeoutError, Receiver, recv_batch, send_batch, wait_all,
 )
-from dflash_ds.distributed.router import QueueDepthMeter, plan_for_drafter, plan_for_target
-from dflash_ds.distributed.topology import init_role_groups, make_layout, shutdown
+from dflash_ds.distributed.layout import make_layout
+from dflash_ds.distributed.payload import (
+    ALIGN, BridgeError, BufferPool, decode_header, encode_header, packed_empty, payload_buffer, payload_layout,
+)
+from dflash_ds.distributed.topology import init_role_groups, shutdown
 from dist_utils import free_port_block, run_ranks
+from router_sim import QueueDepthMeter, plan_for_drafter, plan_for_target
 
 
 def make_batch(g: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -93,15 +96,15 @@ def test_a_batch_built_in_place_is_sent_without_a_copy() -> None:
     specs = [("input_ids", torch.int64, (2, 5)), ("context", torch.float32, (2, 5, 3))]
     lay = payload_layout(specs)
     built = packed_empty(specs)
-    flat = _payload_buffer(list(built.values()), lay)
+    flat = payload_buffer(list(built.values()), lay)
     assert flat is not None and flat.numel() == lay.total
     assert flat.data_ptr() == built["input_ids"].data_ptr()  # the message is the batch's own memory
     # Separate tensors, a wrong order, or a non-contiguous view are not in place: they get staged.
     loose = {k: torch.zeros(shape, dtype=dt) for k, dt, shape in specs}
-    assert _payload_buffer(list(loose.values()), lay) is None
-    assert _payload_buffer([built["context"], built["input_ids"]], payload_layout(specs[::-1])) is None
+    assert payload_buffer(list(loose.values()), lay) is None
+    assert payload_buffer([built["context"], built["input_ids"]], payload_layout(specs[::-1])) is None
     view = packed_empty([("x", torch.float32, (4, 4))])["x"]
-    assert _payload_buffer([view.t()], payload_layout([("x", torch.float32, (4, 4))])) is None
+    assert payload_buffer([view.t()], payload_layout([("x", torch.float32, (4, 4))])) is None
 
 
 class OrderMatchedLoopback:
@@ -259,17 +262,18 @@ def _exchange_worker(rank: int, port: int, out_dir: str) -> None:
 def test_target_sends_exact_batches_to_two_drafters(tmp_path: Path) -> None:
     run_ranks(_exchange_worker, T + D, (free_port_block(), str(tmp_path)), tmp_path, timeout_s=90)
     res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(T + D)}
-    assert res[0]["in_flight_after_flush"] == 0
+    # Drafters first (ranks 0, 1), the target last (rank 2).
+    assert res[2]["in_flight_after_flush"] == 0
     # 2 batches built in the pool + 2 staged; every buffer back in the pool once sent
-    allocations, reuses, leased = res[0]["send_pool"]
+    allocations, reuses, leased = res[2]["send_pool"]
     assert allocations + reuses == 4 and leased == 0
-    assert set(res[0]["meter"]) >= {"queue_depth/peer1", "queue_depth/peer2"}
-    assert 1 <= res[0]["meter"]["queue_depth/max"] <= 2
-    for rank, ids in [(1, [0, 2]), (2, [1, 3])]:
+    assert set(res[2]["meter"]) >= {"queue_depth/peer0", "queue_depth/peer1"}
+    assert 1 <= res[2]["meter"]["queue_depth/max"] <= 2
+    for rank, ids in [(0, [0, 2]), (1, [1, 3])]:
         assert res[rank]["batch_ids"] == ids
         assert res[rank]["exact"] == [True, True]
         assert res[rank]["meta_exact"] == [True, True]
-    assert 0 <= res[1]["meter"]["queue_depth/peer0"] <= 2
+    assert 0 <= res[0]["meter"]["queue_depth/peer2"] <= 2
 
 
 # ---------------------------------------------------------------- timeouts
@@ -277,15 +281,18 @@ def test_target_sends_exact_batches_to_two_drafters(tmp_path: Path) -> None:
 
 def _timeout_worker(rank: int, port: int, out_dir: str) -> None:
     ctx = init_role_groups(make_layout(2, 1), rank, "127.0.0.1", port, "gloo", timeout_s=60)
-    if not ctx.is_target:  # the target never sends
+    if not ctx.is_target:  # the target (rank 1) never sends
         t0 = time.monotonic()
         try:
-            recv_batch(ctx.bridge, src=0, timeout_s=2.0)
+            recv_batch(ctx.bridge, src=ctx.layout.target_ranks[0], timeout_s=2.0)
             outcome = {"raised": None}
         except BridgeTimeoutError as e:
             outcome = {"raised": type(e).__name__, "message": str(e), "is_timeout": isinstance(e, TimeoutError)}
         outcome["elapsed"] = time.monotonic() - t0
         Path(out_dir, "drafter.json").write_text(json.dumps(outcome))
+        ctx.store.set("test/drafter_done", "1")
+    else:  # alive and silent until the drafter gave up: a peer that has left closes the pair instead
+        ctx.store.get("test/drafter_done")
     shutdown(ctx)
 
 
@@ -293,7 +300,7 @@ def test_receive_times_out_naming_the_peer(tmp_path: Path) -> None:
     run_ranks(_timeout_worker, 2, (free_port_block(), str(tmp_path)), tmp_path, timeout_s=60)
     out = json.loads((tmp_path / "drafter.json").read_text())
     assert out["raised"] == "BridgeTimeoutError" and out["is_timeout"]
-    assert "rank 0" in out["message"] and "2s" in out["message"]
+    assert "rank 1" in out["message"] and "2s" in out["message"]
     assert 1.9 <= out["elapsed"] < 4.0
 
 
@@ -340,7 +347,7 @@ def _deepspeed_worker(rank: int, port: int, out_dir: str, stage: int) -> None:
     load_path, _ = engine.load_checkpoint(str(ckpt), tag="step1")
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
         weight = engine.module.weight.detach().clone().tolist()
-    batch = recv_batch(ctx.bridge, src=0, timeout_s=180)
+    batch = recv_batch(ctx.bridge, src=layout.target_ranks[0], timeout_s=180)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
         "dp_world": engine.dp_world_size, "weight": weight, "load_path": load_path,
         "bridge_x": batch.tensors["x"].tolist(),
@@ -351,14 +358,14 @@ def _deepspeed_worker(rank: int, port: int, out_dir: str, stage: int) -> None:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_trains_and_checkpoints_without_the_target(tmp_path: Path, stage: int) -> None:
     run_ranks(_deepspeed_worker, 3, (free_port_block(), str(tmp_path), stage), tmp_path, timeout_s=240)
-    res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (1, 2)}
+    res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}  # the drafters
     # One data-parallel AdamW step on the mean of both drafters' gradients, by hand.
     torch.manual_seed(0)
     ref = torch.nn.Linear(8, 4)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     sum(ref(_drafter_input(d)).pow(2).mean() for d in range(2)).div(2).backward()
     opt.step()
-    for r in (1, 2):
+    for r in (0, 1):
         assert res[r]["dp_world"] == 2
         assert res[r]["load_path"] is not None
         assert res[r]["bridge_x"] == [float(r)] * 3

@@ -7,9 +7,7 @@ from collections import deque
 
 import pytest
 
-from dflash_ds.distributed.router import (
-    QueueDepthMeter, Route, plan_for_drafter, plan_for_target, route,
-)
+from router_sim import QueueDepthMeter, Route, plan_for_drafter, plan_for_target, route
 
 RATIOS = [(t, d) for t in range(1, 5) for d in range(1, 5)]
 STEPS = 13  # not a multiple of any T or D, so uneven tails are covered
@@ -177,7 +175,7 @@ def test_per_node_routing_never_deadlocks(nodes: int, per_node: int, k: int, sen
 
 
 def test_global_layout_routes_as_the_router() -> None:
-    from dflash_ds.distributed.topology import make_layout
+    from dflash_ds.distributed.layout import make_layout
 
     lay = make_layout(7, 3)
     assert not lay.node_local

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dflash_ds.distributed.topology import (
-    Layout, init_role_groups, make_layout, read_launch_env, shutdown,
-)
+from dflash_ds.distributed.launch_env import read_launch_env
+from dflash_ds.distributed.layout import Layout, make_layout
+from dflash_ds.distributed.topology import init_role_groups, shutdown
 from dflash_ds.errors import DFlashError
 from dist_utils import child_env, free_port_block, run_ranks
 from proc_utils import run_bounded
@@ -23,19 +23,19 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "_launch_bridge_script.py"
 
 
-def test_global_layout_first_ranks_are_targets() -> None:
-    lay = make_layout(5, 2)
-    assert (lay.target_ranks, lay.drafter_ranks) == ([0, 1], [2, 3, 4])
-    assert [lay.role_of(r) for r in range(5)] == ["target"] * 2 + ["drafter"] * 3
-    assert [lay.local_rank_in_role(r) for r in range(5)] == [0, 1, 0, 1, 2]
+def test_global_layout_last_ranks_are_targets() -> None:
+    lay = make_layout(5, 2)  # drafters first (global rank 0 leads), the last T ranks are targets
+    assert (lay.target_ranks, lay.drafter_ranks) == ([3, 4], [0, 1, 2])
+    assert [lay.role_of(r) for r in range(5)] == ["drafter"] * 3 + ["target"] * 2
+    assert [lay.local_rank_in_role(r) for r in range(5)] == [0, 1, 2, 0, 1]
     assert (lay.num_targets, lay.num_drafters) == (2, 3)
 
 
-def test_per_node_layout_first_local_ranks_are_targets() -> None:
-    lay = make_layout(8, None, nproc_per_node=4, targets_per_node=1)
-    assert lay.target_ranks == [0, 4]
-    assert lay.drafter_ranks == [1, 2, 3, 5, 6, 7]
-    assert lay.local_rank_in_role(4) == 1 and lay.local_rank_in_role(5) == 3
+def test_per_node_layout_last_local_ranks_are_targets() -> None:
+    lay = make_layout(8, None, nproc_per_node=4, targets_per_node=1)  # the last local rank of every node
+    assert lay.target_ranks == [3, 7]
+    assert lay.drafter_ranks == [0, 1, 2, 4, 5, 6]
+    assert lay.local_rank_in_role(7) == 1 and lay.local_rank_in_role(4) == 3
     # Naming the total too is fine when it agrees.
     assert make_layout(8, 2, nproc_per_node=4, targets_per_node=1) == lay
 
@@ -98,7 +98,7 @@ def test_read_launch_env_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def _role_group_worker(rank: int, port: int, out_dir: str) -> None:
-    lay = make_layout(4, None, nproc_per_node=2, targets_per_node=1)  # targets 0, 2
+    lay = make_layout(4, None, nproc_per_node=2, targets_per_node=1)  # targets 1, 3
     ctx = init_role_groups(lay, rank, "127.0.0.1", port, "gloo", timeout_s=60)
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)  # the default group is the role's, not the world's
@@ -117,9 +117,9 @@ def test_role_groups_are_role_local(tmp_path: Path) -> None:
     port = free_port_block()
     run_ranks(_role_group_worker, 4, (port, str(tmp_path)), tmp_path, timeout_s=90)
     res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
-    assert [res[r]["role"] for r in range(4)] == ["target", "drafter", "target", "drafter"]
-    for r, role_rank, role_sum, role_port in [(0, 0, 2.0, port + 2), (2, 1, 2.0, port + 2),
-                                             (1, 0, 4.0, port + 3), (3, 1, 4.0, port + 3)]:
+    assert [res[r]["role"] for r in range(4)] == ["drafter", "target", "drafter", "target"]
+    for r, role_rank, role_sum, role_port in [(1, 0, 4.0, port + 2), (3, 1, 4.0, port + 2),
+                                             (0, 0, 2.0, port + 3), (2, 1, 2.0, port + 3)]:
         assert res[r]["role_rank"] == res[r]["dist_rank"] == role_rank
         assert res[r]["role_world"] == res[r]["dist_world"] == 2
         assert res[r]["role_sum"] == role_sum
@@ -129,17 +129,18 @@ def test_role_groups_are_role_local(tmp_path: Path) -> None:
 
 def _check_launch_results(out_dir: Path, port: int) -> None:
     res = {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(3)}
-    assert res[0]["role"] == "target" and res[0]["dist_world"] == 1
-    assert res[0]["env"] == {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(port + 2), "LOCAL_RANK": "0"}
-    for r in (1, 2):
+    # Drafters first (ranks 0, 1), the target last (rank 2).
+    assert res[2]["role"] == "target" and res[2]["dist_world"] == 1
+    assert res[2]["env"] == {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(port + 2), "LOCAL_RANK": "2"}
+    for r in (0, 1):
         assert res[r]["role"] == "drafter"
-        assert (res[r]["dist_rank"], res[r]["dist_world"]) == (r - 1, 2)
-        assert res[r]["role_sum_of_global_ranks"] == 3.0
-        assert res[r]["env"] == {"RANK": str(r - 1), "WORLD_SIZE": "2", "MASTER_PORT": str(port + 3),
+        assert (res[r]["dist_rank"], res[r]["dist_world"]) == (r, 2)
+        assert res[r]["role_sum_of_global_ranks"] == 1.0
+        assert res[r]["env"] == {"RANK": str(r), "WORLD_SIZE": "2", "MASTER_PORT": str(port + 3),
                                  "LOCAL_RANK": str(r)}
         assert res[r]["batch_id"] == r
-        assert res[r]["x"] == (torch.arange(6).view(2, 3) * r).tolist()
-        assert res[r]["meta"] == {"sent_by": 0.0}
+        assert res[r]["x"] == (torch.arange(6).view(2, 3) * (r + 1)).tolist()
+        assert res[r]["meta"] == {"sent_by": 2.0}
         assert res[r]["agent_store_after"] is None
 
 

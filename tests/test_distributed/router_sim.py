@@ -1,4 +1,7 @@
-"""Which target computes which global batch for which drafter (pure logic, no process groups).
+"""Reference router for the tests: which target computes which global batch for which drafter.
+
+Pure logic, no process groups. The trainer routes with `dflash_ds.distributed.layout.Layout.route`;
+test_router.py checks that it agrees with this one and simulates both on FIFO channels.
 
 Drafters train in lockstep: micro-step s needs one micro-batch on each of the D
 drafters, so global batch g = s * D + d goes to drafter d. (An optimizer step of a global batch
@@ -6,7 +9,7 @@ of G = A * D micro-batches is A consecutive micro-steps: `data/stream.BatchStrea
 computes it is t = g % T, which keeps the T targets within one batch of each
 other over any prefix of the stream, whatever the ratio of T to D. This is
 the rule of a global layout; a per-node layout routes within each node
-instead (`topology.Layout.route`, the same argument per node).
+instead (`Layout.route`, the same argument per node).
 
 Deadlock freedom with blocking FIFO point-to-point channels: every target
 sends its batches in increasing g and every drafter receives its batches in
@@ -14,7 +17,7 @@ increasing g, so on each (target, drafter) channel both ends walk the same
 increasing sequence. The smallest unfinished g can always finish: its target
 has delivered all its earlier batches and its drafter has received all its
 earlier ones (and every step before it, so the lockstep all-reduce is not in
-the way). tests/test_distributed/test_router.py simulates this.
+the way). test_router.py simulates this.
 """
 
 from __future__ import annotations
