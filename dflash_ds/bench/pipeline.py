@@ -119,27 +119,25 @@ def _median(xs: list[float]) -> float:
     return 0.0 if not xs else (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
 
 
-def _target_work(ctx, cfg, data, batches) -> tuple[list, list]:
+def _target_work(ctx, cfg, data, batches, arch, dtype) -> tuple[list, list]:
     """(a)'s work on a target rank (forward + capture of each routed batch), and the states of an untimed pass."""
+    from dflash_ds.data.batching import Cursor
+    from dflash_ds.data.loader import Batch
     from dflash_ds.data.stream import load_batch
     from dflash_ds.models.target import load_target
-    from dflash_ds.runtime.job import resolve_arch, torch_dtype
 
-    lay, arch, keep = ctx.layout, resolve_arch(cfg), cfg.loss.kl_weight > 0
-    model = load_target(cfg.target, dtype=torch_dtype(cfg, ctx.device.type == "cuda"), device=ctx.device)
-    mine = [(s, d, spec, load_batch(data.dataset, spec)) for s, d, spec in batches
-            if lay.route(s, d) == ctx.role_rank]
+    lay, keep = ctx.layout, cfg.loss.kl_weight > 0
+    model = load_target(cfg.target, dtype=dtype, device=ctx.device)
+    mine = [(s, d, spec, Batch(**load_batch(data.dataset, spec), spec=spec, cursor=Cursor(0, 0)))
+            for s, d, spec in batches if lay.route(s, d) == ctx.role_rank]
     captured = [(s, d, capture(model, b, arch, ctx.device, keep)) for s, d, _, b in mine]
     work = [(s, spec.real_tokens, functools.partial(capture, model, b, arch, ctx.device, keep)) for s, _, spec, b in mine]
     return work, captured
 
 
-def _drafter_work(ctx, cfg, batches, received: list) -> tuple[list, Any]:
+def _drafter_work(ctx, cfg, batches, received: list, arch, dtype) -> tuple[list, Any]:
     """(b)'s work on a drafter rank (one DeepSpeed step per held batch), and the engine."""
-    from dflash_ds.runtime.job import torch_dtype
-
-    dtype = torch_dtype(cfg, ctx.device.type == "cuda")
-    engine = make_engine(cfg, dtype)
+    engine = make_engine(cfg, arch, dtype, ctx.device)
     tokens = {s: spec.real_tokens for s, d, spec in batches if d == ctx.role_rank}
     return [(s, tokens[s], functools.partial(train_step, engine, cfg, got.tensors, got.batch_id, s, dtype))
             for s, got in enumerate(received)], engine
@@ -177,7 +175,7 @@ def _exchange_states(ctx, captured: list, steps: int) -> list:
         sender.flush()
         return []
     d = ctx.role_rank
-    return [bridge_mod.recv_batch(ctx.bridge, lay.target_ranks[lay.route(s, d)],
+    return [bridge_mod.recv_batch(ctx.bridge, lay.target_rank_for(s, d),
                                   ctx.timeout_s, tag=BENCH_CHANNEL, device=ctx.device) for s in range(steps)]
 
 
@@ -208,8 +206,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dflash_ds.data.stream import open_data
-    from dflash_ds.distributed.topology import init_role_groups, read_launch_env, shutdown
-    from dflash_ds.runtime.job import resolve_arch
+    from dflash_ds.distributed.launch_env import read_launch_env
+    from dflash_ds.distributed.topology import init_role_groups, shutdown
+    from dflash_ds.runtime.job import resolve_arch, torch_dtype
     from dflash_ds.runtime.launch import validate_job
 
     env = read_launch_env()
@@ -223,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ctx = init_role_groups(layout, env.rank, env.master_addr, env.master_port, backend="nccl" if cuda else "gloo",
                            timeout_s=args.timeout_s, local_rank=env.local_rank)
-    world, lead = layout.world_size, ctx.global_rank == 0
+    world, lead, dtype = layout.world_size, ctx.global_rank == 0, torch_dtype(cfg, ctx.device.type == "cuda")
     # As in training: heartbeats name a lost rank instead of leaving the others waiting at a barrier.
     from dflash_ds.runtime.watchdog import Watchdog
 
@@ -248,12 +247,12 @@ def run(args: argparse.Namespace) -> int:
                 run_colocated(ctx, env, cfg, args, "s", 1, out)
         store_barrier(ctx.store, "bench/pipeline/a", world, args.timeout_s)
         wall["d"] = time.perf_counter()
-        work, captured = _target_work(ctx, cfg, data, batches) if ctx.is_target else ([], [])
+        work, captured = _target_work(ctx, cfg, data, batches, arch, dtype) if ctx.is_target else ([], [])
         received = _exchange_states(ctx, captured, args.steps)
         del captured
         engine = None
         if not ctx.is_target:
-            work, engine = _drafter_work(ctx, cfg, batches, received)
+            work, engine = _drafter_work(ctx, cfg, batches, received, arch, dtype)
         wall["setup"] = time.perf_counter()
         _measure_stages(ctx, work, args)
         if engine is not None and hasattr(engine, "destroy"):
@@ -262,15 +261,7 @@ def run(args: argparse.Namespace) -> int:
         gc.collect()
         store_barrier(ctx.store, "bench/pipeline/c", world, args.timeout_s)
         wall["ab"] = time.perf_counter()
-        if ctx.is_target:
-            from dflash_ds.runtime.target_worker import run_target
-
-            run_target(ctx, cfg, data, watchdog)
-        else:
-            from dflash_ds.runtime.drafter_worker import run_drafter
-            from dflash_ds.runtime.resume import plan_resume
-
-            run_drafter(ctx, cfg, data, watchdog, plan_resume(cfg, layout.num_drafters))
+        _run_trainer(ctx, cfg, data, watchdog, arch, dtype)
         wall["c"] = time.perf_counter()
         if lead:
             result = _result(ctx, cfg, args, arch, out)
@@ -288,6 +279,19 @@ def run(args: argparse.Namespace) -> int:
         else:
             _print(result)
     return 0
+
+
+def _run_trainer(ctx, cfg, data, watchdog, arch, dtype) -> None:
+    """(c): the trainer itself on this rank's role, writing metrics.jsonl to the scratch folder."""
+    if ctx.is_target:
+        from dflash_ds.runtime.target_worker import run_target
+
+        run_target(ctx, cfg, data, watchdog, arch, dtype)
+    else:
+        from dflash_ds.runtime.drafter_worker import run_drafter
+        from dflash_ds.runtime.resume import choose_resume
+
+        run_drafter(ctx, cfg, data, watchdog, choose_resume(cfg, ctx.layout.num_drafters), arch, dtype)
 
 
 def _result(ctx, cfg, args, arch, out: Path) -> dict[str, Any]:

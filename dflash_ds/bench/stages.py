@@ -1,7 +1,8 @@
 """The per-batch work every `bench pipeline` phase times: target forward + capture, one drafter step.
 
 Used by the pipeline's capacity phases (a) and (b) (`bench/pipeline.py`), so that both time
-exactly the work the trainer does per batch.
+exactly the work the trainer does per batch: each calls the trainer's own functions
+(`runtime/sources.capture_batch`, `runtime/engine.build_drafter_engine`, `runtime/step.train_micro`).
 """
 
 from __future__ import annotations
@@ -13,58 +14,29 @@ from typing import Any, Callable
 from dflash_ds.config import Config
 
 
-def capture(target, batch: dict, arch, device, keep_last: bool) -> dict:
-    """Target forward + capture of one loaded batch, as a target rank does it."""
-    import torch
+def capture(target, batch, arch, device, keep_last: bool) -> dict:
+    """Target forward + capture of one loaded batch (`data.loader.Batch`), as a target rank does it."""
+    from dflash_ds.runtime.sources import capture_batch
 
-    from dflash_ds.models.target import capture_hidden
-
-    ids = batch["input_ids"].to(device)
-    attn = (torch.arange(ids.shape[1])[None, :] < batch["lengths"][:, None]).long().to(device)
-    context, last = capture_hidden(target, ids, attn, arch.target_layer_ids)
-    out = {"input_ids": ids, "loss_mask": batch["loss_mask"].to(device), "lengths": batch["lengths"].to(device),
-           "context": context.contiguous()}
-    if keep_last:
-        out["last_hidden"] = last.contiguous()
-    return out
+    return capture_batch(target, batch, arch.target_layer_ids, keep_last, device)
 
 
-def make_engine(cfg: Config, dtype: Any) -> Any:
+def make_engine(cfg: Config, arch, dtype: Any, device) -> Any:
     """The drafter's DeepSpeed engine over the current default process group, as run_drafter builds it."""
-    import torch
+    from dflash_ds.runtime.engine import build_drafter_engine
 
-    from dflash_ds.models.drafter import DFlashDrafter
-    from dflash_ds.models.target import load_target_head
-    from dflash_ds.runtime.engine import DrafterTrainModule, build_engine, load_ds_config, resolve_ds_config
-    from dflash_ds.runtime.job import resolve_arch
-
-    if cfg.drafter:
-        drafter = DFlashDrafter.from_pretrained(cfg.drafter)
-    else:
-        drafter = DFlashDrafter(resolve_arch(cfg))
-        drafter.init_weights(cfg.train.seed)
-    embed, head = load_target_head(cfg.target)
-    module = DrafterTrainModule(drafter, embed, head)
-    return build_engine(module, cfg, load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16))
+    return build_drafter_engine(cfg, arch, dtype, device)
 
 
 def train_step(engine: Any, cfg: Config, tensors: dict, batch_id: int, step: int, dtype) -> float:
-    """One drafter step exactly as run_drafter takes it (anchors and noise seeded per batch); returns the loss."""
-    from dflash_ds.components.objective import TargetStates
-    from dflash_ds.components.schedules import noise_std_at
-    from dflash_ds.runtime.step import ANCHOR_SALT, NOISE_SALT
-    from dflash_ds.runtime.step import batch_seed
+    """One drafter step exactly as run_drafter takes it (runtime/step.py, one micro-batch); returns the loss."""
+    from dflash_ds.runtime.sources import SourcedBatch
+    from dflash_ds.runtime.step import noise_at, step_grad_norm, train_micro
 
-    states = TargetStates(tensors["input_ids"], tensors["loss_mask"], tensors["lengths"],
-                          tensors["context"].to(dtype), tensors.get("last_hidden"))
-    noise = noise_std_at(step, max_std=cfg.noise.max_std, min_std=cfg.noise.min_std,
-                         warmup_steps=cfg.noise.warmup_steps, total_steps=cfg.train.max_steps)
-    terms, _ = engine(states, cfg.loss, batch_seed(cfg.train.seed, batch_id, ANCHOR_SALT), noise,
-                      batch_seed(cfg.train.seed, batch_id, NOISE_SALT))
-    engine.backward(terms.loss)
-    engine.step()
-    engine.get_global_grad_norm()
-    return terms.loss.item()
+    result, _ = train_micro(engine, SourcedBatch(batch_id, tensors, {}, 0), 0, cfg, dtype, noise_at(cfg, step),
+                            accumulation=1, stop_requested=False)
+    step_grad_norm(engine, [result], 1)  # the trainer reads it after every step
+    return result.loss
 
 
 def sync(device) -> None:

@@ -216,7 +216,7 @@ class Receiver:
     `schedule` yields (batch_id, src) or (batch_id, src, specs). Receives are posted in the
     sender's order, header i, payload i, header i+1 (NCCL matches a pair's messages by order
     alone). When the schedule gives a batch's payload specs (the trainer derives them from the
-    shared data plan: `wire.payload_specs`), its header and payload receives are posted
+    shared batch stream: `wire.payload_specs`), its header and payload receives are posted
     together, up to `depth` batches ahead, so the link never waits for the drafter; the header
     is then only checked against the plan. Otherwise the payload receive is posted once the
     header has arrived, and the next header right behind it. Payloads land in `pool` buffers if
@@ -303,5 +303,5 @@ class Receiver:
         elif specs != p.planned:
             raise BridgeError(f"bridge: batch {p.batch_id} from rank {p.src} is {describe_specs(specs)}, but this rank "
                               f"planned {describe_specs(p.planned)}: the target and drafter disagree on the batch's shapes "
-                              "(data plan, target layers or dtype)")
+                              "(batch stream, target layers or dtype)")
         p.meta = meta

@@ -90,6 +90,14 @@ class Layout:
         targets, pos, n_local = self._local[drafter_idx]
         return targets[(step * n_local + pos) % len(targets)]
 
+    def target_rank_for(self, step: int, drafter_idx: int) -> int:
+        """Global rank of the target that computes drafter `drafter_idx`'s batch of micro-step `step` (`route`)."""
+        return self.target_ranks[self.route(step, drafter_idx)]
+
+    def drafter_rank_for(self, batch_id: int) -> int:
+        """Global rank of the drafter that trains global batch `batch_id` (batch u * D + d of micro-step u: drafter d)."""
+        return self.drafter_ranks[batch_id % self.num_drafters]
+
     @property
     def num_targets(self) -> int:
         """Number of target ranks (T)."""

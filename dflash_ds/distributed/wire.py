@@ -33,7 +33,7 @@ CONTROL_TAG = 7
 
 def payload_specs(spec: BatchSpec, arch: DrafterArch, dtype: torch.dtype,
                   last_hidden: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """The bridge payload of one batch, (name, dtype, shape) in wire order, from the shared data plan alone.
+    """The bridge payload of one batch, (name, dtype, shape) in wire order, from the shared batch stream alone.
 
     The target builds its batch to these specs and the drafter posts its receive with them before
     the batch exists (`bridge.Receiver`), so both must derive them here: right-padded int64 ids and

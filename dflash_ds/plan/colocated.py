@@ -54,7 +54,7 @@ def drafter_memory(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: 
 
     Colocated, the context comes from this GPU's own target forward: one captured batch alive (the
     disaggregated drafter keeps four received payloads), and the frozen embedding and LM head are
-    the target's own tensors (`runtime/colocated.frozen_head`), counted in its weights, not here.
+    the target's own tensors (`runtime/engine.frozen_head`), counted in its weights, not here.
     """
     if args.drafter_memory_gb is not None:
         return {"bytes": args.drafter_memory_gb * GB, "source": "--drafter-memory-gb", "terms": {}}

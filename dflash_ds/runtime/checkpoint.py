@@ -21,13 +21,17 @@ import os
 import pickle
 import re
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from dflash_ds.config import Config, to_dict
+from dflash_ds.data.batching import Cursor
 from dflash_ds.errors import DFlashError
 from dflash_ds.runtime import faults
+from dflash_ds.runtime.monitor import scrub_secrets
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
@@ -175,6 +179,22 @@ def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, 
         raise DFlashError(f"checkpoint at step {step} failed: {exc.strerror or exc} ({partial}); "
                           f"the previous checkpoint is intact") from None
     return final
+
+
+def trainer_state(cfg: Config, arch, num_drafters: int, global_batch: int, zero_stage: int, dtype, step: int,
+                  cursor: Cursor) -> dict[str, Any]:
+    """trainer_state.json: where the run is, how it trains (resharding reads this) and the drafter shape."""
+    return {"step": step, "cursor": asdict(cursor), "seed": cfg.train.seed, "num_drafters": num_drafters,
+            # informational: a colocated checkpoint resumes disaggregated on the same drafter count, and back
+            "colocated": bool(cfg.topology.colocate),
+            "global_batch": global_batch, "zero_stage": zero_stage,
+            "dtype": str(dtype).removeprefix("torch."),
+            "arch": {"block_size": arch.block_size, "target_layer_ids": arch.target_layer_ids,
+                     "num_hidden_layers": arch.num_hidden_layers, "hidden_size": arch.hidden_size,
+                     "vocab_size": arch.vocab_size, "mask_token_id": arch.mask_token_id,
+                     "layer_types": arch.layer_types, "sliding_window": arch.sliding_window},
+            "rng": "per-batch generators seeded by (seed, global batch id): nothing else to restore",
+            "config": scrub_secrets(to_dict(cfg))}
 
 
 def universal_info() -> dict[str, Any]:

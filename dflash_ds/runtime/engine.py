@@ -1,4 +1,8 @@
-"""The drafter's DeepSpeed engine: DS JSON resolution, the trainable module, AdamW and the LR schedule."""
+"""The drafter's DeepSpeed engine: DS JSON resolution, the trainable module, AdamW and the LR schedule.
+
+`build_drafter_engine` builds it as the trainer and `bench pipeline` use it; `export_drafter`
+writes the HF export of its weights.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from dflash_ds.components.schedules import lr_at
 from dflash_ds.config import Config
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter import DFlashDrafter
+from dflash_ds.models.drafter_arch import DrafterArch
+from dflash_ds.models.target import load_target_head, target_parts
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -158,3 +164,59 @@ def gathered_drafter_state(engine) -> dict[str, torch.Tensor] | None:
             return None
         return {k: v.detach().float().cpu().clone() for k, v in drafter.state_dict().items()
                 if not k.startswith("rotary_emb.")}
+
+
+def load_drafter(cfg: Config, arch: DrafterArch) -> DFlashDrafter:
+    """The drafter to train: --drafter's export, else a fresh one of the run's shape seeded by train.seed."""
+    if cfg.drafter:
+        return DFlashDrafter.from_pretrained(cfg.drafter)
+    drafter = DFlashDrafter(arch)
+    drafter.init_weights(cfg.train.seed)
+    return drafter
+
+
+def frozen_head(target: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The target's embedding and LM head modules: the drafter shares their tensors (no second copy)."""
+    parts = target_parts(target)
+    return parts.embed, parts.head
+
+
+def build_drafter_engine(cfg: Config, arch: DrafterArch, dtype: torch.dtype, device: torch.device,
+                         accumulation: int = 1, universal: bool = False, target: nn.Module | None = None):
+    """The DeepSpeed engine over the drafter, with the target's frozen embedding and LM head.
+
+    Those two are read from the target's safetensors, or shared with the loaded target (colocated).
+    """
+    embed, head = frozen_head(target) if target is not None else load_target_head(cfg.target, dtype=dtype)
+    drafter = load_drafter(cfg, arch).to(dtype)  # an export may be bf16 (a bf16 target's init)
+    ac = cfg.model.activation_checkpointing
+    drafter.activation_checkpointing = device.type == "cuda" if ac is None else ac
+    module = DrafterTrainModule(drafter, embed, head)
+    ds = load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16, accumulation=accumulation,
+                        load_universal=universal)
+    return build_engine(module, cfg, ds)
+
+
+def check_shared_head(engine, target: nn.Module) -> str | None:
+    """A warning if the engine's frozen embedding / head are not the target's own tensors (a copy costs V x H x
+    dtype bytes each: 1.24 GB per matrix for Qwen3-8B in bf16), else None."""
+    embed, head = frozen_head(target)
+    module = engine.module
+    pairs = [(module.embed_weight, embed.weight)]
+    if not module.tied_head:
+        pairs.append((module.head_weight, head.weight))
+    copied = [mine for mine, theirs in pairs if mine.data_ptr() != theirs.data_ptr()]
+    if not copied:
+        return None
+    gb = sum(t.numel() * t.element_size() for t in copied) / 1e9
+    return (f"the DeepSpeed engine holds its own copy of the target's embedding/LM head ({gb:.2f} GB more on "
+            f"every rank than colocated training needs); is the target loaded in the run's dtype?")
+
+
+def export_drafter(engine, arch: DrafterArch, dtype: torch.dtype, folder: Path) -> None:
+    """The HF export in the training dtype (gathered on rank 0 under ZeRO-3; collective)."""
+    state_dict = gathered_drafter_state(engine)
+    if state_dict is not None:
+        export = DFlashDrafter(arch)
+        export.load_state_dict(state_dict, strict=False)
+        export.to(dtype).save_pretrained(folder)

@@ -6,7 +6,9 @@ import os
 import sys
 
 from dflash_ds.config import Config
-from dflash_ds.distributed.topology import Layout, init_role_groups, make_layout, read_launch_env, shutdown
+from dflash_ds.distributed.launch_env import read_launch_env
+from dflash_ds.distributed.layout import Layout, make_layout
+from dflash_ds.distributed.topology import init_role_groups, shutdown
 from dflash_ds.errors import DFlashError
 from dflash_ds.runtime.watchdog import Watchdog
 
@@ -20,11 +22,8 @@ def job_layout(cfg: Config, world_size: int, local_world_size: int | None) -> La
     if cfg.topology.colocate:
         return Layout(world_size, [], list(range(world_size)), colocated=True)
     per_node = cfg.topology.targets_per_node or None
-    base = make_layout(world_size, None if per_node else cfg.topology.num_target_ranks,
+    return make_layout(world_size, None if per_node else cfg.topology.num_target_ranks,
                        nproc_per_node=local_world_size, targets_per_node=per_node)
-    targets = sorted(world_size - 1 - r for r in base.target_ranks)
-    return Layout(world_size, targets, [r for r in range(world_size) if r not in set(targets)],
-                  ranks_per_node=base.ranks_per_node)
 
 
 def validate_job(cfg: Config, world_size: int, local_world_size: int | None) -> Layout:
@@ -49,16 +48,16 @@ def run_job(cfg: Config) -> int:
     env = read_launch_env()
     layout = validate_job(cfg, env.world_size, env.local_world_size)
     from dflash_ds.data.stream import open_data
-    from dflash_ds.runtime.job import resolve_arch
+    from dflash_ds.runtime.job import resolve_arch, torch_dtype
 
     arch = resolve_arch(cfg)  # before any group: a bad drafter/target pair fails fast on every rank
     # Memory-mapped and cheap: an empty dataset or out-of-vocabulary ids fail here on every rank,
     # before a rank waits in a rendezvous for peers that have already exited.
-    from dflash_ds.runtime.resume import plan_resume
+    from dflash_ds.runtime.resume import choose_resume
 
     # The checkpoint, its global batch and whether it must be resharded: a drafter count that cannot
     # split the global batch fails here on every rank, before any model loads.
-    resume = plan_resume(cfg, layout.num_drafters)
+    resume = choose_resume(cfg, layout.num_drafters)
     data = open_data(cfg, layout.num_drafters, arch.vocab_size, resume.global_batch)
     if env.rank == 0:  # rank 0 writes metrics and checkpoints: an unwritable run folder fails now
         from dflash_ds.runtime.checkpoint import check_writable
@@ -71,21 +70,26 @@ def run_job(cfg: Config) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ctx = init_role_groups(layout, env.rank, env.master_addr, env.master_port, backend=backend,
                            timeout_s=cfg.train.timeout_s, local_rank=env.local_rank)
+    from dflash_ds.distributed import audit
+
+    if audit.enabled():  # tests: check every tensor handed to torch.distributed (distributed/audit.py)
+        ctx.bridge = audit.install(ctx.bridge, ctx.device)
 
     def describe(rank: int) -> str:
         return f"rank {rank} ({layout.role_name(rank)} {layout.local_rank_in_role(rank)})"
 
     watchdog = Watchdog(ctx.store, env.rank, layout.world_size, describe, cfg.train.heartbeat_timeout_s,
                         launcher_grace_s=cfg.train.launcher_grace_s).start()
+    dtype = torch_dtype(cfg, ctx.device.type == "cuda")  # like the drafter shape: derived once, handed to the role
     try:
         if ctx.is_target:
             from dflash_ds.runtime.target_worker import run_target
 
-            status = run_target(ctx, cfg, data, watchdog)
+            status = run_target(ctx, cfg, data, watchdog, arch, dtype)
         else:
             from dflash_ds.runtime.drafter_worker import run_drafter
 
-            status = run_drafter(ctx, cfg, data, watchdog, resume)
+            status = run_drafter(ctx, cfg, data, watchdog, resume, arch, dtype)
     except BaseException:
         _name_lost_peers(watchdog, describe)
         raise

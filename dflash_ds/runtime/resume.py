@@ -13,7 +13,8 @@ Conversion happens on load, not at save time: a save stays one sharded write (th
 every `save_interval` steps), and the conversion, which reads and rewrites every optimizer state,
 is paid only by the run that changes the drafter count. Everything here is cheap JSON reading,
 done on every rank before any process group or model, so a checkpoint that cannot be resumed
-fails at once, naming both numbers.
+fails at once, naming both numbers; then the drafters agree on the leader's decision
+(`agree_on_resume`, the one part that needs their group) before any engine is built.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import shutil
 import time
 from argparse import Namespace
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ UNIVERSAL_DONE = "UNIVERSAL_COMPLETE"
 
 
 @dataclass(frozen=True)
-class ResumePlan:
+class ResumePoint:
     """What this run starts from: no checkpoint (fresh), or a checkpoint and how its shards load."""
 
     path: Path | None
@@ -87,14 +89,14 @@ def resume_mode(path: Path, saved_d: int, saved_stage: int, num_drafters: int, s
                       f"and a ZeRO-1/2/3 one only under ZeRO-1/2/3 (set --zero-stage {saved_stage})")
 
 
-def plan_resume(cfg: Config, num_drafters: int) -> ResumePlan:
+def choose_resume(cfg: Config, num_drafters: int) -> ResumePoint:
     """The resume decision from the config and the run folder alone (every rank can take it)."""
     path = ckpt.resolve_resume(cfg.train.resume, cfg.train.output_dir)
     asked = cfg.train.global_batch
     if path is None:
         g = asked or num_drafters
         check_global_batch(g, num_drafters, where="config: train.global_batch: ")
-        return ResumePlan(None, g, "fresh")
+        return ResumePoint(None, g, "fresh")
     saved_d, saved_g, saved_stage, _ = saved_facts(ckpt.read_state(path))
     if asked and asked != saved_g:
         raise DFlashError(f"checkpoint {path} trains a global batch of {saved_g} micro-batches per step; this run "
@@ -102,7 +104,45 @@ def plan_resume(cfg: Config, num_drafters: int) -> ResumePlan:
                           f"to take the checkpoint's, or start a new run with --resume none)")
     check_global_batch(saved_g, num_drafters, where=f"checkpoint {path} ({saved_d} drafter rank(s)): ")
     mode = resume_mode(path, saved_d, saved_stage, num_drafters, run_zero_stage(cfg))
-    return ResumePlan(path, saved_g, mode, saved_d, saved_stage)
+    return ResumePoint(path, saved_g, mode, saved_d, saved_stage)
+
+
+def check_resume_state(state: dict, arch, path: Path) -> None:
+    """A checkpoint whose drafter shape, block size or target layers differ from the run -> clear error."""
+    saved = state.get("arch", {})
+    for key in ("block_size", "target_layer_ids", "num_hidden_layers", "hidden_size", "vocab_size", "mask_token_id",
+                "layer_types", "sliding_window"):
+        if key in saved and saved[key] != getattr(arch, key):
+            raise DFlashError(f"checkpoint {path} has {key} = {saved[key]} but this run has {getattr(arch, key)}")
+
+
+def agree_on_resume(ctx, cfg: Config, mine: ResumePoint, arch, leader: bool) -> ResumePoint:
+    """Every drafter resumes as the leader decided (checked against the run's shape), resharded if needed.
+
+    The leader converts the shards to the universal format when the drafter count changed; the
+    others wait on the store (the conversion reads every optimizer state: minutes at real scale,
+    longer than a collective's timeout). Collective over the drafter group.
+    """
+    import torch.distributed as dist
+
+    decision = [mine if leader else None]
+    dist.broadcast_object_list(decision, src=0)
+    point: ResumePoint = decision[0]
+    if point.path is None:
+        return point
+    check_resume_state(ckpt.read_state(point.path), arch, point.path)  # cheap JSON, before any model
+    if point.mode == "universal":
+        key = f"dflash/universal/{point.path.name}"
+        if leader:
+            try:
+                convert_to_universal(point.path, log=lambda msg: print(msg, flush=True))
+            finally:
+                ctx.store.set(key, "ok" if universal_ready(point.path) else "failed")
+        else:
+            ctx.store.wait([key], timedelta(seconds=cfg.train.startup_timeout_s))
+            if ctx.store.get(key).decode() != "ok":
+                raise DFlashError(f"checkpoint {point.path}: the leader could not reshard it (see rank 0's error)")
+    return point
 
 
 def universal_ready(path: Path) -> bool:

@@ -1,19 +1,31 @@
-"""Named metric accumulators of a drafter's log window, reduced over the drafters in one collective.
+"""What a drafter logs: one record per micro-batch, and named metric accumulators of its log window.
 
 Every drafter adds its steps into the same named fields; `reduce` packs them in a fixed order
 (identical on every rank), does one all_reduce, and unpacks: no metric is addressed by its
-position in a vector.
+position in a vector. `StepLog` writes records/drafter{d}.jsonl and closes each window (the
+leader's monitor writes the reduced record to metrics.jsonl and W&B).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from dflash_ds.components.loss import metrics_from_sums
+from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory
+
+if TYPE_CHECKING:
+    from dflash_ds.data.stream import BatchStream
+    from dflash_ds.distributed.topology import RoleContext
+    from dflash_ds.runtime.monitor import Monitor
+    from dflash_ds.runtime.step import StepResult
 
 # Sums of the loss statistics (components/loss.metric_sums + the objective's "anchors").
 LOSS_SUMS = ("valid_positions", "correct", "top4", "top8", "blocks", "streak", "tree_streak4", "tree_streak8",
@@ -135,3 +147,54 @@ class WindowTotals:
             "peak_mem_gb": max(peaks_gb), "peak_mem_gb_per_rank": peaks_gb,
             "eta_s": sec_per_step * (max_steps - step), "step_time_s": window_s / max(steps, 1),
         }
+
+
+class StepLog:
+    """A drafter's per-micro-batch records (records/drafter{d}.jsonl) and its metric window.
+
+    Made once the batch source is up: the first window's time and peak memory start here.
+    """
+
+    def __init__(self, out: Path, ctx: RoleContext, data: BatchStream, block_size: int, max_steps: int,
+                 start_step: int, monitor: Monitor | None) -> None:
+        layout, d = ctx.layout, ctx.role_rank
+        records = out / "records"
+        records.mkdir(parents=True, exist_ok=True)
+        self.file = (records / f"drafter{d}.jsonl").open("a")
+        self.window = MetricWindow(len(data.boundaries), block_size - 1, layout.num_drafters, d)
+        self.device, self.monitor, self.max_steps, self.start_step = ctx.device, monitor, max_steps, start_step
+        self.global_batch, self.num_drafters = data.global_batch, layout.num_drafters
+        self.num_targets = layout.num_targets or layout.num_drafters  # colocated: every rank ran a target
+        reset_peak_memory(ctx.device)
+        self.t_last = self.run_start = time.perf_counter()
+
+    def add(self, step: int, result: StepResult) -> None:
+        """One optimizer step: a record per micro-batch (flushed), each micro-batch added to the window."""
+        for r in result.micro:
+            if r.skipped:
+                self.window.skipped_total += 1
+            self.file.write(json.dumps({"step": step, "micro": r.micro, "batch_id": r.batch_id,
+                                        "bucket": int(r.meta["bucket"]), "epoch_after": int(r.meta["epoch_after"]),
+                                        "loss": r.loss, "skipped": r.skipped,
+                                        "target_rank": int(r.meta["target_rank"])}) + "\n")
+            self.window.add_step(r.loss, r.sums, r.meta, r.depth, result.grad_norm, result.lr, result.noise)
+        self.file.flush()
+
+    def close_window(self, done: int, epoch: int) -> None:
+        """Reduce the window over the drafters (collective); the leader logs it as step `done`; start the next."""
+        self.window.peak_mem_bytes = peak_memory_bytes(self.device)
+        totals = self.window.reduce()  # host tensors: the role group carries them on GPU too (cpu:gloo)
+        now = time.perf_counter()
+        if self.monitor is not None:
+            self.monitor.log(totals.record(done, epoch, now - self.t_last, self.global_batch, self.num_drafters,
+                                           self.num_targets, self.max_steps,
+                                           (now - self.run_start) / max(done - self.start_step, 1)))
+        self.window.clear()
+        reset_peak_memory(self.device)
+        self.t_last = now
+
+    def close(self) -> None:
+        """Close the records file and the leader's monitor."""
+        self.file.close()
+        if self.monitor is not None:
+            self.monitor.close()

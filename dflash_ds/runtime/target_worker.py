@@ -8,73 +8,46 @@ computed while batch i is on the wire (the sender keeps at most `depth` batches 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections import deque
+from dataclasses import replace
+from typing import Iterator
 
 import torch
 
 from dflash_ds.config import Config
-from dflash_ds.data.batching import Cursor
+from dflash_ds.data.batching import BatchSpec, Cursor
 from dflash_ds.data.loader import PrefetchLoader
+from dflash_ds.data.stream import BatchStream
 from dflash_ds.distributed import bridge as bridge_mod
 from dflash_ds.distributed.topology import RoleContext
-from dflash_ds.errors import DFlashError
-from dflash_ds.models.target import capture_layers, load_target
-from dflash_ds.runtime import faults
-from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
-from dflash_ds.data.stream import BatchStream, check_global_batch
-from dflash_ds.runtime.job import last_step, resolve_arch, torch_dtype
 from dflash_ds.distributed.wire import batch_meta, build_payload, payload_specs, receive_start
+from dflash_ds.models.drafter_arch import DrafterArch
+from dflash_ds.models.target import load_target
+from dflash_ds.runtime import faults
+from dflash_ds.runtime.job import last_step
+from dflash_ds.runtime.sources import capture_batch
+from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
 
 
-
-def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watchdog) -> int:
+def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watchdog, arch: DrafterArch,
+               dtype: torch.dtype) -> int:
     """Serve every batch routed to this target until the last step (or the drafters' stop step)."""
     layout = ctx.layout
-    t_idx, n_d = ctx.role_rank, layout.num_drafters
-    arch = resolve_arch(cfg)
-    dtype = torch_dtype(cfg, ctx.device.type == "cuda")
     target = load_target(cfg.target, dtype=dtype, device=ctx.device)
     start_step, cursor, global_batch = receive_start(ctx, layout.drafter_ranks[0], cfg.train.startup_timeout_s)
-    # The leader's word is final (this rank may not see the checkpoint folder it resumed from).
-    check_global_batch(global_batch, n_d)
-    data.global_batch = global_batch
-    send_last_hidden = cfg.loss.kl_weight > 0
-
-    # (step, global batch id) of each batch handed to the loader thread, consumed in the same order.
-    routed: deque[tuple[int, int]] = deque()
-
-    def my_batches():
-        for ms in data.micro_steps(start_step, cursor, last_step(cfg)):
-            for d, spec in enumerate(ms.specs):
-                if layout.route(ms.index, d) == t_idx:
-                    routed.append((ms.step, ms.batch_id(d)))
-                    yield ms.after, spec
-
-    def stop_step() -> int | None:
-        # Set by the leader once the drafters agreed to stop (preemption): later batches are never taken.
-        if watchdog.stop_event.is_set() and ctx.store.check([STOP_STEP_KEY]):
-            return int(ctx.store.get(STOP_STEP_KEY))
-        return None
-
-    def abandon(batch_id: int) -> bool:
-        s = stop_step()
-        return s is not None and data.step_of_batch(batch_id) >= s
-
-    def exit_once_drafters_stopped() -> None:
-        # This rank may be blocked sending a batch no drafter will take: once every drafter has
-        # checkpointed and finished, leave from the watchdog thread (a target holds no state).
-        if stop_step() is not None and all(ctx.store.check([f"dflash/done/{r}"]) for r in layout.drafter_ranks):
-            print(f"[dflash-ds] target rank {ctx.global_rank}: drafters stopped at step {stop_step()}; exiting with "
-                  f"status {EXIT_PREEMPTED}", flush=True)
-            ctx.store.add("dflash/shutdown", 1)
-            os._exit(EXIT_PREEMPTED)
-
-    watchdog.tick_hooks.append(exit_once_drafters_stopped)
+    # The leader's word is final (this rank may not see the checkpoint folder it resumed from). A new
+    # stream, whose __post_init__ checks that G splits over the drafters; the caller's is left as it is.
+    data = replace(data, global_batch=global_batch)
+    kl = cfg.loss.kl_weight > 0
+    watchdog.tick_hooks.append(functools.partial(_exit_once_drafters_stopped, ctx, watchdog))
     sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.timeout_s, device=ctx.device)
     served, t_start = 0, time.perf_counter()
-    loader = PrefetchLoader(data.dataset, my_batches(), depth=cfg.data.prefetch)
+    routed: deque[tuple[int, int]] = deque()  # (step, global batch id) of each batch the loader was handed
+    loader = PrefetchLoader(data.dataset, _my_batches(ctx, data, start_step, cursor, last_step(cfg), routed),
+                            depth=cfg.data.prefetch)
     stopped = False
     for batch in loader:
         step, batch_id = routed.popleft()
@@ -82,23 +55,59 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
         faults.at_step(step)
         # Keep serving after a stop request: the drafters need this step's batches to reach the step
         # at which they all agree to stop; only what lies past that step is dropped.
-        if abandon(batch_id):
+        if _past_stop(ctx, watchdog, data, batch_id):
             stopped = True
             break
-        spec, after = batch.spec, batch.cursor
         t0 = time.perf_counter()
-        ids = batch.input_ids.to(ctx.device)
-        layers, last = capture_layers(target, ids, batch.attention_mask.to(ctx.device), arch.target_layer_ids)
-        planned = payload_specs(spec, arch, dtype, send_last_hidden)
-        tensors = build_payload(sender, planned, ids, batch.loss_mask, batch.lengths, layers,
-                                last if send_last_hidden else None)
+        into_send_buffer = functools.partial(build_payload, sender, payload_specs(batch.spec, arch, dtype, kl))
+        tensors = capture_batch(target, batch, arch.target_layer_ids, kl, ctx.device, place=into_send_buffer)
         fwd = time.perf_counter() - t0
         served += 1
-        meta = batch_meta(spec, after, fwd, served / max(time.perf_counter() - t_start, 1e-9), sender.in_flight(),
-                          ctx.global_rank)
-        sender.send(layout.drafter_ranks[batch_id % n_d], tensors, meta, batch_id=batch_id)
+        meta = batch_meta(batch.spec, batch.cursor, fwd, served / max(time.perf_counter() - t_start, 1e-9),
+                          sender.in_flight(), ctx.global_rank)
+        sender.send(layout.drafter_rank_for(batch_id), tensors, meta, batch_id=batch_id)
     loader.close()
     if stopped:
         return EXIT_PREEMPTED  # batches still in flight belong to steps nobody will train
     sender.flush()
     return 0
+
+
+def _my_batches(ctx: RoleContext, data: BatchStream, start_step: int, cursor: Cursor, stop_step: int,
+                routed: deque) -> Iterator[tuple[Cursor, BatchSpec]]:
+    """(cursor after, spec) of each batch routed to this target, in order, for the loader thread.
+
+    Each one's (step, global batch id) goes into `routed` first: the main thread pops them in the same order.
+    """
+    layout, t_idx = ctx.layout, ctx.role_rank
+    for ms in data.micro_steps(start_step, cursor, stop_step):
+        for d, spec in enumerate(ms.specs):
+            if layout.route(ms.index, d) == t_idx:
+                routed.append((ms.step, ms.batch_id(d)))
+                yield ms.after, spec
+
+
+def _stop_step(ctx: RoleContext, watchdog: Watchdog) -> int | None:
+    """The step the drafters agreed to stop at, once the leader has published it (preemption), else None."""
+    if watchdog.stop_event.is_set() and ctx.store.check([STOP_STEP_KEY]):
+        return int(ctx.store.get(STOP_STEP_KEY))
+    return None
+
+
+def _past_stop(ctx: RoleContext, watchdog: Watchdog, data: BatchStream, batch_id: int) -> bool:
+    """Whether the batch belongs to a step at or after the agreed stop step (no drafter will take it)."""
+    s = _stop_step(ctx, watchdog)
+    return s is not None and data.step_of_batch(batch_id) >= s
+
+
+def _exit_once_drafters_stopped(ctx: RoleContext, watchdog: Watchdog) -> None:
+    """Leave from the watchdog thread once every drafter has checkpointed and finished (a target holds no state).
+
+    This rank may be blocked sending a batch no drafter will take.
+    """
+    s = _stop_step(ctx, watchdog)
+    if s is not None and all(ctx.store.check([f"dflash/done/{r}"]) for r in ctx.layout.drafter_ranks):
+        print(f"[dflash-ds] target rank {ctx.global_rank}: drafters stopped at step {s}; exiting with "
+              f"status {EXIT_PREEMPTED}", flush=True)
+        ctx.store.add("dflash/shutdown", 1)
+        os._exit(EXIT_PREEMPTED)

@@ -1,7 +1,10 @@
 """`dflash-ds train-step`: a few single-device training steps of the DFlash core.
 
 A smoke test of the core without any process group: the target writes its own greedy
-continuations of random prompts, captures its hidden states, and the drafter trains on them.
+continuations of random prompts, captures its hidden states as a target rank does
+(`runtime/sources.capture_batch`), and the drafter trains on them with the trainer's forward
+(`runtime/step.forward`: the same module, loss and seeded anchors; batch id = step, so each step
+draws new anchors) and a plain AdamW instead of DeepSpeed.
 """
 
 from __future__ import annotations
@@ -11,17 +14,20 @@ import time
 
 import torch
 
-from dflash_ds.components.objective import TargetStates, drafter_objective
 from dflash_ds.components.loss import metrics_from_sums
 from dflash_ds.config import LossConfig
+from dflash_ds.data.loader import Batch
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter import DFlashDrafter
-from dflash_ds.models.target import capture_hidden, load_target
+from dflash_ds.models.target import load_target
+from dflash_ds.runtime.engine import DrafterTrainModule
+from dflash_ds.runtime.sources import capture_batch
+from dflash_ds.runtime.step import forward
 
 
 def target_batch(target, layer_ids: list[int], *, batch: int, prompt_len: int, new_tokens: int,
-                 seed: int) -> TargetStates:
-    """Greedy target continuations of random prompts, loss mask on the continuation."""
+                 seed: int) -> dict[str, torch.Tensor]:
+    """Greedy target continuations of random prompts and their captured states, loss mask on the continuation."""
     gen = torch.Generator().manual_seed(seed)
     vocab = target.config.vocab_size
     prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen).to(target.device)
@@ -30,8 +36,20 @@ def target_batch(target, layer_ids: list[int], *, batch: int, prompt_len: int, n
                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, prompt_len:] = 1
-    context, last = capture_hidden(target, ids, torch.ones_like(ids), layer_ids)
-    return TargetStates(ids, loss_mask, torch.full((batch,), ids.shape[1], device=ids.device), context, last)
+    lengths = torch.full((batch,), ids.shape[1], device=ids.device)
+    # No data plan here: the batch has no spec or cursor, only its tensors.
+    loaded = Batch(ids, loss_mask, torch.ones_like(ids), lengths, spec=None, cursor=None)
+    return capture_batch(target, loaded, layer_ids, keep_last=True, device=ids.device)
+
+
+def drafter_step(module: DrafterTrainModule, opt: torch.optim.Optimizer, tensors: dict, loss_cfg: LossConfig,
+                 seed: int, step: int, dtype: torch.dtype):
+    """One optimizer step on the batch with the trainer's forward; returns (loss terms, statistics)."""
+    terms, sums = forward(module, tensors, loss_cfg, seed, step, 0.0, dtype)
+    opt.zero_grad()
+    terms.loss.backward()
+    opt.step()
+    return terms, sums
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -56,18 +74,14 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     target = load_target(args.target, dtype=dtype, device=args.device)
     drafter = DFlashDrafter.from_pretrained(args.drafter, device=args.device).to(dtype).train()
-    states = target_batch(target, drafter.arch.target_layer_ids, batch=args.batch, prompt_len=8, new_tokens=56,
-                          seed=args.seed)
+    tensors = target_batch(target, drafter.arch.target_layer_ids, batch=args.batch, prompt_len=8, new_tokens=56,
+                           seed=args.seed)
+    module = DrafterTrainModule(drafter, target.get_input_embeddings(), target.get_output_embeddings())
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95))
     loss_cfg = LossConfig(gamma=args.gamma, num_anchors=16)
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     for step in range(args.steps):
         t0 = time.perf_counter()
-        terms, sums = drafter_objective(drafter, embed, head, states, loss_cfg,
-                                        anchor_gen=torch.Generator().manual_seed(args.seed + step))
-        opt.zero_grad()
-        terms.loss.backward()
-        opt.step()
+        terms, sums = drafter_step(module, opt, tensors, loss_cfg, args.seed, step, dtype)
         m = metrics_from_sums(sums)
         print(f"step {step}: loss {terms.loss.item():.4f}  acc {m['accuracy']:.3f}  tau {m['tau']:.2f}  "
               f"({time.perf_counter() - t0:.2f}s)", flush=True)

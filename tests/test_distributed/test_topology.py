@@ -167,3 +167,12 @@ def test_deepspeed_launcher_launch(tmp_path: Path) -> None:
     proc = run_bounded(cmd, 150, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _check_launch_results(tmp_path, port)
+
+
+def test_rank_helpers_follow_the_route() -> None:
+    # The one routing rule: targets and drafters name each other's global ranks through the layout.
+    for lay in (make_layout(5, 2), make_layout(8, None, nproc_per_node=4, targets_per_node=1)):
+        for step in range(6):
+            for d in range(lay.num_drafters):
+                assert lay.target_rank_for(step, d) == lay.target_ranks[lay.route(step, d)]
+                assert lay.drafter_rank_for(step * lay.num_drafters + d) == lay.drafter_ranks[d]

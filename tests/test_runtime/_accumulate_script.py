@@ -1,6 +1,6 @@
 """One process, world size 1: a dropped (non-finite) micro-batch under gradient accumulation.
 
-Engine A accumulates 2 micro-batches, the first dropped (`_accumulate(loss=None)`), the second
+Engine A accumulates 2 micro-batches, the first dropped (`step.accumulate(loss=None)`), the second
 with loss L; engine B (same init) takes one step on L / 2. Both must end with the same weights:
 the dropped micro-batch contributed exactly nothing and DeepSpeed stepped at the right boundary.
 Also (colocated): an engine built beside the loaded target shares the target's embedding and head
@@ -11,7 +11,6 @@ Prints one JSON line for the test.
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,13 +21,19 @@ target, pg_file, config = sys.argv[1:4]
 dist.init_process_group("gloo", init_method=f"file://{pg_file}", rank=0, world_size=1)
 
 from dflash_ds.config import load_config  # noqa: E402
-from dflash_ds.runtime.drafter_worker import _accumulate, _build, _forward  # noqa: E402
+from dflash_ds.runtime.engine import build_drafter_engine, check_shared_head  # noqa: E402
 from dflash_ds.runtime.job import resolve_arch  # noqa: E402
+from dflash_ds.runtime.step import accumulate, forward  # noqa: E402
 
 cfg = load_config(config, {"target": target, "optim": {"warmup_steps": 0}})  # lr 0 at step 0 otherwise
 arch = resolve_arch(cfg)
-ctx = SimpleNamespace(device=torch.device("cpu"))
+cpu, f32 = torch.device("cpu"), torch.float32
 gen = torch.Generator().manual_seed(0)
+
+
+def loss(engine, tensors, batch_id):
+    """The trainer's micro-batch loss (noise off)."""
+    return forward(engine, tensors, cfg.loss, cfg.train.seed, batch_id, 0.0, f32)[0].loss
 
 
 def batch():
@@ -38,33 +43,30 @@ def batch():
 
 
 b0, b1, b2, b3 = batch(), batch(), batch(), batch()
-f32 = torch.float32
-a = _build(cfg, ctx, f32, 2, universal=False)
+a = build_drafter_engine(cfg, arch, f32, cpu, 2)
 init = [p.detach().clone() for p in a.module.drafter.parameters()]
-_accumulate(a, None, 2, b0, cfg, f32, 0)  # dropped
-_accumulate(a, _forward(a, b1, cfg, f32, 1, 0.0)[0].loss, 2, b1, cfg, f32, 1)
+accumulate(a, None, 2, b0, cfg, f32, 0)  # dropped
+accumulate(a, loss(a, b1, 1), 2, b1, cfg, f32, 1)
 steps_after_first = a.global_steps
 after_a = [p.detach().clone() for p in a.module.drafter.parameters()]
-b = _build(cfg, ctx, f32, 1, universal=False)
+b = build_drafter_engine(cfg, arch, f32, cpu, 1)
 same_init = max((p - q).abs().max().item() for p, q in zip(b.module.drafter.parameters(), init))
-_accumulate(b, _forward(b, b1, cfg, f32, 1, 0.0)[0].loss * 0.5, 1, b1, cfg, f32, 1)
+accumulate(b, loss(b, b1, 1) * 0.5, 1, b1, cfg, f32, 1)
 diff = max((p - q).abs().max().item() for p, q in zip(b.module.drafter.parameters(), after_a))
 b_after = [p.detach().clone() for p in b.module.drafter.parameters()]
 moved = max((p - q).abs().max().item() for p, q in zip(after_a, init))
 for x, g in ((b2, 2), (b3, 3)):  # the next step's boundary is where it should be
-    _accumulate(a, _forward(a, x, cfg, f32, g, 0.0)[0].loss, 2, x, cfg, f32, g)
+    accumulate(a, loss(a, x, g), 2, x, cfg, f32, g)
 from dflash_ds.models.target import load_target, target_parts  # noqa: E402
 
 tgt = load_target(target)
-c = _build(cfg, ctx, f32, 1, universal=False, target=tgt)
+c = build_drafter_engine(cfg, arch, f32, cpu, 1, target=tgt)
 parts = target_parts(tgt)
 shared = (c.module.embed_weight.data_ptr() == parts.embed.weight.data_ptr()
           and (c.module.tied_head or c.module.head_weight.data_ptr() == parts.head.weight.data_ptr()))
-from dflash_ds.runtime.colocated import check_shared_head  # noqa: E402
-
 assert check_shared_head(c, tgt) is None  # what the trainer checks after building a colocated engine
 assert "holds its own copy" in check_shared_head(b, tgt)  # an engine whose head was read from the files
-_accumulate(c, _forward(c, b1, cfg, f32, 1, 0.0)[0].loss * 0.5, 1, b1, cfg, f32, 1)
+accumulate(c, loss(c, b1, 1) * 0.5, 1, b1, cfg, f32, 1)
 colocated_diff = max((p - q).abs().max().item() for p, q in zip(c.module.drafter.parameters(), b_after))
 print(json.dumps({"diff": diff, "moved": moved, "same_init": same_init, "steps_after_first": steps_after_first,
                   "steps_after_second": a.global_steps, "colocated_shares_head": shared,

@@ -116,24 +116,24 @@ def test_resume_on_another_drafter_count(setup, request, tmp_path, stage, drafte
 
 def test_checkpoint_that_cannot_be_split_fails_before_any_model(g4_zero2, capsys):
     """3 drafters cannot split a global batch of 4; an explicit other global batch is refused: one error each,
-    from the JSON alone (plan_resume runs on every rank before any process group or model)."""
+    from the JSON alone (choose_resume runs on every rank before any process group or model)."""
     from dflash_ds.cli import main
     from dflash_ds.config import load_config
     from dflash_ds.errors import DFlashError
-    from dflash_ds.runtime.resume import plan_resume
+    from dflash_ds.runtime.resume import choose_resume
 
     _, ref = g4_zero2
     ckpt = ref / "checkpoints" / "step_00000004"
     cfg = load_config(COMMON[1], {"train": {"resume": str(ckpt), "output_dir": str(ref)}})
     with pytest.raises(DFlashError, match=r"global batch 4 cannot be split over 3 drafter ranks.*: 1, 2, 4"):
-        plan_resume(cfg, 3)
+        choose_resume(cfg, 3)
     cfg.train.global_batch = 8
     with pytest.raises(DFlashError, match=r"global batch of 4 .* asks train.global_batch = 8"):
-        plan_resume(cfg, 2)
+        choose_resume(cfg, 2)
     cfg.train.global_batch = 0
-    plan = plan_resume(cfg, 1)
+    plan = choose_resume(cfg, 1)
     assert (plan.global_batch, plan.mode, plan.saved_drafters) == (4, "universal", 2)
-    assert plan_resume(cfg, 2).mode == "direct"
+    assert choose_resume(cfg, 2).mode == "direct"
 
     assert main(["ckpt", "info", str(ref), "--drafters", "1", "3"]) == 1  # the run folder: its latest (step 8)
     out = capsys.readouterr().out
