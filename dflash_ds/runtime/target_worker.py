@@ -89,8 +89,9 @@ def _my_batches(ctx: RoleContext, data: BatchStream, start_step: int, cursor: Cu
 
 def _stop_step(ctx: RoleContext, watchdog: Watchdog) -> int | None:
     """The step the drafters agreed to stop at, once the leader has published it (preemption), else None."""
-    if watchdog.stop_event.is_set() and ctx.store.check([STOP_STEP_KEY]):
-        return int(ctx.store.get(STOP_STEP_KEY))
+    # The watchdog's own store client: this also runs on the watchdog thread (never behind a blocked call).
+    if watchdog.stop_event.is_set() and watchdog.store.check([STOP_STEP_KEY]):
+        return int(watchdog.store.get(STOP_STEP_KEY))
     return None
 
 
@@ -106,8 +107,8 @@ def _exit_once_drafters_stopped(ctx: RoleContext, watchdog: Watchdog) -> None:
     This rank may be blocked sending a batch no drafter will take.
     """
     s = _stop_step(ctx, watchdog)
-    if s is not None and all(ctx.store.check([f"dflash/done/{r}"]) for r in ctx.layout.drafter_ranks):
+    if s is not None and all(watchdog.store.check([f"dflash/done/{r}"]) for r in ctx.layout.drafter_ranks):
         print(f"[dflash-ds] target rank {ctx.global_rank}: drafters stopped at step {s}; exiting with "
               f"status {EXIT_PREEMPTED}", flush=True)
-        ctx.store.add("dflash/shutdown", 1)
+        watchdog.store.add("dflash/shutdown", 1)
         os._exit(EXIT_PREEMPTED)

@@ -78,12 +78,29 @@ class LauncherWatch:
         return None
 
 
+def own_client(store):
+    """A connection of its own to the job's TCPStore (other stores are returned as they are).
+
+    A store client serialises its calls: a `set` from this thread waited 4.5-5.5 s behind another
+    thread's 5-6 s `wait` on the same client (measured). The main thread blocks on the shared
+    client for minutes at a time (non-leader drafters wait there through the leader's resharding;
+    on GPU every lazily created NCCL communicator fetches its id through it), so heartbeats on that
+    client would stall and the peers would call this rank lost.
+    """
+    import torch.distributed as dist
+
+    if isinstance(store, dist.TCPStore):
+        return dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout,
+                             wait_for_workers=False)
+    return store
+
+
 class Watchdog:
-    """The per-rank heartbeat/stop thread (see module docstring)."""
+    """The per-rank heartbeat/stop thread (see module docstring), on a store client of its own."""
 
     def __init__(self, store, rank: int, world: int, describe_rank, heartbeat_timeout_s: float,
                  interval_s: float = 1.0, launcher_grace_s: float = 60.0) -> None:
-        self.store, self.rank, self.world = store, rank, world
+        self.store, self.rank, self.world = own_client(store), rank, world
         self.describe_rank = describe_rank
         self.timeout_s, self.interval_s = heartbeat_timeout_s, interval_s
         self.stop_event = threading.Event()  # a job-wide stop was requested (any rank)

@@ -84,3 +84,58 @@ def test_launcher_watch_sees_the_deepspeed_launchers_parent_die(tmp_path):
     lines = (tmp_path / "rank.txt").read_text().splitlines()
     assert lines[1] == "2", lines  # its parent, and the launcher's parent
     assert lines[2].startswith("the deepspeed launcher's parent (pid") and lines[2].endswith("is gone"), lines
+
+
+def _beating(store, rank: int, world: int, timeout_s: float, deaths: list) -> Watchdog:
+    """A running watchdog whose `_die` records instead of ending the test process."""
+    wd = Watchdog(store, rank, world, lambda r: f"rank {r}", heartbeat_timeout_s=timeout_s, interval_s=0.1)
+    wd._die = lambda peer, message: deaths.append((rank, peer, message))  # type: ignore[method-assign]
+    wd._beat()
+    threading.Thread(target=wd._run, daemon=True).start()
+    return wd
+
+
+def test_heartbeats_go_on_while_the_shared_client_blocks():
+    """Rank 0's main thread blocks on the shared store client longer than the heartbeat timeout (as a non-leader
+    drafter does through the leader's resharding): rank 1 must not call it lost."""
+    host = _store()
+    shared = dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    deaths: list = []
+    timeout_s = 1.5
+    w0 = _beating(shared, 0, 2, timeout_s, deaths)
+    w1 = _beating(dist.TCPStore("127.0.0.1", host.port, is_master=False), 1, 2, timeout_s, deaths)
+    t0 = time.monotonic()
+    try:
+        shared.wait(["dflash/never"], datetime.timedelta(seconds=3 * timeout_s))
+    except Exception:  # noqa: BLE001 - the wait times out, as meant
+        pass
+    assert time.monotonic() - t0 >= 3 * timeout_s - 0.1  # the client really was held that long
+    time.sleep(0.5)
+    for wd in (w0, w1):
+        wd._closed.set()
+    assert w0.store is not shared  # a client of its own
+    assert deaths == [], deaths
+
+
+def test_the_hazard_the_own_client_removes():
+    """Control: a watchdog forced onto the blocked client stalls, and its peer calls it lost (what happened before
+    the watchdog had its own client), so the test above can fail."""
+    import dflash_ds.runtime.watchdog as watchdog_mod
+
+    host = _store()
+    shared = dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    deaths: list = []
+    own = watchdog_mod.own_client
+    watchdog_mod.own_client = lambda store: store
+    try:
+        w0 = _beating(shared, 0, 2, 1.5, deaths)
+    finally:
+        watchdog_mod.own_client = own
+    w1 = _beating(dist.TCPStore("127.0.0.1", host.port, is_master=False), 1, 2, 1.5, deaths)
+    try:
+        shared.wait(["dflash/never"], datetime.timedelta(seconds=4.5))
+    except Exception:  # noqa: BLE001
+        pass
+    for wd in (w0, w1):
+        wd._closed.set()
+    assert any(rank == 1 and peer == 0 for rank, peer, _ in deaths), deaths
