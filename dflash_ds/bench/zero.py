@@ -265,7 +265,11 @@ def _stage_child() -> int:
     cfg.loss.num_anchors = spec["num_anchors"]
     if spec["offload"]:
         cfg.train.ds_config = str(resolve_ds_config(cfg).parent / "zero3_offload.json")
-    ds = load_ds_config(resolve_ds_config(cfg), cfg, bf16=cuda)
+    # The trainer refuses bf16 with ZeRO-0 (bf16 weights and gradient accumulation, runtime/engine.py); the
+    # table's baseline row measures it as DeepSpeed runs it.
+    ds = load_ds_config(resolve_ds_config(cfg), cfg, bf16=cuda and spec["stage"] > 0)
+    if cuda and spec["stage"] == 0:
+        ds["bf16"] = {"enabled": True}
     ds["zero_force_ds_cpu_optimizer"] = False  # keep the trainer's torch AdamW under offload too
     module, arch = _drafter_module(spec)
     engine = build_engine(module, cfg, ds)
