@@ -29,7 +29,10 @@ def job_layout(cfg: Config, world_size: int, local_world_size: int | None) -> La
 def validate_job(cfg: Config, world_size: int, local_world_size: int | None) -> Layout:
     """Every cheap check, before any process group or model: layout, target, data, DeepSpeed JSON."""
     from dflash_ds.models.target import read_target_config
-    from dflash_ds.runtime.engine import resolve_ds_config
+    import torch
+
+    from dflash_ds.runtime.engine import load_ds_config, resolve_ds_config
+    from dflash_ds.runtime.job import torch_dtype
 
     layout = job_layout(cfg, world_size, local_world_size)
     if not cfg.target:
@@ -39,7 +42,8 @@ def validate_job(cfg: Config, world_size: int, local_world_size: int | None) -> 
         raise DFlashError("no data: pass --data DIR (a dataset written by `dflash-ds prepare`)")
     if not os.path.isdir(cfg.data.path):
         raise DFlashError(f"data folder {cfg.data.path} does not exist (run `dflash-ds prepare` first)")
-    resolve_ds_config(cfg)
+    # Read and completed as the engine will be (a bad JSON, or bf16 with ZeRO-0, fails on every rank now).
+    load_ds_config(resolve_ds_config(cfg), cfg, bf16=torch_dtype(cfg, torch.cuda.is_available()) == torch.bfloat16)
     return layout
 
 

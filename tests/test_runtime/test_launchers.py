@@ -57,6 +57,7 @@ def test_deepspeed_launcher_with_hostfile(setup, tmp_path):
     (["--num-target-ranks", "5"], "--num-target-ranks 5 leaves 0 drafter ranks in a world of 3"),
     (["--ds-config", "/nonexistent/zero.json"], "--ds-config /nonexistent/zero.json does not exist"),
     (["--colocate", "--targets-per-node", "1"], "--colocate runs the target on every rank"),
+    (["--train.dtype", "bf16", "--zero-stage", "0"], "ZeRO stage 0 with bf16 would accumulate gradients"),
 ])
 def test_bad_layout_or_ds_config_is_one_error(setup, tmp_path, extra, message):
     """What every rank checks before any group or model (`validate_job`), in process."""
