@@ -13,17 +13,34 @@ import torch
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.target import describe_target, load_target
 
-# Peak RSS while loading, measured in a child process after every import: the tensors are read from the
-# safetensors straight into the model (bf16 on disk, bf16 in the run), so the peak stays near one copy.
+# Peak private (anonymous) memory while loading, sampled every 5 ms in a child process after every import:
+# the tensors are read from the safetensors straight into the model (bf16 on disk, bf16 in the run), so the
+# peak stays near one copy. The file's own mapped pages are page cache, shared and reclaimable: not counted
+# (total RSS counts them too and swings between 1.2x and 1.6x with how many of them are mapped at once).
 MEASURE = r"""
-import json, resource, sys, psutil, torch
+import json, sys, threading, time, torch
 from dflash_ds.models.target import load_target
-before = psutil.Process().memory_info().rss
+
+def anon() -> int:  # private memory only: the safetensors' own pages (file-backed, shared) do not count
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon")
+
+peak, done = [anon()], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.005)
+before = anon()
+thread = threading.Thread(target=sample, daemon=True)
+thread.start()
 model = load_target(sys.argv[1], dtype=torch.bfloat16, device="cpu")
 touched = sum(float(p.float().sum()) for p in model.parameters())  # every page of every weight resident
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+done.set()
+thread.join()
 size = sum(p.numel() * p.element_size() for p in model.parameters())
-print(json.dumps({"before": before, "peak": peak, "size": size, "touched": touched}))
+print(json.dumps({"before": before, "peak": max(peak[0], anon()), "size": size, "touched": touched}))
 """
 
 
@@ -53,9 +70,9 @@ def test_loading_makes_no_second_copy(big_bf16_target: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["size"] > 0.7e9
-    # Measured: 1.0x the model's bytes (the safetensors pages become the weights). A load-then-convert or a
-    # staged host copy would be 2x.
-    assert (r["peak"] - r["before"]) / r["size"] <= 1.3, r
+    # Measured: 0.18x the model's bytes of private memory (loading buffers; on CPU the weights are the
+    # safetensors' own mapped pages). A staged host copy or a load-then-convert would add 1x or more.
+    assert (r["peak"] - r["before"]) / r["size"] <= 0.5, r
 
 
 def test_the_log_names_the_attention_implementation(tiny_target: Path) -> None:
