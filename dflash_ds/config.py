@@ -45,6 +45,8 @@ class DrafterConfig:
     """Per draft layer "full_attention" or "sliding_attention" (causal, windowed); null/empty = all full."""
     sliding_window: int | None = None
     """Window of the sliding layers in positions, counting the query itself (HF convention)."""
+    attention_backend: str = "auto"
+    """Training attention: auto (flex_attention on CUDA, dense mask + SDPA on CPU), dense, or flex (CUDA only)."""
 
 
 @dataclass
@@ -139,6 +141,9 @@ class TrainConfig:
     """Explicit DeepSpeed JSON (overrides zero_stage)."""
     dtype: str = "auto"
     """Compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
+    target_attention: str = "auto"
+    """Attention kernels of the frozen target's forward: auto (transformers' choice, sdpa on most models), sdpa,
+    eager, flash_attention_2 / flash_attention_3 (pip install flash-attn), flex_attention. Logged at start-up."""
     timeout_s: float = 300.0
     """Timeout of blocking receives and collectives (seconds)."""
     startup_timeout_s: float = 900.0
@@ -214,6 +219,7 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("model.layer_types", "entries must be full_attention or sliding_attention",
      lambda v: not v or all(t in ("full_attention", "sliding_attention") for t in v)),
     ("model.sliding_window", "must be >= 1", lambda v: v is None or v >= 1),
+    ("model.attention_backend", "must be auto, dense or flex", lambda v: v in ("auto", "dense", "flex")),
     ("loss.gamma", "must be > 0", lambda v: v > 0),
     ("loss.num_anchors", "must be >= 1", lambda v: v >= 1),
     ("loss.max_anchors_per_batch", "must be >= 0 (0 = no cap)", lambda v: v >= 0),
@@ -243,6 +249,8 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("train.launcher_grace_s", "must be > 0", lambda v: v > 0),
     ("train.zero_stage", "must be 0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
     ("train.dtype", "must be auto, bf16 or fp32", lambda v: v in ("auto", "bf16", "fp32")),
+    ("train.target_attention", "must be auto, sdpa, eager, flash_attention_2, flash_attention_3 or flex_attention",
+     lambda v: v in ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")),
     ("train.timeout_s", "must be > 0", lambda v: v > 0),
     ("train.stop_at", "must be >= 0", lambda v: v >= 0),
     ("train.startup_timeout_s", "must be > 0", lambda v: v > 0),

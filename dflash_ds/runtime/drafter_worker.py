@@ -26,7 +26,7 @@ from dflash_ds.models.drafter_arch import DrafterArch
 from dflash_ds.runtime import checkpoint as ckpt
 from dflash_ds.runtime import faults
 from dflash_ds.runtime.engine import build_drafter_engine, check_shared_head, export_drafter
-from dflash_ds.runtime.job import last_step
+from dflash_ds.runtime.job import last_step, load_run_target
 from dflash_ds.runtime.monitor import Monitor, scrub_secrets
 from dflash_ds.runtime.resume import ResumePoint, agree_on_resume
 from dflash_ds.runtime.sources import BatchSource, open_source
@@ -94,9 +94,7 @@ def _build_engine(ctx: RoleContext, cfg: Config, data: BatchStream, resume: Resu
               flush=True)
     target = None
     if layout.colocated:
-        from dflash_ds.models.target import load_target
-
-        target = load_target(cfg.target, dtype=dtype, device=ctx.device)
+        target = load_run_target(cfg, dtype, ctx.device, ctx.global_rank)
     engine = build_drafter_engine(cfg, arch, dtype, ctx.device, data.accumulation,
                                   universal=resume.mode == "universal", target=target)
     if target is not None and leader:

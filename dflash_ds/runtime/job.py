@@ -47,3 +47,12 @@ def last_step(cfg: Config) -> int:
     if cfg.train.stop_at and cfg.train.stop_at < cfg.train.max_steps:
         return cfg.train.stop_at
     return cfg.train.max_steps
+
+
+def load_run_target(cfg: Config, dtype: torch.dtype, device: torch.device, rank: int) -> torch.nn.Module:
+    """The frozen target on this rank's device, with the configured attention kernels; logs what runs."""
+    from dflash_ds.models.target import describe_target, load_target
+
+    target = load_target(cfg.target, dtype=dtype, device=device, attn_implementation=cfg.train.target_attention)
+    print(f"[dflash-ds] rank {rank}: {describe_target(target)}", flush=True)
+    return target

@@ -25,9 +25,8 @@ from dflash_ds.distributed import bridge as bridge_mod
 from dflash_ds.distributed.topology import RoleContext
 from dflash_ds.distributed.wire import batch_meta, build_payload, payload_specs, receive_start
 from dflash_ds.models.drafter_arch import DrafterArch
-from dflash_ds.models.target import load_target
 from dflash_ds.runtime import faults
-from dflash_ds.runtime.job import last_step
+from dflash_ds.runtime.job import last_step, load_run_target
 from dflash_ds.runtime.sources import capture_batch
 from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
 
@@ -36,7 +35,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
                dtype: torch.dtype) -> int:
     """Serve every batch routed to this target until the last step (or the drafters' stop step)."""
     layout = ctx.layout
-    target = load_target(cfg.target, dtype=dtype, device=ctx.device)
+    target = load_run_target(cfg, dtype, ctx.device, ctx.global_rank)
     start_step, cursor, global_batch = receive_start(ctx, layout.drafter_ranks[0], cfg.train.startup_timeout_s)
     # The leader's word is final (this rank may not see the checkpoint folder it resumed from). A new
     # stream, whose __post_init__ checks that G splits over the drafters; the caller's is left as it is.

@@ -89,3 +89,9 @@ def test_wandb_offline_run_has_metric_keys(reference):
     for rec in read_jsonl(out / "metrics.jsonl"):
         assert set(wandb_flatten(rec)) <= logged
     assert {"train/loss", "train/tau", "pipeline/tok_per_sec", "batch/padding_efficiency"} <= logged
+
+
+def test_target_ranks_log_their_attention_implementation(reference):
+    """The target rank (global rank 2: drafters first) says which attention kernels its forward runs."""
+    _, r = reference
+    assert "[dflash-ds] rank 2: target Qwen3ForCausalLM: float32 on cpu, attention sdpa" in r.stdout, r.stdout[-3000:]
