@@ -22,7 +22,8 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: i
     then, if `max_total` > 0 and the rows drew more in all, each row keeps a fair share
     (`anchor_quotas`) by a second seeded draw among its own picks. When the cap does not bind,
     the result is exactly the uncapped one. Returns anchors [B, A] (sorted, padding = 0) and
-    valid [B, A], A = the largest number chosen in any row.
+    valid [B, A], A = the largest number chosen in any row (it changes from batch to batch:
+    the flex path pads it further and drops the extra blocks, models/block_mask.py).
     """
     b, s = loss_mask.shape
     pos = torch.arange(s)

@@ -12,7 +12,8 @@ Two forwards share the weights:
   then one block, no mask, optionally with a cache of the context keys/values.
 Sliding-window layers (`arch.layer_types`) narrow both: causal inside the block and
 a window of `sliding_window` positions counting the query (see models/drafter_arch.py
-for where that was read in the serving engines).
+for where that was read in the serving engines). The mask, and the compiled flex_attention
+with its bound on compiled graphs, are in models/block_mask.py.
 """
 
 from __future__ import annotations
@@ -27,29 +28,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dflash_ds.errors import DFlashError
+from dflash_ds.models.block_mask import (
+    FLEX_COMPILE, MASK_BACKENDS, create_block_mask, dense_block_mask, flex_mask_mod, flex_shapes, run_flex,
+)
 from dflash_ds.models.drafter_arch import (  # noqa: F401 - re-exported: the drafter's public names
     CONFIG_NAME, FULL, SAFETENSORS_NAME, SLIDING, DrafterArch, default_target_layer_ids, read_drafter_arch,
 )
-
-try:  # block-sparse attention on GPU; CPU uses a dense boolean mask with SDPA
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-except ImportError:  # pragma: no cover - older torch
-    flex_attention = None
-    create_block_mask = None
-
-MASK_BACKENDS = ("auto", "dense", "flex")
-
-_compiled_flex = None
-
-
-def _flex_attention(q, k, v, block_mask, enable_gqa: bool) -> torch.Tensor:
-    """flex_attention, compiled once on GPU (eager flex materialises every score and is slow)."""
-    global _compiled_flex
-    if not q.is_cuda:
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +92,7 @@ class DrafterAttention(nn.Module):
         k = torch.cat([ctx_k, k], dim=2)
         v = torch.cat([ctx_v, v], dim=2)
         if mask is not None and not isinstance(mask, torch.Tensor):  # a flex_attention BlockMask
-            out = _flex_attention(q, k, v, mask, enable_gqa=self.num_kv_heads != self.num_heads)
+            out = run_flex(q, k, v, mask, enable_gqa=self.num_kv_heads != self.num_heads)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                  enable_gqa=self.num_kv_heads != self.num_heads)
@@ -168,7 +152,8 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(arch.to_hf_config())
         # fp32 copies of the RoPE frequency buffers, restored after every cast (see `_apply`).
         self._rope_fp32 = {name: buf.detach().clone().float() for name, buf in self.rotary_emb.named_buffers()}
-        # Training mask: "auto" = flex_attention BlockMask on GPU, dense boolean + SDPA on CPU.
+        # Training mask (the trainer sets it from model.attention_backend): "auto" = flex_attention
+        # BlockMask on GPU, dense boolean + SDPA on CPU; "dense" or "flex" force one.
         self.mask_backend = "auto"
         # Recompute each layer in backward (set by the trainer from model.activation_checkpointing).
         self.activation_checkpointing = False
@@ -224,30 +209,42 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def forward_train(self, context_features: torch.Tensor, block_embeds: torch.Tensor,
-                      anchors: torch.Tensor) -> torch.Tensor:
+                      anchors: torch.Tensor, pad: bool | None = None) -> torch.Tensor:
         """All anchor blocks of a batch in one pass.
 
         context_features [B, S, n*H]; block_embeds [B, A, bs, H] (embed of [x_a, MASK, ...]);
         anchors [B, A] (position of each block's first token; padding anchors may be 0).
-        Returns final-normed hidden states [B, A, bs, H].
+        Returns final-normed hidden states [B, A, bs, H]. `pad` (None: on the flex path, as
+        FLEX_COMPILE.pad says) runs the batch at `flex_shapes` (S to a multiple of 128, A to a
+        minimum), which bounds flex's compiled graphs (models/block_mask.py); the padded context
+        positions are never visible and the padded blocks are dropped, so the result is the same.
         """
+        if self.mask_backend not in MASK_BACKENDS:
+            raise DFlashError(f"mask_backend must be one of {MASK_BACKENDS}, got {self.mask_backend!r}")
+        use_flex = self.mask_backend == "flex" or (self.mask_backend == "auto" and block_embeds.is_cuda)
+        if use_flex and create_block_mask is None:
+            raise DFlashError("mask_backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
         b, s, _ = context_features.shape
         _, a, bs, h = block_embeds.shape
         ctx = self.project_context(context_features)
-        x = block_embeds.reshape(b, a * bs, h)
+        if pad is None:
+            pad = use_flex and FLEX_COMPILE.pad
+        s_pad, a_pad = flex_shapes(s, a, bs) if pad else (s, a)
+        if s_pad != s:
+            ctx = F.pad(ctx, (0, 0, 0, s_pad - s))
+        if a_pad != a:  # padding anchors are 0: such a block sees no context, only its own (zero) tokens
+            block_embeds = F.pad(block_embeds, (0, 0, 0, 0, 0, a_pad - a))
+            anchors = F.pad(anchors, (0, a_pad - a))
+        x = block_embeds.reshape(b, a_pad * bs, h)
         offs = torch.arange(bs, device=anchors.device)
-        pos = (anchors[:, :, None] + offs).reshape(b, a * bs)
-        ctx_pos = torch.arange(s, device=anchors.device).expand(b, s)
-        if self.mask_backend not in MASK_BACKENDS:
-            raise DFlashError(f"mask_backend must be one of {MASK_BACKENDS}, got {self.mask_backend!r}")
-        use_flex = self.mask_backend == "flex" or (self.mask_backend == "auto" and x.is_cuda)
-        if use_flex and create_block_mask is None:
-            raise DFlashError("mask_backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+        pos = (anchors[:, :, None] + offs).reshape(b, a_pad * bs)
+        ctx_pos = torch.arange(s_pad, device=anchors.device).expand(b, s_pad)
         # One mask per layer type present (built once, shared by the layers of that type).
-        masks = {kind: self.block_mask(anchors, s, bs, use_flex=use_flex,
+        masks = {kind: self.block_mask(anchors, s_pad, bs, use_flex=use_flex,
                                        sliding_window=self.arch.sliding_window if kind == SLIDING else None)
                  for kind in set(self.arch.layer_types)}
-        return self._run_layers(x, pos, ctx, ctx_pos, masks).view(b, a, bs, h)
+        out = self._run_layers(x, pos, ctx, ctx_pos, masks).view(b, a_pad, bs, h)
+        return out[:, :a] if a_pad != a else out
 
     @staticmethod
     def block_mask(anchors: torch.Tensor, ctx_len: int, bs: int, use_flex: bool = False,
@@ -259,30 +256,13 @@ class DFlashDrafter(nn.Module):
         inside the block, the window counting the query itself, as the serving engines run it.
         Dense boolean [B, 1, A*bs, S + A*bs] for SDPA, or a flex_attention BlockMask on GPU.
         """
+        if not (use_flex and create_block_mask is not None):
+            return dense_block_mask(anchors, ctx_len, bs, sliding_window)
         b, a = anchors.shape
-        w = sliding_window
-        if use_flex and create_block_mask is not None:
-            def mask_mod(bi, hi, q, kv):
-                blk, off = q // bs, q % bs
-                in_ctx = kv < ctx_len
-                kv_off = kv - ctx_len - blk * bs  # offset inside the query's block (own block: 0..bs-1)
-                ok = (in_ctx & (kv < anchors[bi, blk])) | (~in_ctx & ((kv - ctx_len) // bs == blk))
-                if w is not None:
-                    qpos = anchors[bi, blk] + off
-                    ok = ok & torch.where(in_ctx, kv > qpos - w, (kv_off <= off) & (kv_off > off - w))
-                return ok
-            return create_block_mask(mask_mod, b, None, a * bs, ctx_len + a * bs, device=anchors.device)
-        dev = anchors.device
-        q_blk, q_off = torch.arange(a * bs, device=dev) // bs, torch.arange(a * bs, device=dev) % bs  # [Q]
-        q_anchor = anchors.repeat_interleave(bs, 1)[:, :, None]  # [B, Q, 1]
-        kv_ctx = torch.arange(ctx_len, device=dev)[None, None, :]
-        ctx_ok = kv_ctx < q_anchor
-        own = (q_blk[:, None] == q_blk[None, :])  # [Q, Q]
-        if w is not None:
-            ctx_ok = ctx_ok & (kv_ctx > q_anchor + q_off[None, :, None] - w)
-            diff = q_off[:, None] - q_off[None, :]  # query offset - key offset, same block
-            own = own & (diff >= 0) & (diff < w)
-        return torch.cat([ctx_ok, own.expand(b, -1, -1)], dim=2).unsqueeze(1)
+        # The width goes in as a tensor: a Python int captured by mask_mod would be a compile guard.
+        width = torch.tensor(ctx_len, device=anchors.device)
+        return create_block_mask(flex_mask_mod(anchors, width, bs, sliding_window), b, None, a * bs,
+                                 ctx_len + a * bs, device=anchors.device)
 
     def forward_infer(self, context_features: torch.Tensor | None, block_embeds: torch.Tensor, start: int,
                       cache: "DrafterCache | None" = None) -> torch.Tensor:

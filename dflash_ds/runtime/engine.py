@@ -212,6 +212,7 @@ def build_drafter_engine(cfg: Config, arch: DrafterArch, dtype: torch.dtype, dev
     drafter = load_drafter(cfg, arch).to(dtype)  # an export may be bf16 (a bf16 target's init)
     ac = cfg.model.activation_checkpointing
     drafter.activation_checkpointing = device.type == "cuda" if ac is None else ac
+    drafter.mask_backend = cfg.model.attention_backend
     module = DrafterTrainModule(drafter, embed, head)
     ds = load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16, accumulation=accumulation,
                         load_universal=universal)

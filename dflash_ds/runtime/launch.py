@@ -42,6 +42,9 @@ def validate_job(cfg: Config, world_size: int, local_world_size: int | None) -> 
         raise DFlashError("no data: pass --data DIR (a dataset written by `dflash-ds prepare`)")
     if not os.path.isdir(cfg.data.path):
         raise DFlashError(f"data folder {cfg.data.path} does not exist (run `dflash-ds prepare` first)")
+    if cfg.model.attention_backend == "flex" and not torch.cuda.is_available():
+        raise DFlashError("model.attention_backend flex needs a CUDA GPU (flex_attention's backward does not run on "
+                          "the CPU); use auto or dense")
     # Read and completed as the engine will be (a bad JSON, or bf16 with ZeRO-0, fails on every rank now).
     load_ds_config(resolve_ds_config(cfg), cfg, bf16=torch_dtype(cfg, torch.cuda.is_available()) == torch.bfloat16)
     return layout
