@@ -81,6 +81,25 @@ def _wait(work: Any, deadline: float, peer: int, what: str, timeout_s: float) ->
         raise BridgeTimeoutError(f"bridge: {what} with rank {peer} did not finish within {timeout_s:g}s")
 
 
+def _poll(work: Any, deadline: float, peer: int, what: str, timeout_s: float) -> None:
+    """Wait for one Work by polling `is_completed()` until `deadline`: nothing is queued on any stream.
+
+    On NCCL, `Work.wait()` makes the calling thread's current CUDA stream wait for the transfer. A
+    receive posted ahead for a batch the targets never send (they stop at the agreed stop step)
+    would then hold that stream forever, and every later kernel or copy on it (the checkpoint's)
+    queues behind it. Polling keeps a receive that never completes this thread's business alone; a
+    completed NCCL receive's data is in place, so the consumer reads it without any stream wait.
+    """
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise BridgeTimeoutError(f"bridge: {what} with rank {peer} did not finish within {timeout_s:g}s; "
+                                     f"is rank {peer} alive and routed to this rank?")
+        time.sleep(0.0002)
+    failed = work.exception() if hasattr(work, "exception") else None
+    if failed is not None:
+        raise BridgeError(f"bridge: {what} with rank {peer} failed: {failed}")
+
+
 def wait_all(works: Iterable[Any], peer: int, timeout_s: float, what: str = "transfer") -> None:
     """Wait for a list of Works with one shared deadline."""
     deadline = time.monotonic() + timeout_s
@@ -223,15 +242,18 @@ class Receiver:
     given (release each batch's tensors to it when done). `poll()` (called by `__next__`, or by
     the consumer mid-step) posts what has become possible without blocking; with gloo, whose
     receives report completion only inside `wait()`, an unplanned payload is posted on the next
-    `__next__`.
+    `__next__`. On CUDA (or with `poll=True`) completion is polled, never waited for (`_poll`):
+    receives posted past the run's stop step cannot hold the training stream.
     """
 
     def __init__(self, bridge: BridgeGroup, schedule: Iterable[tuple[int, int] | tuple[int, int, list[Spec]]],
                  depth: int = 2, timeout_s: float = 600.0, tag: int = 0, device: torch.device | str = "cpu",
-                 meter: DepthSink | None = None, pool: BufferPool | None = None) -> None:
+                 meter: DepthSink | None = None, pool: BufferPool | None = None, poll: bool | None = None) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.bridge, self.depth, self.timeout_s, self.device, self.meter = bridge, depth, timeout_s, device, meter
+        # gloo marks a receive complete only inside wait(): poll only where completion is observable (NCCL).
+        self._await = _poll if (torch.device(device).type == "cuda" if poll is None else poll) else _wait
         self.pool = pool
         self._schedule = iter(schedule)
         self._exhausted = False
@@ -256,12 +278,16 @@ class Receiver:
             self._read_header(head, t0 + self.timeout_s)
             self.poll()  # an unplanned payload was just posted: the next header may follow it
         if head.work is not None:
-            _wait(head.work, t0 + self.timeout_s, head.src, f"receiving batch {head.batch_id}", self.timeout_s)
+            self._await(head.work, t0 + self.timeout_s, head.src, f"receiving batch {head.batch_id}", self.timeout_s)
         self.last_wait_s = time.monotonic() - t0
         self._pending.popleft()
         self.poll()
         assert head.tensors is not None and head.meta is not None
         return Batch(head.batch_id, head.tensors, head.meta)
+
+    def posted(self) -> int:
+        """Receives posted that have not been handed out (at exit: ones no target will ever match)."""
+        return len(self._pending)
 
     def poll(self) -> None:
         """Post every receive the order and `depth` allow now (never blocks)."""
@@ -293,7 +319,7 @@ class Receiver:
 
     def _read_header(self, p: _Pending, deadline: float) -> None:
         """Wait for a batch's header and check it; post its payload receive if the schedule did not plan it."""
-        _wait(p.header_work, deadline, p.src, f"receiving the header of batch {p.batch_id}", self.timeout_s)
+        self._await(p.header_work, deadline, p.src, f"receiving the header of batch {p.batch_id}", self.timeout_s)
         got_id, specs, meta = decode_header(p.header.cpu())
         if got_id != p.batch_id:
             raise BridgeError(f"bridge: expected batch {p.batch_id} from rank {p.src}, got batch {got_id}: "

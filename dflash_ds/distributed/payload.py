@@ -30,6 +30,7 @@ import math
 import struct
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -201,6 +202,7 @@ class BufferPool:
         self.device, self.max_free = torch.device(device), max_free
         self._free: list[torch.Tensor] = []
         self._leased: dict[int, torch.Tensor] = {}
+        self._released: dict[int, Any] = {}  # CUDA: data_ptr -> event recorded at release (see `release`)
         self._lock = threading.Lock()
         self.allocations = 0  # new buffers made (the rest were reused)
         self.reuses = 0
@@ -221,18 +223,34 @@ class BufferPool:
             else:
                 buf = torch.empty(self.size_class(nbytes), dtype=torch.uint8, device=self.device)
                 self.allocations += 1
+            released = self._released.pop(buf.data_ptr(), None)
+            if released is not None:  # the last user's kernels come first (see `release`)
+                torch.cuda.current_stream(self.device).wait_event(released)
             self._leased[buf.data_ptr()] = buf
             return buf
 
     def release(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Give back the buffer under a batch's tensors; the tensors must not be used afterwards."""
+        """Give back the buffer under a batch's tensors; the tensors must not be used afterwards.
+
+        On CUDA the releasing thread's stream (training) may still have kernels reading the buffer: an
+        event recorded here is waited for by whichever stream takes the buffer next (the receiver's side
+        stream, which the receive's NCCL stream follows), and `record_stream` keeps the allocator from
+        handing the memory out early if the pool drops the buffer.
+        """
+        cuda = self.device.type == "cuda"
         with self._lock:
             for ptr in {t.untyped_storage().data_ptr() for t in tensors.values()}:
                 buf = self._leased.pop(ptr, None)
                 if buf is not None:
+                    if cuda:
+                        stream = torch.cuda.current_stream(self.device)
+                        buf.record_stream(stream)
+                        self._released[buf.data_ptr()] = stream.record_event()
                     self._free.append(buf)
             self._free.sort(key=torch.Tensor.numel, reverse=True)
             del self._free[self.max_free:]  # keep the largest few
+            kept = {b.data_ptr() for b in self._free}
+            self._released = {ptr: ev for ptr, ev in self._released.items() if ptr in kept}
 
     def tensors(self, specs: list[Spec]) -> dict[str, torch.Tensor]:
         """Empty tensors for `specs`, all views of one pooled buffer laid out as the payload."""

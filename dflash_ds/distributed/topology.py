@@ -62,6 +62,7 @@ class RoleContext:
     device: torch.device
     backend: str
     timeout_s: float
+    abort_bridge: bool = False  # receives are still posted at exit: abort the bridge, do not shut it down
 
     @property
     def is_target(self) -> bool:
@@ -149,5 +150,7 @@ def shutdown(ctx: RoleContext, timeout_s: float | None = None) -> None:
             time.sleep(0.05)
     if dist.is_initialized():
         dist.destroy_process_group()
-    if hasattr(ctx.bridge, "shutdown"):
+    if ctx.abort_bridge and hasattr(ctx.bridge, "abort"):
+        ctx.bridge.abort()  # receives posted past the stop step: nothing will ever match them
+    elif hasattr(ctx.bridge, "shutdown"):
         ctx.bridge.shutdown()
