@@ -9,6 +9,8 @@
 # resumed to 20; the resumed steps must equal an uninterrupted 20-step run's (bf16 on CUDA: within
 # 1e-3, printed); the export is evaluated (lossless at temperature 0). Prints peak memory and tok/s.
 set -euo pipefail
+# Batch shapes change every step: the caching allocator's fixed-size segments would fragment (docs/MEMORY.md).
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out/colocated}"
 PY="${PYTHON:-python}"

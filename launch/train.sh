@@ -2,6 +2,8 @@
 # One node, torchrun: NPROC ranks (one per GPU; CPU processes with gloo when there is no GPU).
 #   NPROC=8 launch/train.sh --config configs/tiny.yaml --target T --data D --num-target-ranks 4
 set -euo pipefail
+# Batch shapes change every step: the caching allocator's fixed-size segments would fragment (docs/MEMORY.md).
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 NPROC=${NPROC:-$( (command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l) || echo 3)}
 MASTER_PORT=${MASTER_PORT:-29500}
 exec torchrun --standalone --nproc_per_node "$NPROC" --master_port "$MASTER_PORT" \

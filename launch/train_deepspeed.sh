@@ -3,6 +3,8 @@
 #   HOSTFILE=hostfile launch/train_deepspeed.sh --config C --target T --data D --targets-per-node 4
 # Without ssh on a single machine: NO_SSH=1 launch/train_deepspeed.sh ...
 set -euo pipefail
+# Batch shapes change every step: the caching allocator's fixed-size segments would fragment (docs/MEMORY.md).
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 HOSTFILE=${HOSTFILE:-hostfile}
 MASTER_PORT=${MASTER_PORT:-29500}
 # The launcher only warns on a missing hostfile and reports a bad line late: check it first.

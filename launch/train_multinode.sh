@@ -4,6 +4,8 @@
 # RDZV_HOST must resolve to the same machine on every node (it hosts the rendezvous and
 # global rank 0, which also hosts the dflash-ds store on MASTER_PORT+1).
 set -euo pipefail
+# Batch shapes change every step: the caching allocator's fixed-size segments would fragment (docs/MEMORY.md).
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 : "${NNODES:?set NNODES}" "${RDZV_HOST:?set RDZV_HOST}"
 NPROC=${NPROC:-8}
 RDZV_PORT=${RDZV_PORT:-29400}

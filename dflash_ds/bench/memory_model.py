@@ -233,18 +233,30 @@ def zero_model_state_bytes(psi: int, zero_stage: int, num_drafters: int) -> floa
     raise ValueError(f"ZeRO stage {zero_stage} is not 0, 1, 2 or 3")
 
 
+# A drafter rank's received payloads (runtime/sources.BridgeSource): 2 receives posted ahead, 2 batches
+# queued, 1 received batch waiting to be queued, 1 in the step = 6 leased buffers, plus up to 2 free ones
+# the pool keeps for reuse; each a pool size class, up to 1/8 over the payload (payload.BufferPool).
+PAYLOADS_ALIVE, PAYLOADS_POOLED = 6, 2
+
+
 def static_terms(d: DrafterShape, token_budget: int, zero_stage: int, num_drafters: int, kl: bool = False,
-                 payloads_alive: int = 4) -> dict[str, float]:
-    """Per drafter rank, besides the micro-step: model states, frozen embed/head, received payloads (bf16)."""
+                 payloads_alive: int = PAYLOADS_ALIVE + PAYLOADS_POOLED, pooled: bool = True) -> dict[str, float]:
+    """Per drafter rank, besides the micro-step: model states, frozen embed/head, received payloads (bf16).
+
+    `pooled`: the payloads are pool buffers, each rounded up to its size class (a colocated rank's
+    captured batch is one exact tensor: payloads_alive=1, pooled=False).
+    """
+    from dflash_ds.distributed.payload import BufferPool
+
     psi = drafter_params(d)
     frozen = d.vocab * d.hidden * 2 * (1 if d.tied else 2)
     # A payload is the batch's selected target layers (and the last hidden for KL) in bf16; ids and
-    # masks are negligible. Alive: 2 receives posted ahead + the batch in use + one being released.
+    # masks are negligible.
     per_payload = token_budget * (d.num_read + (1 if kl else 0)) * d.hidden * 2
     return {
         f"model_states_zero{zero_stage}": zero_model_state_bytes(psi, zero_stage, num_drafters),
         "frozen_embed_head": frozen,
-        "payload_buffers": payloads_alive * per_payload,
+        "payload_buffers": payloads_alive * (BufferPool.size_class(per_payload) if pooled else per_payload),
     }
 
 

@@ -77,7 +77,8 @@ def drafter_memory(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: 
     step = bm.step_shape(step_args, dtype_bytes=2, checkpointing=True, dense=False, cuda=True)
     micro = mm.micro_step_terms(shape, step, param_grads=False)
     phase = max(mm.PHASES, key=lambda ph: sum(micro[ph].values()))
-    static = mm.static_terms(shape, args.token_budget, args.zero_stage, ranks, kl=kl, payloads_alive=1)
+    static = mm.static_terms(shape, args.token_budget, args.zero_stage, ranks, kl=kl, payloads_alive=1,
+                             pooled=False)
     terms = {k: v for k, v in static.items() if k not in ("payload_buffers", "frozen_embed_head")}
     terms["captured_batch"] = static["payload_buffers"]
     terms[f"micro_step_peak_{phase}"] = sum(micro["held"].values()) + sum(micro[phase].values())

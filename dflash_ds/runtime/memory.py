@@ -48,3 +48,17 @@ def reset_peak_memory(device: torch.device) -> bool:
         return True
     except OSError:
         return False
+
+
+def reserved_memory_bytes(device: torch.device) -> int | None:
+    """Peak memory the CUDA caching allocator held since the last reset (allocated plus its cached slack and
+    fragmentation); None on CPU."""
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (flex_attention's: a bounded number,
+    see models/block_mask.py; a count that grows every window means recompiles)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -22,6 +22,7 @@ captured states alive and needs idle compute to gain anything (see docs/BENCHMAR
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -105,7 +106,10 @@ class BridgeSource:
                  specs_of: Callable[[BatchSpec], list], depth: int = 2) -> None:
         self.ctx, self.depth, self.q = ctx, depth, queue.Queue(maxsize=depth)
         # Reused receive buffers: fresh multi-MiB tensors per batch page-fault on every first touch.
-        self.pool = BufferPool(ctx.device, max_free=2 * depth + 2)
+        # At most 2 * depth + 2 batches leased at once (posted, queued, waiting, in the step) and 2 kept free:
+        # the arithmetic of bench/memory_model.PAYLOADS_ALIVE and docs/MEMORY.md.
+        self.pool = BufferPool(ctx.device, max_free=2)
+        self.receiver: bridge_mod.Receiver | None = None
         self.thread = threading.Thread(target=self._work, args=(data, start_step, cursor, stop_step, specs_of),
                                        daemon=True, name="drafter-receiver")
         self.thread.start()
@@ -115,10 +119,19 @@ class BridgeSource:
         # The same walk over the batch stream as the targets' (target_worker.my_batches).
         schedule = ((ms.batch_id(d), layout.target_rank_for(ms.index, d), specs_of(ms.specs[d]))
                     for ms in data.micro_steps(start, cursor, stop))
+        # On CUDA this thread posts receives and reads headers on a stream of its own: nothing it does
+        # waits behind the training kernels or holds them (completion is polled: bridge._poll).
+        side = contextlib.nullcontext()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.set_device(self.ctx.device)  # the current device is per thread
+            side = torch.cuda.stream(torch.cuda.Stream(self.ctx.device))
         try:
-            for got in bridge_mod.Receiver(self.ctx.bridge, schedule, depth=self.depth, timeout_s=self.ctx.timeout_s,
-                                           device=self.ctx.device, pool=self.pool):
-                self.q.put(got)
+            with side:
+                self.receiver = bridge_mod.Receiver(self.ctx.bridge, schedule, depth=self.depth,
+                                                    timeout_s=self.ctx.timeout_s, device=self.ctx.device,
+                                                    pool=self.pool)
+                for got in self.receiver:
+                    self.q.put(got)
         except BaseException as exc:  # noqa: BLE001 - handed to the training loop
             self.q.put(exc)
 
@@ -138,7 +151,14 @@ class BridgeSource:
         self.pool.release(tensors)
 
     def close(self) -> None:
-        """Nothing to stop: the thread ends with its schedule (or with the process, a daemon)."""
+        """Leave the thread (a daemon: it ends with its schedule or the process); say if receives stay posted.
+
+        After a stop the receives posted past the stop step never complete (no target sends them): the
+        bridge must then be aborted at exit, not shut down (`topology.shutdown` waits on a group's
+        pending work when shutting it down).
+        """
+        if self.receiver is not None and self.receiver.posted():
+            self.ctx.abort_bridge = True
 
 
 class LocalTargetSource:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_ds.components.loss import metrics_from_sums
-from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory
+from dflash_ds.runtime.memory import compiled_graphs, peak_memory_bytes, reserved_memory_bytes, reset_peak_memory
 
 if TYPE_CHECKING:
     from dflash_ds.data.stream import BatchStream
@@ -186,9 +186,13 @@ class StepLog:
         totals = self.window.reduce()  # host tensors: the role group carries them on GPU too (cpu:gloo)
         now = time.perf_counter()
         if self.monitor is not None:
-            self.monitor.log(totals.record(done, epoch, now - self.t_last, self.global_batch, self.num_drafters,
-                                           self.num_targets, self.max_steps,
-                                           (now - self.run_start) / max(done - self.start_step, 1)))
+            record = totals.record(done, epoch, now - self.t_last, self.global_batch, self.num_drafters,
+                                   self.num_targets, self.max_steps, (now - self.run_start) / max(done - self.start_step, 1))
+            reserved = reserved_memory_bytes(self.device)  # the leader's caching allocator (CUDA only)
+            if reserved is not None:
+                record["reserved_mem_gb"] = round(reserved / 1024 ** 3, 4)
+            record["compiled_graphs"] = compiled_graphs()  # the leader's process
+            self.monitor.log(record)
         self.window.clear()
         reset_peak_memory(self.device)
         self.t_last = now

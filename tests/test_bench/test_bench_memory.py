@@ -81,7 +81,13 @@ def test_static_terms_by_hand() -> None:
     assert mm.zero_model_state_bytes(psi, 3, 4) == 4 * psi
     static = mm.static_terms(d, 16384, zero_stage=2, num_drafters=1)
     assert static["frozen_embed_head"] == 2 * 151936 * 4096 * 2
-    assert static["payload_buffers"] == 4 * 16384 * 5 * 4096 * 2
+    # 6 leased + 2 pooled receive buffers; 671 MB is a power of two, its own size class (no slack)
+    assert static["payload_buffers"] == 8 * 16384 * 5 * 4096 * 2
+    d27 = mm.DrafterShape(**{**d.__dict__, "hidden": 5120})
+    per27 = 16384 * 5 * 5120 * 2  # 838,860,800 -> size class 872,415,232 (2^29 + 5/8 of 2^29: 4% over)
+    assert mm.static_terms(d27, 16384, 2, 1)["payload_buffers"] == 8 * 872_415_232 and 872_415_232 < 1.125 * per27
+    colocated = mm.static_terms(d, 16384, 2, 1, payloads_alive=1, pooled=False)  # one exact captured batch
+    assert colocated["payload_buffers"] == 16384 * 5 * 4096 * 2
     tied = mm.static_terms(mm.DrafterShape(**{**d.__dict__, "tied": True}), 16384, 2, 1)
     assert tied["frozen_embed_head"] == static["frozen_embed_head"] / 2
 
