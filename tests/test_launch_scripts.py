@@ -1,0 +1,35 @@
+"""Every launch script parses (`bash -n`), and the prepared GPU checks say what their summary holds.
+
+The GPU checks themselves run end to end with DEVICE=cpu (minutes: not part of the suite); their
+figures and the commands are in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in LAUNCH.glob("*.sh")))
+def test_script_parses(script: str) -> None:
+    r = subprocess.run(["bash", "-n", str(LAUNCH / script)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("script,fields", [
+    ("gpu_check.sh", ["compiled_graphs", "peak_mem_gb", "reserved_mem_gb", "tok_per_sec", "mfu", "summary.json"]),
+    ("gpu_check_2gpu.sh", ["summary.json", "resume_max_dloss", "exitcode  : 75"]),
+])
+def test_gpu_checks_summarise_what_they_measure(script: str, fields: list[str]) -> None:
+    text = (LAUNCH / script).read_text()
+    assert all(f in text for f in fields), [f for f in fields if f not in text]
+    assert "DEVICE=cpu" in text and "PYTORCH_CUDA_ALLOC_CONF" in text  # runnable on a CPU box; allocator set
+
+
+def test_launch_scripts_set_expandable_segments() -> None:
+    for name in ("train.sh", "train_multinode.sh", "train_deepspeed.sh", "gpu_colocated.sh"):
+        assert "expandable_segments:True" in (LAUNCH / name).read_text(), name
