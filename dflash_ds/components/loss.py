@@ -315,9 +315,10 @@ def metric_sums(terms: LossTerms) -> dict[str, torch.Tensor]:
         "top4": terms.in_top4.sum().float(),
         "top8": terms.in_top8.sum().float(),
         "blocks": blocks.sum().float(),
-        "streak": leading_run(terms.correct, terms.valid)[blocks].sum().float(),
-        "tree_streak4": leading_run(terms.in_top4, terms.valid)[blocks].sum().float(),
-        "tree_streak8": leading_run(terms.in_top8, terms.valid)[blocks].sum().float(),
+        # Multiplied by the block mask, not indexed with it: boolean indexing syncs with the host.
+        "streak": (leading_run(terms.correct, terms.valid) * blocks).sum().float(),
+        "tree_streak4": (leading_run(terms.in_top4, terms.valid) * blocks).sum().float(),
+        "tree_streak8": (leading_run(terms.in_top8, terms.valid) * blocks).sum().float(),
         "pos_correct": terms.correct.sum(0).float() if k else terms.correct.new_zeros(0).float(),
         "pos_valid": terms.valid.sum(0).float() if k else terms.valid.new_zeros(0).float(),
     }

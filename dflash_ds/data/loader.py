@@ -85,6 +85,7 @@ class PrefetchLoader:
         batches: Iterable[tuple[Cursor, BatchSpec]],
         pad_id: int = 0,
         depth: int = 2,
+        pin_memory: bool = False,
     ) -> None:
         if depth < 1:
             raise DFlashError(f"prefetch depth must be >= 1, got {depth}")
@@ -93,6 +94,9 @@ class PrefetchLoader:
         self._dataset = dataset.select_columns(list(COLUMNS)).with_format(None)
         self._batches = iter(batches)
         self._pad_id = pad_id
+        # Page-locked host tensors (CUDA runs): their copies to the device are asynchronous
+        # (`non_blocking=True`), so feeding the target never stalls the host on a pageable copy.
+        self._pin = pin_memory
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
@@ -116,6 +120,9 @@ class PrefetchLoader:
                     return
                 rows = self._dataset[spec.sample_ids]
                 input_ids, loss_mask, attention_mask, lengths = collate(rows, spec, self._pad_id)
+                if self._pin:
+                    input_ids, loss_mask, attention_mask, lengths = (
+                        t.pin_memory() for t in (input_ids, loss_mask, attention_mask, lengths))
                 if not self._put(Batch(input_ids, loss_mask, attention_mask, lengths, spec, cursor)):
                     return
         except BaseException as exc:  # noqa: BLE001 (re-raised in the consumer thread)

@@ -124,7 +124,9 @@ def _post_batch(bridge: BridgeGroup, dst: int, tensors: dict[str, torch.Tensor],
     meta = meta or {}
     payload = [t.contiguous() for t in tensors.values()]
     device = payload[0].device if payload else torch.device("cpu")
-    header = encode_header(batch_id, tensors, meta).to(device)
+    header = encode_header(batch_id, tensors, meta)
+    if device.type == "cuda":  # a pinned staging copy: the header goes up without stalling the host
+        header = header.pin_memory().to(device, non_blocking=True)
     specs = [(name, t.dtype, tuple(t.shape)) for name, t in zip(tensors, payload)]
     layout = payload_layout(specs)
     message = payload_buffer(payload, layout)

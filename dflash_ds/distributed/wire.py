@@ -91,12 +91,12 @@ def build_payload(sender: bridge_mod.AsyncSender, planned: list, input_ids: torc
         raise DFlashError(f"the target produced a batch of {describe_specs(specs)}, but the data plan says "
                           f"{describe_specs(planned)} (is the target's dtype the run's dtype?)")
     out = sender.empty(specs)
-    out["input_ids"].copy_(input_ids)
-    out["loss_mask"].copy_(loss_mask)
-    out["lengths"].copy_(lengths)
+    out["input_ids"].copy_(input_ids, non_blocking=True)
+    out["loss_mask"].copy_(loss_mask, non_blocking=True)  # from the loader's pinned tensors on CUDA
+    out["lengths"].copy_(lengths, non_blocking=True)
     torch.cat(layers, dim=-1, out=out["context"])
     if last_hidden is not None:
-        out["last_hidden"].copy_(last_hidden)
+        out["last_hidden"].copy_(last_hidden, non_blocking=True)
     return out
 
 

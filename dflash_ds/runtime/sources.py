@@ -72,7 +72,8 @@ def fresh_payload(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: tor
                   last_hidden: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """The payload in new tensors on the ids' device (the selected layers concatenated into a fresh one)."""
     dev = input_ids.device
-    out = {"input_ids": input_ids, "loss_mask": loss_mask.to(dev), "lengths": lengths.to(dev),
+    out = {"input_ids": input_ids, "loss_mask": loss_mask.to(dev, non_blocking=True),
+           "lengths": lengths.to(dev, non_blocking=True),
            "context": torch.cat(layers, dim=-1)}
     if last_hidden is not None:
         out["last_hidden"] = last_hidden
@@ -88,8 +89,9 @@ def capture_batch(target: torch.nn.Module, batch: Batch, layer_ids: list[int], k
     `wire.build_payload` with its sender, which concatenates the layers straight into a pooled send
     buffer (no further copy); the default makes fresh tensors (colocated ranks, bench).
     """
-    ids = batch.input_ids.to(device)
-    layers, last = capture_layers(target, ids, batch.attention_mask.to(device), layer_ids)
+    # Asynchronous from the loader's pinned tensors on CUDA (a no-op on CPU): no host stall per batch.
+    ids = batch.input_ids.to(device, non_blocking=True)
+    layers, last = capture_layers(target, ids, batch.attention_mask.to(device, non_blocking=True), layer_ids)
     # The target's own activations are gone with its forward (no_grad): only the captured ones remain.
     return place(ids, batch.loss_mask, batch.lengths, layers, last if keep_last else None)
 
@@ -176,7 +178,7 @@ class LocalTargetSource:
                 self._ids.append(ms.batch_id(d))  # appended before its batch is queued: popped in the same order
                 yield ms.after, ms.specs[d]
 
-        self.loader = PrefetchLoader(data.dataset, mine(), depth=prefetch)
+        self.loader = PrefetchLoader(data.dataset, mine(), depth=prefetch, pin_memory=ctx.device.type == "cuda")
         self._batches = iter(self.loader)
         self.served, self.t_start = 0, time.perf_counter()
         self._stream = torch.cuda.Stream(device=ctx.device) if overlap and ctx.device.type == "cuda" else None

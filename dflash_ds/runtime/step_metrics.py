@@ -60,6 +60,9 @@ class MetricWindow:
         self.pos_correct = [0.0] * self.num_positions
         self.pos_valid = [0.0] * self.num_positions
         self.peak_mem_bytes = 0.0
+        # The loss statistics stay on the step's device until the window closes: reading them per
+        # micro-step (float(), tolist()) would make the host wait for the GPU a dozen times a step.
+        self._device_sums: torch.Tensor | None = None
 
     @property
     def steps(self) -> int:
@@ -72,8 +75,9 @@ class MetricWindow:
         s = self.sums
         s["loss"] += loss if math.isfinite(loss) else 0.0
         s["steps"] += 1
-        for key in LOSS_SUMS:
-            s[key] += float(loss_sums[key])
+        stats = torch.cat([torch.stack([loss_sums[k] for k in LOSS_SUMS]), loss_sums["pos_correct"],
+                           loss_sums["pos_valid"]]).detach().double()  # one device vector, no host read
+        self._device_sums = stats if self._device_sums is None else self._device_sums + stats
         for key in ("real_tokens", "padded_tokens", "num_seqs", "tgt_batch_per_s", "tgt_forward_s"):
             s[key] += float(meta[key])
         s["queue_depth"] += queue_depth
@@ -81,11 +85,20 @@ class MetricWindow:
         s["lr"] += lr
         s["noise_std"] += noise_std
         self.buckets[int(meta["bucket"])] += 1
-        for i, (c, v) in enumerate(zip(loss_sums["pos_correct"].tolist(), loss_sums["pos_valid"].tolist())):
-            self.pos_correct[i] += c
-            self.pos_valid[i] += v
+
+    def _read_device_sums(self) -> None:
+        """Move the window's device statistics into the host sums (once per window: one host read)."""
+        if self._device_sums is None:
+            return
+        v, n, k = self._device_sums.cpu().tolist(), len(LOSS_SUMS), self.num_positions
+        for key, value in zip(LOSS_SUMS, v[:n]):
+            self.sums[key] += value
+        self.pos_correct = [a + b for a, b in zip(self.pos_correct, v[n:n + k])]
+        self.pos_valid = [a + b for a, b in zip(self.pos_valid, v[n + k:n + 2 * k])]
+        self._device_sums = None
 
     def _pack(self) -> list[float]:
+        self._read_device_sums()
         peak = [0.0] * self.num_drafters
         peak[self.drafter] = self.peak_mem_bytes  # a sum of one-hot rows = every rank's value
         return ([self.sums[k] for k in STEP_SUMS + LOSS_SUMS] + [self.skipped_total] + self.buckets

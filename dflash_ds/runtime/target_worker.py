@@ -46,7 +46,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
     served, t_start = 0, time.perf_counter()
     routed: deque[tuple[int, int]] = deque()  # (step, global batch id) of each batch the loader was handed
     loader = PrefetchLoader(data.dataset, _my_batches(ctx, data, start_step, cursor, last_step(cfg), routed),
-                            depth=cfg.data.prefetch)
+                            depth=cfg.data.prefetch, pin_memory=ctx.device.type == "cuda")
     stopped = False
     for batch in loader:
         step, batch_id = routed.popleft()
