@@ -148,6 +148,10 @@ class TrainConfig:
     """Timeout of blocking receives and collectives (seconds)."""
     startup_timeout_s: float = 900.0
     """Timeout of the start-up handshake (model loading, DeepSpeed init, first-run op builds)."""
+    bridge_timeout_s: float = 1800.0
+    """Timeout of hidden-state transfers between target and drafter ranks (seconds). Covers the longest a
+    target may wait with a batch in flight: a checkpoint (a Qwen3.6-27B drafter rank writes 1.84 B x 16 B
+    = 29 GB of ZeRO states: about 150 s at 200 MB/s) plus a step that compiles (tens of seconds per graph)."""
     heartbeat_timeout_s: float = 60.0
     """A rank whose heartbeat stalls this long is reported lost and the job exits."""
     global_batch: int = 0
@@ -254,6 +258,7 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("train.timeout_s", "must be > 0", lambda v: v > 0),
     ("train.stop_at", "must be >= 0", lambda v: v >= 0),
     ("train.startup_timeout_s", "must be > 0", lambda v: v > 0),
+    ("train.bridge_timeout_s", "must be > 0", lambda v: v > 0),
     ("train.heartbeat_timeout_s", "must be > 0", lambda v: v > 0),
     ("train.max_bad_steps", "must be >= 1", lambda v: v >= 1),
     ("topology.num_target_ranks", "must be >= 1", lambda v: v >= 1),

@@ -45,6 +45,8 @@ from dflash_ds.distributed.layout import DRAFTER, TARGET, Layout, Role
 from dflash_ds.distributed.store import job_store
 from dflash_ds.errors import DFlashError
 
+# The warm-up handshake's bridge tag, apart from the batches' channels and the start message's.
+WARM_UP_TAG = 99
 ROLE_PORT_OFFSET: dict[str, int] = {TARGET: 2, DRAFTER: 3}
 
 
@@ -63,6 +65,7 @@ class RoleContext:
     backend: str
     timeout_s: float
     abort_bridge: bool = False  # receives are still posted at exit: abort the bridge, do not shut it down
+    bridge_timeout_s: float = 1800.0  # transfers between targets and drafters (train.bridge_timeout_s)
 
     @property
     def is_target(self) -> bool:
@@ -78,6 +81,7 @@ def init_role_groups(
     backend: str = "gloo",
     timeout_s: float = 1800.0,
     local_rank: int | None = None,
+    bridge_timeout_s: float | None = None,
 ) -> RoleContext:
     """Give this rank a role-local default process group plus the all-rank bridge group.
 
@@ -131,10 +135,36 @@ def init_role_groups(
     dist.init_process_group(ROLE_BACKENDS[backend], store=dist.PrefixStore(f"dflash/{role}", store),
                             rank=role_rank, world_size=len(role_ranks), timeout=timeout)
     # A colocated job has nothing to carry between ranks but the ZeRO group's collectives.
+    bridge_timeout = datetime.timedelta(seconds=bridge_timeout_s or timeout_s)
     bridge = None if layout.colocated else make_bridge(BRIDGE_BACKENDS[backend], dist.PrefixStore("dflash/bridge", store),
-                                                        rank, layout.world_size, timeout)
+                                                        rank, layout.world_size, bridge_timeout)
     return RoleContext(layout, rank, role, role_rank, len(role_ranks), bridge, store, device, backend,
-                       timeout_s)
+                       timeout_s, bridge_timeout_s=bridge_timeout_s or timeout_s)
+
+
+def warm_up_bridge(ctx: RoleContext, timeout_s: float) -> float:
+    """Connect every (target, drafter) pair of the bridge now, one tiny transfer each; returns the seconds taken.
+
+    NCCL builds a pair's communicator at its first send/recv, under the bridge's timeout; left to the
+    first batch, a target that waits for a resuming or resharding leader would build it minutes later
+    and die. Done here, at start-up, under `timeout_s` (train.startup_timeout_s). Pairs go in one global
+    order (by target, then drafter) and every rank takes its own in that order: the first unfinished
+    pair always has both ends ready, so the handshakes cannot deadlock.
+    """
+    from dflash_ds.distributed.bridge import wait_all
+
+    t0 = time.monotonic()
+    lay = ctx.layout
+    for t in lay.target_ranks:
+        for d in lay.drafter_ranks:
+            if ctx.global_rank not in (t, d):
+                continue
+            token = torch.zeros(1, dtype=torch.int64, device=ctx.device)
+            peer = d if ctx.global_rank == t else t
+            work = ctx.bridge.send([token], d, WARM_UP_TAG) if ctx.global_rank == t else \
+                ctx.bridge.recv([token], t, WARM_UP_TAG)
+            wait_all([work], peer, timeout_s, "connecting the bridge")
+    return time.monotonic() - t0
 
 
 def shutdown(ctx: RoleContext, timeout_s: float | None = None) -> None:

@@ -108,7 +108,7 @@ def send_start(ctx: RoleContext, start_step: int, cursor: Cursor, global_batch: 
     sends = [(t, bridge_mod.send_batch(ctx.bridge, t, {"start": start}, {}, batch_id=-1, tag=CONTROL_TAG))
              for t in ctx.layout.target_ranks]
     for t, works in sends:
-        bridge_mod.wait_all(works, t, ctx.timeout_s, "sending the start point")
+        bridge_mod.wait_all(works, t, ctx.bridge_timeout_s, "sending the start point")
 
 
 def receive_start(ctx: RoleContext, leader: int, timeout_s: float) -> tuple[int, Cursor, int]:

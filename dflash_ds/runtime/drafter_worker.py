@@ -45,6 +45,7 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watc
         ckpt.clean_partials(out)
     resume = agree_on_resume(ctx, cfg, resume, arch, leader)
     data = replace(data, global_batch=resume.global_batch)  # the leader's word; the caller's stream is left as it is
+    faults.before_build()
     engine, target = _build_engine(ctx, cfg, data, resume, arch, dtype)
     start_step, cursor = _restore(engine, resume)
     if leader:

@@ -5,6 +5,7 @@ DFLASH_FAULT_KILL_AT  SIGKILL that rank when it starts this step (first attempt 
                       torchrun restart does not repeat it)
 DFLASH_FAULT_TERM_AT  send SIGTERM to that rank when it starts this step
 DFLASH_FAULT_KILL_IN_SAVE  SIGKILL that rank in the middle of the checkpoint of this step
+DFLASH_FAULT_BUILD_DELAY_S  that (drafter) rank sleeps this long before building its engine (a slow resume)
 DFLASH_INJECT_NAN_STEPS    comma-separated steps at which the leading drafter's loss (its first
                            micro-batch's) becomes NaN
 """
@@ -53,3 +54,12 @@ def poison_loss(step: int, micro: int, leader: bool, loss: torch.Tensor) -> torc
     if leader and micro == 0 and step in _nan_steps(os.environ.get("DFLASH_INJECT_NAN_STEPS", "")):
         return loss * math.nan
     return loss
+
+
+def before_build() -> None:
+    """Called by every drafter rank just before it builds its DeepSpeed engine."""
+    delay = os.environ.get("DFLASH_FAULT_BUILD_DELAY_S")
+    if _mine() and delay:
+        import time
+
+        time.sleep(float(delay))

@@ -8,7 +8,7 @@ import sys
 from dflash_ds.config import Config
 from dflash_ds.distributed.launch_env import read_launch_env
 from dflash_ds.distributed.layout import Layout, make_layout
-from dflash_ds.distributed.topology import init_role_groups, shutdown
+from dflash_ds.distributed.topology import init_role_groups, shutdown, warm_up_bridge
 from dflash_ds.errors import DFlashError
 from dflash_ds.runtime.watchdog import Watchdog
 
@@ -76,7 +76,8 @@ def run_job(cfg: Config) -> int:
     if backend == "gloo":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ctx = init_role_groups(layout, env.rank, env.master_addr, env.master_port, backend=backend,
-                           timeout_s=cfg.train.timeout_s, local_rank=env.local_rank)
+                           timeout_s=cfg.train.timeout_s, local_rank=env.local_rank,
+                           bridge_timeout_s=cfg.train.bridge_timeout_s)
     from dflash_ds.distributed import audit
 
     if audit.enabled():  # tests: check every tensor handed to torch.distributed (distributed/audit.py)
@@ -89,6 +90,11 @@ def run_job(cfg: Config) -> int:
                         launcher_grace_s=cfg.train.launcher_grace_s).start()
     dtype = torch_dtype(cfg, ctx.device.type == "cuda")  # like the drafter shape: derived once, handed to the role
     try:
+        if ctx.bridge is not None:  # every target-drafter pair connected now, under the start-up timeout
+            took = warm_up_bridge(ctx, cfg.train.startup_timeout_s)
+            if env.rank == 0:
+                print(f"[dflash-ds] bridge: {layout.num_targets * layout.num_drafters} target-drafter pair(s) "
+                      f"connected in {took:.1f}s", flush=True)
         if ctx.is_target:
             from dflash_ds.runtime.target_worker import run_target
 

@@ -130,7 +130,7 @@ class BridgeSource:
         try:
             with side:
                 self.receiver = bridge_mod.Receiver(self.ctx.bridge, schedule, depth=self.depth,
-                                                    timeout_s=self.ctx.timeout_s, device=self.ctx.device,
+                                                    timeout_s=self.ctx.bridge_timeout_s, device=self.ctx.device,
                                                     pool=self.pool)
                 for got in self.receiver:
                     self.q.put(got)
@@ -141,9 +141,9 @@ class BridgeSource:
         """Next batch; its depth is how many were already waiting (the queue depth the step saw)."""
         depth = self.q.qsize()
         try:
-            item = self.q.get(timeout=self.ctx.timeout_s * 2)
+            item = self.q.get(timeout=self.ctx.bridge_timeout_s * 2)
         except queue.Empty:
-            raise TimeoutError(f"no batch from any target within {self.ctx.timeout_s * 2:.0f}s") from None
+            raise TimeoutError(f"no batch from any target within {self.ctx.bridge_timeout_s * 2:.0f}s") from None
         if isinstance(item, BaseException):
             raise item
         return SourcedBatch(*item, depth)

@@ -42,7 +42,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
     data = replace(data, global_batch=global_batch)
     kl = cfg.loss.kl_weight > 0
     watchdog.tick_hooks.append(functools.partial(_exit_once_drafters_stopped, ctx, watchdog))
-    sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.timeout_s, device=ctx.device)
+    sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.bridge_timeout_s, device=ctx.device)
     served, t_start = 0, time.perf_counter()
     routed: deque[tuple[int, int]] = deque()  # (step, global batch id) of each batch the loader was handed
     loader = PrefetchLoader(data.dataset, _my_batches(ctx, data, start_step, cursor, last_step(cfg), routed),

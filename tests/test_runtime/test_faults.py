@@ -169,3 +169,14 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def test_a_slow_leader_start_keeps_the_target(setup, tmp_path):
+    """The leader takes longer than train.timeout_s before building its engine (a slow resume or resharding):
+    the bridge was connected at start-up and the target waits for the start point under the start-up timeout,
+    so it survives and the run trains."""
+    r = torchrun(2, args_for(setup, tmp_path, "--max-steps", "4", "--train.timeout_s", "10"),
+                 env={"DFLASH_FAULT_RANK": "0", "DFLASH_FAULT_BUILD_DELAY_S": "14"}, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
+    assert "[dflash-ds] bridge: 1 target-drafter pair(s) connected" in r.stdout, r.stdout[-3000:]
+    assert [x["step"] for x in records(tmp_path, 0)] == list(range(4))
