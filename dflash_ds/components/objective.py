@@ -32,6 +32,8 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
     `embed` maps token ids to embeddings and `lm_head` hidden states to logits (the target's,
     frozen: modules or functions). The logits are never materialised for the whole batch: the
     head and the loss run `loss_cfg.chunk_blocks` blocks at a time (`chunked_dflash_loss`).
+    `anchor_gen` seeds the anchors, drawn on the batch's device (a generator on another device
+    lends its seed, `sample_anchors`): one host read, the anchors' width.
     """
     arch = drafter.arch
     bs = arch.block_size

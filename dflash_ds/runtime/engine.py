@@ -114,8 +114,8 @@ class DrafterTrainModule(nn.Module):
         return F.linear(hidden, self.embed_weight if self.tied_head else self.head_weight)
 
     def forward(self, states: TargetStates, loss_cfg, anchor_seed: int, noise_std: float, noise_seed: int):
-        anchor_gen = torch.Generator().manual_seed(anchor_seed)
         dev = states.context.device
+        anchor_gen = torch.Generator(device=dev).manual_seed(anchor_seed)  # anchors are drawn on the batch's device
         noise_gen = torch.Generator(device=dev).manual_seed(noise_seed) if noise_std > 0 else None
         return drafter_objective(self.drafter, self.embed, self.lm_head, states, loss_cfg,
                                  anchor_gen=anchor_gen, noise_std=noise_std, noise_gen=noise_gen)

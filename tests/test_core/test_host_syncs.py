@@ -2,11 +2,11 @@
 
 Each of these makes the host wait for the GPU when the tensor lives there: `.item()`, `.cpu()`, `.tolist()`,
 `float()`/`int()`/`bool()` of a tensor, `nonzero`, boolean-mask indexing, and a host -> device copy that is
-not `non_blocking`. Per drafter micro-step the trainer did 25 of them (objective 13, bookkeeping 12); now
-11, of which on a GPU 5 are real: anchor sampling's 2 reads of the loss mask and lengths and its 2 copies
-back (components/loss.sample_anchors, a per-row host loop), and the loss's `.item()` that the drafters'
-skip/stop agreement needs. The rest read host tensors (the anchors' candidates) or move RoPE frequencies
-to the device they are already on.
+not `non_blocking`. Per drafter micro-step the trainer did 25 of them (objective 13, bookkeeping 12), then 11
+(anchor sampling's per-row host loop alone 8), now 4, of which on a GPU 2 are real: anchor sampling's one
+read of its output width (components/loss.sample_anchors: the largest per-row quota, which a shape-only
+width would double the drafter's work to avoid) and the loss's `.item()` that the drafters' skip/stop
+agreement needs. The other 2 move RoPE frequencies to the device they are already on.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import functools
 import torch
 from torch.overrides import TorchFunctionMode
 
+from dflash_ds.components.loss import sample_anchors
 from dflash_ds.components.objective import TargetStates
 from dflash_ds.config import LossConfig
 from dflash_ds.distributed.bridge import AsyncSender
@@ -91,8 +92,18 @@ def test_a_micro_step_reads_the_device_at_most_a_stated_number_of_times() -> Non
     model_side, bookkeeping, _ = micro_step()
     assert bookkeeping == {"item": 1}, bookkeeping  # the metrics stay on the device until the window closes
     assert "bool-index" not in model_side and "__float__" not in model_side, model_side
-    # sample_anchors: 2 reads (.cpu), 4 nonzero on those host copies, 2 copies back; RoPE's .to(x.device): 2
-    assert sum(model_side.values()) <= 10, model_side
+    # sample_anchors: 1 read (its output width); RoPE's .to(x.device): 2. It was 10 with the host loop.
+    assert model_side == {"item": 1, "blocking to": 2}, model_side
+
+
+def test_anchor_sampling_reads_the_device_once() -> None:
+    """Candidates, quotas (water-filled under the cap), keys and the sort stay on the batch's device."""
+    loss_mask = torch.ones(8, 300, dtype=torch.long)
+    lengths = torch.tensor([300, 280, 200, 120, 60, 30, 20, 300])
+    with SyncCount() as counted:
+        anchors, valid = sample_anchors(loss_mask, lengths, 16, 64, torch.Generator().manual_seed(0), max_total=200)
+    assert counted.calls == {"item": 1}, counted.calls
+    assert int(valid.sum()) == 200 and anchors.shape[1] == int(valid.sum(1).max())
 
 
 def test_the_window_still_sums_what_it_used_to() -> None:

@@ -5,7 +5,7 @@ import math
 import torch
 
 from dflash_ds.components.loss import (block_inputs_and_labels, decay_weights, dflash_loss, leading_run,
-                                       metric_sums, metrics_from_sums, sample_anchors, streak_weights)
+                                       metric_sums, metrics_from_sums, sample_anchors, streak_weights, water_fill)
 
 
 def softmax(xs):
@@ -136,6 +136,78 @@ def test_anchor_sampling_rules_and_seed():
     a2, _ = sample_anchors(loss_mask, lengths, bs, 3, torch.Generator().manual_seed(5))
     assert torch.equal(a1, a2) and a1.shape == (2, 3)
     assert all(int(x) in range(1, 8) for x in a1[1])
+
+
+def quotas_by_search(counts: list[int], cap: int) -> list[int]:
+    """Water-filling the slow way: binary search for the level, then one more each in row order."""
+    if sum(counts) <= cap:
+        return list(counts)
+    lo, hi = 0, max(counts)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if sum(min(c, mid) for c in counts) <= cap else (lo, mid - 1)
+    quotas = [min(c, lo) for c in counts]
+    spare = cap - sum(quotas)
+    for row, c in enumerate(counts):
+        if spare and c > quotas[row]:
+            quotas[row] += 1
+            spare -= 1
+    return quotas
+
+
+def test_water_fill_equals_the_level_search():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        b = int(torch.randint(1, 10, (1,), generator=g))
+        counts = torch.randint(0, [3, 20, 600][trial % 3], (b,), generator=g)
+        for cap in (1, 2, 7, 31, int(counts.sum()) - 1, int(counts.sum()), 10_000):
+            if cap >= 1:
+                assert water_fill(counts, cap).tolist() == quotas_by_search(counts.tolist(), cap), (counts, cap)
+
+
+def random_batch(g: torch.Generator, b: int, s: int):
+    lengths = torch.randint(1, s + 1, (b,), generator=g)
+    loss_mask = (torch.rand(b, s, generator=g) < torch.rand(b, 1, generator=g)).long()
+    loss_mask[torch.arange(s)[None] >= lengths[:, None]] = 0
+    return loss_mask, lengths
+
+
+def test_anchor_sampling_properties_on_random_batches():
+    """Candidates only, sorted, valid first and padding 0, per-row counts = the quotas, width = the largest."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(60):
+        b, s, bs = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(2, 90, (1,), generator=g)), 4
+        loss_mask, lengths = random_batch(g, b, s)
+        num_anchors, cap = [3, 10, 100][trial % 3], [0, 1, 9, 40][trial % 4]
+        anchors, valid = sample_anchors(loss_mask, lengths, bs, num_anchors, torch.Generator().manual_seed(trial),
+                                        max_total=cap)
+        counts = [min(num_anchors, sum(1 for a in range(1, int(lengths[r]) - bs + 1) if loss_mask[r, a]))
+                  for r in range(b)]
+        quotas = quotas_by_search(counts, cap) if cap else counts
+        assert valid.sum(1).tolist() == quotas
+        assert anchors.shape == valid.shape == (b, max(1, max(quotas)))
+        for r in range(b):
+            picked = anchors[r][valid[r]].tolist()
+            assert valid[r].tolist() == sorted(valid[r].tolist(), reverse=True)  # valid first
+            assert picked == sorted(set(picked)) and anchors[r][~valid[r]].eq(0).all()
+            assert all(a >= 1 and a + bs <= int(lengths[r]) and loss_mask[r, a] == 1 for a in picked)
+
+
+def test_anchor_picks_are_uniform_over_the_candidates():
+    """Over many seeds every candidate of a row is kept about equally often, capped or not."""
+    loss_mask = torch.tensor([[0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0], [1] * 16])
+    lengths = torch.tensor([15, 16])  # row 0: candidates 1, 2, 4..11; row 1: 1..12 (block 4)
+    seeds = 3000
+    for num_anchors, cap, kept in ((3, 0, (3, 3)), (8, 9, (5, 4))):  # cap 9: 8 + 8 drawn, 5 + 4 kept
+        hits = torch.zeros(2, 16)
+        for seed in range(seeds):
+            anchors, valid = sample_anchors(loss_mask, lengths, 4, num_anchors, torch.Generator().manual_seed(seed),
+                                            max_total=cap)
+            hits.scatter_add_(1, anchors, valid.float())
+        for row, cands in ((0, [1, 2, *range(4, 12)]), (1, list(range(1, 13)))):
+            expected = seeds * kept[row] / len(cands)
+            assert hits[row].sum() == seeds * kept[row]
+            assert ((hits[row, cands] - expected).abs() < 0.1 * expected).all(), (row, hits[row])
 
 
 def test_block_inputs_and_labels():
