@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the size of --target's safetensors)")
     parser.add_argument("--drafter-memory-gb", type=float, default=None,
                         help="drafter training memory per GPU in GB, as `dflash-ds bench memory` measures it (its "
-                             "total also counts the embedding + LM head and four payloads: an upper bound here); "
+                             "total also counts the embedding + LM head and eight pooled payloads: an upper bound here); "
                              "default: bench memory's model at bf16, checkpointing, ZeRO over all colocated GPUs")
     parser.add_argument("--token-budget", type=int, default=DataConfig.token_budget,
                         help=f"tokens per micro-batch of the drafter memory estimate (data.token_budget, default "
