@@ -34,6 +34,7 @@ import datetime
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -167,14 +168,17 @@ def warm_up_bridge(ctx: RoleContext, timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
-def shutdown(ctx: RoleContext, timeout_s: float | None = None) -> None:
-    """Tear down both groups; global rank 0 (the store host) leaves last so nobody loses the store."""
+def shutdown(ctx: RoleContext, timeout_s: float | None = None, lost: Callable[[], int] = lambda: 0) -> None:
+    """Tear down both groups; global rank 0 (the store host) leaves last so nobody loses the store.
+
+    `lost()`: how many ranks died without checking out (the watchdog's count); rank 0 does not wait for them.
+    """
     # Peers may still use the store (new DeepSpeed subgroups, NCCL lazy init)
     # after this rank is done, so its host waits until every rank has checked out.
     ctx.store.add("dflash/shutdown", 1)
     if ctx.global_rank == 0:
         deadline = time.monotonic() + (ctx.timeout_s if timeout_s is None else timeout_s)
-        while ctx.store.add("dflash/shutdown", 0) < ctx.layout.world_size:
+        while ctx.store.add("dflash/shutdown", 0) < ctx.layout.world_size - lost():
             if time.monotonic() > deadline:
                 break  # leave anyway; the ones still running will fail with a clear store error
             time.sleep(0.05)

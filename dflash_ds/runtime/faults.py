@@ -4,24 +4,53 @@ DFLASH_FAULT_RANK     global rank the faults apply to (default: none)
 DFLASH_FAULT_KILL_AT  SIGKILL that rank when it starts this step (first attempt only: a
                       torchrun restart does not repeat it)
 DFLASH_FAULT_TERM_AT  send SIGTERM to that rank when it starts this step
+DFLASH_FAULT_HANG_AT  that rank's main thread stops for good when it starts this step (a stuck rank:
+                      its watchdog still beats, so no peer calls it lost)
 DFLASH_FAULT_KILL_IN_SAVE  SIGKILL that rank in the middle of the checkpoint of this step
 DFLASH_FAULT_BUILD_DELAY_S  that (drafter) rank sleeps this long before building its engine (a slow resume)
 DFLASH_INJECT_NAN_STEPS    comma-separated steps at which the leading drafter's loss (its first
                            micro-batch's) becomes NaN
+DFLASH_EXIT_STATUS_DIR     every rank writes rank{R}.json there, {"rank", "status", "time"}, just before it
+                           exits (time.time()); a rank SIGKILLed by the faults above writes status -9 and the
+                           time of the kill, a hanging rank writes rank{R}.hang as it starts to hang
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import signal
+import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the watchdog imports this module: keep it free of torch
+    import torch
 
 
 def _mine() -> bool:
     return os.environ.get("DFLASH_FAULT_RANK") == os.environ.get("DFLASH_GLOBAL_RANK") is not None
+
+
+def _rank() -> str | None:
+    return os.environ.get("DFLASH_GLOBAL_RANK", os.environ.get("RANK"))
+
+
+def record_exit(status: int) -> None:
+    """Tests: this rank's exit status and the time, as it exits (nothing unless DFLASH_EXIT_STATUS_DIR is set)."""
+    folder, rank = os.environ.get("DFLASH_EXIT_STATUS_DIR"), _rank()
+    if not folder or rank is None:
+        return
+    path = os.path.join(folder, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"rank": int(rank), "status": status, "time": time.time()}, f)
+    os.replace(path + ".tmp", path)  # a reader never sees half a file
+
+
+def _kill_self() -> None:
+    record_exit(-int(signal.SIGKILL))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _first_attempt() -> bool:
@@ -33,15 +62,22 @@ def at_step(step: int) -> None:
     if not _mine():
         return
     if os.environ.get("DFLASH_FAULT_KILL_AT") == str(step) and _first_attempt():
-        os.kill(os.getpid(), signal.SIGKILL)
+        _kill_self()
     if os.environ.get("DFLASH_FAULT_TERM_AT") == str(step) and _first_attempt():
         os.kill(os.getpid(), signal.SIGTERM)
+    if os.environ.get("DFLASH_FAULT_HANG_AT") == str(step) and _first_attempt():
+        folder = os.environ.get("DFLASH_EXIT_STATUS_DIR")
+        if folder:
+            with open(os.path.join(folder, f"rank{_rank()}.hang"), "w") as f:
+                f.write(str(time.time()))
+        while True:  # only the watchdog thread's exits end this rank now
+            time.sleep(1)
 
 
 def in_save(step: int) -> None:
     """Called by every drafter rank between writing its shards and the checkpoint's completion."""
     if _mine() and os.environ.get("DFLASH_FAULT_KILL_IN_SAVE") == str(step) and _first_attempt():
-        os.kill(os.getpid(), signal.SIGKILL)
+        _kill_self()
 
 
 @functools.cache
@@ -60,6 +96,4 @@ def before_build() -> None:
     """Called by every drafter rank just before it builds its DeepSpeed engine."""
     delay = os.environ.get("DFLASH_FAULT_BUILD_DELAY_S")
     if _mine() and delay:
-        import time
-
         time.sleep(float(delay))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from dflash_ds.config import Config
@@ -10,6 +11,7 @@ from dflash_ds.distributed.launch_env import read_launch_env
 from dflash_ds.distributed.layout import Layout, make_layout
 from dflash_ds.distributed.topology import init_role_groups, shutdown, warm_up_bridge
 from dflash_ds.errors import DFlashError
+from dflash_ds.runtime import faults
 from dflash_ds.runtime.watchdog import Watchdog
 
 
@@ -103,14 +105,25 @@ def run_job(cfg: Config) -> int:
             from dflash_ds.runtime.drafter_worker import run_drafter
 
             status = run_drafter(ctx, cfg, data, watchdog, resume, arch, dtype)
-    except BaseException:
+    except BaseException as exc:
         _name_lost_peers(watchdog, describe)
+        faults.record_exit(exc.exit_code if isinstance(exc, DFlashError) else 1)  # as train.main maps it
         raise
     finally:
         sys.stdout.flush()
+    # This rank has its exit status now. torchrun sends SIGTERM to every rank still running as soon as one
+    # exits non-zero (75 included), and the interpreter's teardown restores the default handlers: the other
+    # ranks' 75 became -15 (measured). A stop they already made is all such a signal could ask for.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     watchdog.mark_done()
+    if env.rank != 0:
+        watchdog.close()  # before rank 0, the store's host, may leave
+    # Rank 0 waits there for every rank to check out; its watchdog, still running, names a rank that died
+    # (torchrun stops the others at once: the drafters checkpoint, a dead target never checks out).
+    shutdown(ctx, lost=lambda: len(watchdog.lost))
     watchdog.close()
-    shutdown(ctx)
+    faults.record_exit(status)
     return status
 
 

@@ -9,7 +9,6 @@ computed while batch i is on the wire (the sender keeps at most `depth` batches 
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections import deque
 from dataclasses import replace
@@ -28,7 +27,7 @@ from dflash_ds.models.drafter_arch import DrafterArch
 from dflash_ds.runtime import faults
 from dflash_ds.runtime.job import last_step, load_run_target
 from dflash_ds.runtime.sources import capture_batch
-from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
+from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog, hard_exit
 
 
 def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watchdog, arch: DrafterArch,
@@ -109,5 +108,6 @@ def _exit_once_drafters_stopped(ctx: RoleContext, watchdog: Watchdog) -> None:
     if s is not None and all(watchdog.store.check([f"dflash/done/{r}"]) for r in ctx.layout.drafter_ranks):
         print(f"[dflash-ds] target rank {ctx.global_rank}: drafters stopped at step {s}; exiting with "
               f"status {EXIT_PREEMPTED}", flush=True)
+        watchdog.mark_done()  # rank 0, still waiting for the others to check out, must not call it lost
         watchdog.store.add("dflash/shutdown", 1)
-        os._exit(EXIT_PREEMPTED)
+        hard_exit(EXIT_PREEMPTED)

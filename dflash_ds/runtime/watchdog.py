@@ -22,9 +22,15 @@ import sys
 import threading
 import time
 
+from dflash_ds.runtime import faults
+
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; `--resume auto` continues
 EXIT_LOST_RANK = 3
 EXIT_LOST_LAUNCHER = 4
+# Rank 0, its work done, does not wait at shutdown for a peer this long without a beat (or
+# heartbeat_timeout_s if shorter): a live peer beats every second from a thread of its own, and torchrun,
+# which starts tearing the job down when the first rank exits, SIGKILLs what still runs 30 s later.
+CHECKOUT_STALL_S = 10.0
 STOP_KEY = "dflash/stop"
 STOP_STEP_KEY = "dflash/stop_step"
 
@@ -45,6 +51,12 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def hard_exit(status: int) -> None:
+    """End this process now with `status`, from any thread (the main one may be blocked in a collective)."""
+    faults.record_exit(status)  # tests only: every rank's status and exit time
+    os._exit(status)
 
 
 class LauncherWatch:
@@ -110,10 +122,13 @@ class Watchdog:
         self._seen: dict[int, tuple[int, float]] = {}
         self.tick_hooks: list = []  # called from the thread every interval (role-specific checks)
         self._closed = threading.Event()
+        self._wake = threading.Event()  # a signal came: publish it now, not at the next beat
         self._thread = threading.Thread(target=self._run, name="dflash-watchdog", daemon=True)
         self.launcher = LauncherWatch()
         self.launcher_grace_s = launcher_grace_s
         self._orphan_deadline: float | None = None
+        self._done = False  # this rank finished its work: a lost peer is named, no longer fatal
+        self.lost: set[int] = set()  # peers found lost after this rank finished (they never check out)
 
     def start(self) -> "Watchdog":
         """Install the signal handlers (main thread) and start the thread."""
@@ -125,9 +140,10 @@ class Watchdog:
         return self
 
     def _on_signal(self, signum, _frame) -> None:
-        # Only set flags here: the thread talks to the store, the training loop decides when.
+        # Only set flags (and wake the thread) here: the thread talks to the store, the training loop decides when.
         self.local_signal = signal.Signals(signum).name
         self.stop_event.set()
+        self._wake.set()
 
     def stop_reason(self) -> str:
         """Why the run stops, without blocking: the job-wide reason once published, else this rank's signal.
@@ -145,11 +161,14 @@ class Watchdog:
 
     def _run(self) -> None:
         try:
-            while not self._closed.wait(self.interval_s):
+            while True:
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+                if self._closed.is_set():
+                    return
                 self._check_launcher()
                 self._beat()
-                if self.local_signal and not self.store.check([STOP_KEY]):
-                    self.store.set(STOP_KEY, f"{self.local_signal} on rank {self.rank}")
+                self._publish_stop()
                 if not self.stop_event.is_set() and self.store.check([STOP_KEY]):
                     self.stop_event.set()
                 self._check_peers()
@@ -158,8 +177,17 @@ class Watchdog:
         except Exception as exc:  # noqa: BLE001 - the store is gone: its host (global rank 0) died
             if self._closed.is_set():
                 return
+            if self._orphan_deadline is not None:  # rank 0 left at its own grace deadline: this rank's is as near
+                print(f"[dflash-ds] rank {self.rank} at step {self.step}: the job store is gone after the launcher; "
+                      f"exiting", file=sys.stderr, flush=True)
+                hard_exit(EXIT_LOST_LAUNCHER)
             self._die(0, f"lost contact with the job store on {self.describe_rank(0)} ({type(exc).__name__}); "
                          f"rank 0 is probably lost")
+
+    def _publish_stop(self) -> None:
+        """This rank's signal becomes the job-wide stop (the targets stop only on it; drafters may agree sooner)."""
+        if self.local_signal and not self.store.check([STOP_KEY]):
+            self.store.set(STOP_KEY, f"{self.local_signal} on rank {self.rank}")
 
     def _check_launcher(self) -> None:
         """Stop like on SIGTERM once the launcher is gone; exit at the grace deadline whatever happens."""
@@ -175,10 +203,11 @@ class Watchdog:
         elif time.monotonic() > self._orphan_deadline:
             print(f"[dflash-ds] rank {self.rank} at step {self.step}: launcher gone {self.launcher_grace_s:.0f}s "
                   f"ago; exiting", file=sys.stderr, flush=True)
-            os._exit(EXIT_LOST_LAUNCHER)
+            hard_exit(EXIT_LOST_LAUNCHER)
 
     def _check_peers(self) -> None:
         now = time.monotonic()
+        limit = min(self.timeout_s, CHECKOUT_STALL_S) if self._done else self.timeout_s
         for peer in range(self.world):
             if peer == self.rank:
                 continue
@@ -189,11 +218,17 @@ class Watchdog:
             last = self._seen.get(peer)
             if last is None or last[0] != int(beats):
                 self._seen[peer] = (int(beats), now)
-            elif now - last[1] > self.timeout_s:
+            elif now - last[1] > limit:
                 if self.store.check([f"dflash/done/{peer}"]):
                     continue  # finished normally
-                self._die(peer, f"lost {self.describe_rank(peer)}: no heartbeat for {now - last[1]:.0f}s "
-                                f"(its last step was {step})")
+                message = f"lost {self.describe_rank(peer)}: no heartbeat for {now - last[1]:.0f}s " \
+                          f"(its last step was {step})"
+                if not self._done:
+                    self._die(peer, message)
+                elif peer not in self.lost:  # rank 0, past its work, waiting for the others to check out
+                    print(f"[dflash-ds] rank {self.rank} at step {self.step}: {message}; not waiting for it",
+                          file=sys.stderr, flush=True)
+                    self.lost.add(peer)
 
     def stalled_peers(self, min_age_s: float = 3.0) -> list[int]:
         """Peers whose heartbeat has not moved for `min_age_s` (for naming the culprit after a failure)."""
@@ -216,16 +251,26 @@ class Watchdog:
 
     def _die(self, peer: int, message: str) -> None:
         print(f"[dflash-ds] rank {self.rank} at step {self.step}: {message}; exiting", file=sys.stderr, flush=True)
-        os._exit(EXIT_LOST_RANK)  # the main thread may be blocked inside a collective
+        hard_exit(EXIT_LOST_RANK)
 
     def mark_done(self) -> None:
-        """This rank finished its work normally: peers must not call it lost."""
+        """This rank finished its work normally: peers must not call it lost, and a lost peer no longer ends it."""
+        self._done = True
         try:
             self.store.set(f"dflash/done/{self.rank}", "1")
         except Exception:  # noqa: BLE001
             pass
 
     def close(self) -> None:
-        """Stop the thread (before the store goes away)."""
+        """Stop the thread (before the store goes away); publish this rank's signal if the thread has not.
+
+        A drafter signalled as a step starts stops with its peers through that step's all-reduce and can finish
+        before the thread publishes; the targets, in no all-reduce, stop only on the key (seen, when the thread
+        published once a second: a target blocked sending past the stop step until torchrun killed it)."""
         self._closed.set()
+        self._wake.set()
         self._thread.join(timeout=5)
+        try:
+            self._publish_stop()
+        except Exception:  # noqa: BLE001 - the store is gone: its host has left, there is nobody to tell
+            pass

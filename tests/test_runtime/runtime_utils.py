@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -74,6 +75,17 @@ def torchrun(nproc: int, args: list[str], timeout: float = 420, extra: list[str]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), *(extra or []), "-m", "dflash_ds.train", *args]
     return run_bounded(cmd, timeout, env={**env_for_children(), **(env or {})}, cwd=cwd or REPO)
+
+
+def exit_statuses(folder: Path) -> dict[int, dict]:
+    """rank -> {"status", "time"} each rank wrote as it exited (DFLASH_EXIT_STATUS_DIR, runtime/faults.py)."""
+    return {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in folder.glob("rank*.json")}
+
+
+def torchrun_exit_codes(stderr: str) -> dict[int, int]:
+    """rank -> exit code, from torchrun's failure report (it lists every rank that did not exit 0)."""
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stderr)
+    return {int(rank): int(code) for rank, code in found}
 
 
 def read_jsonl(path: Path) -> list[dict]:
