@@ -152,6 +152,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="weights dtype of target and drafter (default float32: low precision can flip "
                              "near-tied greedy choices between block and one-token forwards)")
+    served = parser.add_argument_group("the serving engine (eval/served.py)")
+    served.add_argument("--engine", choices=["dflash", "vllm"], default="dflash", help="dflash: speculative decoding "
+                        "here (default); vllm: also serve the target with the export as vLLM's DFlash drafter, read "
+                        "vLLM's acceptance from its /metrics, check its outputs against plain serving, and print both")
+    served.add_argument("--concurrency", type=int, default=8, help="prompts in flight on the server (--engine vllm)")
+    from dflash_ds.serving.vllm_server import add_server_arguments
+
+    add_server_arguments(served, for_eval=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,6 +172,12 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature < 0:
         raise DFlashError(f"--temperature {args.temperature}: must be >= 0")
     budgets = parse_budgets(args.tree_budget)
+    if args.engine == "vllm" and (args.temperature > 0 or budgets):
+        raise DFlashError("--engine vllm measures greedy single-path acceptance: no --temperature, no --tree-budget")
+    if args.engine == "vllm":
+        from dflash_ds.eval.served import serving_env
+
+        serving_env(args.drafter)  # a layout vLLM cannot serve here fails before any model loads
     if budgets and args.temperature > 0:
         raise DFlashError("--tree-budget needs --temperature 0 (tree verification accepts greedy matches only)")
     check_drafter_matches_target(read_drafter_arch(args.drafter), read_target_config(args.target),
@@ -181,10 +195,25 @@ def run(args: argparse.Namespace) -> int:
                        tree_budgets=budgets, seed=args.seed, log=lambda s: print(s, flush=True))
     results.update({"target": str(args.target), "drafter": str(args.drafter), "data": str(args.data)})
     print(format_table(results))
+    if args.engine == "vllm":
+        from dflash_ds.eval.served import format_comparison, served_eval
+
+        served = served_eval(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,
+                             block_size=drafter.arch.block_size, dtype=args.vllm_dtype or args.dtype,
+                             concurrency=args.concurrency, python=args.vllm_python,
+                             memory_fraction=args.vllm_memory_fraction, max_model_len=args.vllm_max_model_len,
+                             startup_timeout_s=args.vllm_startup_timeout, log_dir=args.vllm_log,
+                             extra_args=args.vllm_arg)
+        results["vllm"] = served
+        print(format_comparison(results, served))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"eval: results -> {args.json}")
+    if args.engine == "vllm" and results["vllm"]["mismatches"]:
+        m = results["vllm"]["mismatches"][0]
+        raise DFlashError(f"prompt {m['prompt']}: vLLM's speculative output differs from its plain output at "
+                          f"generated token {m['token']} ({m['speculative']} vs {m['plain']})")
     if results["mismatches"]:
         m = results["mismatches"][0]
         raise DFlashError(f"prompt {m['prompt']} ({m['mode']}): speculative output differs from greedy decoding at "

@@ -1,0 +1,114 @@
+"""`dflash-ds eval --engine vllm`: the export served as vLLM's DFlash drafter, its acceptance read from vLLM itself.
+
+Two servers of the same target, one after the other: plain (the lossless reference) and with the export
+as its speculative drafter (`{"method": "dflash", "num_speculative_tokens": block_size - 1}`). The same
+prompts (token ids, through /v1/completions: no chat template applied twice) go to both at temperature 0.
+vLLM's acceptance comes from the spec server's Prometheus counters, read before and after the prompts:
+mean acceptance length = 1 + accepted / drafts (`vllm:spec_decode_num_accepted_tokens_total`,
+`vllm:spec_decode_num_drafts_total`), and P(position k accepted) from the per-position counter. That is
+the quantity `dflash-ds eval` reports as `tau_pooled` (over all decode steps together), measured here by
+the engine users serve with.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from dflash_ds.errors import DFlashError
+from dflash_ds.eval.speculative import first_mismatch
+from dflash_ds.serving.client import OpenAIClient
+from dflash_ds.serving.vllm_server import VLLMServer, on_cpu
+
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def serving_env(drafter: str | Path) -> dict[str, str]:
+    """What vLLM needs to serve this drafter's layout here; a clear error where it cannot.
+
+    vLLM 0.32 serves all-full and all-sliding DFlash layouts on its default runner; a mix of full and sliding
+    layers needs its V2 model runner, which runs on Triton: a GPU.
+    """
+    cfg = json.loads((Path(drafter) / "config.json").read_text())
+    kinds = set(cfg.get("layer_types") or ["full_attention"])
+    if len(kinds) == 1:
+        return {}
+    if on_cpu():
+        raise DFlashError(f"--drafter {drafter}: layers mix {' and '.join(sorted(kinds))}; vLLM serves a mixed "
+                          "DFlash layout only with its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), which needs "
+                          "Triton on a GPU: not on this CPU. Evaluate it with --engine dflash, or serve it on a GPU")
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
+def generate_all(client: OpenAIClient, prompts: list[list[int]], max_new_tokens: int,
+                 concurrency: int) -> list[list[int]]:
+    """Greedy completions of every prompt (token ids in, token ids out), in prompt order."""
+    def one(prompt: list[int]) -> list[int]:
+        answer = client.complete_ids(prompt, max_tokens=max_new_tokens, temperature=0.0)
+        if answer.token_ids is None:
+            raise DFlashError(f"{client.url}: no token ids in the completion (a vLLM with return_token_ids needed)")
+        return list(answer.token_ids)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, prompts))
+
+
+def acceptance(before: dict[str, float], after: dict[str, float], block_size: int) -> dict:
+    """vLLM's acceptance over the requests between two /metrics readings."""
+    drafts = after.get(DRAFTS, 0.0) - before.get(DRAFTS, 0.0)
+    accepted = after.get(ACCEPTED, 0.0) - before.get(ACCEPTED, 0.0)
+    per_pos = []
+    for k in range(block_size - 1):
+        key = f"{PER_POSITION}{{position={k}}}"
+        if key in after:
+            per_pos.append((after[key] - before.get(key, 0.0)) / max(drafts, 1.0))
+    return {"drafts": int(drafts), "accepted_tokens": int(accepted),
+            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else float("nan"),
+            "per_position_acceptance": per_pos}
+
+
+def served_eval(target: str | Path, drafter: str | Path, prompts: list[list[int]], *, max_new_tokens: int,
+                block_size: int, dtype: str, concurrency: int = 8, python: str | None = None,
+                memory_fraction: float | None = None, max_model_len: int | None = None,
+                startup_timeout_s: float = 600.0, log_dir: str | Path | None = None,
+                extra_args: list[str] | tuple[str, ...] = ()) -> dict:
+    """Serve the target plain and with the drafter; return vLLM's acceptance and the lossless comparison."""
+    env = serving_env(drafter)
+    common = {"python": python, "dtype": dtype, "memory_fraction": memory_fraction, "max_model_len": max_model_len,
+              "startup_timeout_s": startup_timeout_s, "extra_args": extra_args, "env": env}
+    logs = Path(log_dir) if log_dir else None
+    with VLLMServer(target, log_path=logs / "vllm_plain.log" if logs else None, **common) as plain:
+        reference = generate_all(OpenAIClient(plain.url), prompts, max_new_tokens, concurrency)
+    with VLLMServer(target, drafter=drafter, num_speculative_tokens=block_size - 1,
+                    log_path=logs / "vllm_dflash.log" if logs else None, **common) as spec:
+        client = OpenAIClient(spec.url)
+        before = client.metrics()
+        outputs = generate_all(client, prompts, max_new_tokens, concurrency)
+        after = client.metrics()
+    if DRAFTS not in after:
+        raise DFlashError(f"{spec.url}/metrics has no {DRAFTS}: the server did not run speculative decoding")
+    mismatches = []
+    for i, (out, ref) in enumerate(zip(outputs, reference)):
+        at = first_mismatch(out, ref)
+        if at is not None:
+            mismatches.append({"prompt": i, "token": at, "speculative": out[at:at + 1], "plain": ref[at:at + 1]})
+    return {**acceptance(before, after, block_size), "generated_tokens": sum(len(o) for o in outputs),
+            "mismatches": mismatches, "outputs": outputs, "env": env}
+
+
+def format_comparison(own: dict, served: dict) -> str:
+    """vLLM's acceptance length beside dflash-ds eval's, one table."""
+    rel = served["mean_acceptance_length"] / own["tau_pooled"] - 1 if own["tau_pooled"] else float("nan")
+    lines = [f"{'engine':<16} {'tau_pooled':>10} {'steps':>7} {'accepted':>9}  P(position k accepted)",
+             f"{'vllm (served)':<16} {served['mean_acceptance_length']:>10.3f} {served['drafts']:>7} "
+             f"{served['accepted_tokens']:>9}  " + " ".join(f"{p:.2f}" for p in served["per_position_acceptance"]),
+             f"{'dflash-ds eval':<16} {own['tau_pooled']:>10.3f} {own['decode_steps']:>7} "
+             f"{sum((k - 1) * n for k, n in enumerate(own['accept_length_histogram'], 1)):>9}  "
+             + " ".join(f"{p:.2f}" for p in own["per_position_acceptance"]),
+             f"vllm vs dflash-ds: {rel:+.2%}; served outputs "
+             + ("equal plain serving token for token" if not served["mismatches"]
+                else f"differ from plain serving in {len(served['mismatches'])} prompt(s)")]
+    return "\n".join(lines)

@@ -1,0 +1,171 @@
+"""Start `vllm serve` for a target (optionally with a dflash-ds export as its DFlash drafter) on a free loopback port.
+
+vLLM lives in an environment of its own (it pins torch and transformers versions of its own), so the
+server runs that environment's Python: `--vllm-python`, else $DFLASH_VLLM_PYTHON, else the
+repository's `.venv-serve` (`make serve-env` creates it). The server runs in a new session; leaving
+the `with` block (or the process exiting) ends its whole process group, the engine's workers
+included. Its output goes to a log file, whose tail is printed when it fails to come up.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from dflash_ds.errors import DFlashError
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_ENV = REPO / ".venv-serve" / "bin" / "python"
+CPU_MEMORY_FRACTION = 0.1  # vLLM's CPU build reserves this share of *RAM* for the KV cache, and refuses to
+# start when that much is not free (its GPU default, 0.92, never fits beside a trainer's processes)
+
+
+def vllm_python(explicit: str | None = None) -> str:
+    """The Python of the serving environment, checked to exist."""
+    for candidate, source in ((explicit, "--vllm-python"), (os.environ.get("DFLASH_VLLM_PYTHON"), "DFLASH_VLLM_PYTHON"),
+                              (str(DEFAULT_ENV), "the repository's .venv-serve")):
+        if candidate:
+            if Path(candidate).is_file() and os.access(candidate, os.X_OK):
+                return candidate
+            if source != "the repository's .venv-serve":
+                raise DFlashError(f"{source} {candidate}: not an executable Python")
+    raise DFlashError("no vLLM environment: run `make serve-env` (vLLM's CPU build in .venv-serve), or install vLLM "
+                      "in a venv of its own and pass --vllm-python PATH/bin/python (or set DFLASH_VLLM_PYTHON)")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def on_cpu() -> bool:
+    """Whether this machine has no CUDA device (then the vLLM here is its CPU build)."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+class VLLMServer:
+    """A `vllm serve` process for `model` on 127.0.0.1; use as a context manager (`.url` once started)."""
+
+    def __init__(self, model: str | Path, *, drafter: str | Path | None = None, num_speculative_tokens: int | None = None,
+                 python: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
+                 memory_fraction: float | None = None, seed: int = 0, log_path: str | Path | None = None,
+                 startup_timeout_s: float = 600.0, extra_args: list[str] | tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.python = vllm_python(python)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path) if log_path else Path(f"/tmp/dflash-vllm-{os.getpid()}-{self.port}.log")
+        self.startup_timeout_s = startup_timeout_s
+        self.env = {**os.environ, **(env or {})}
+        cpu = on_cpu()
+        if memory_fraction is None and cpu:
+            memory_fraction = CPU_MEMORY_FRACTION
+        self.cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype, "--seed", str(seed)]
+        if cpu:
+            self.cmd.append("--enforce-eager")  # no CUDA graphs on a CPU; compiling them only costs start-up time
+        if memory_fraction is not None:
+            self.cmd += ["--gpu-memory-utilization", str(memory_fraction)]
+        if max_model_len:
+            self.cmd += ["--max-model-len", str(max_model_len)]
+        if drafter is not None:
+            spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
+            self.cmd += ["--speculative-config", json.dumps(spec)]
+        self.cmd += list(extra_args)
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "VLLMServer":
+        self.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Launch the server and wait until /health answers; on failure, stop it and raise with the log's tail."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env, start_new_session=True)
+        atexit.register(self.stop)
+        print(f"vllm: starting {self.url} (log {self.log_path})", flush=True)
+        t0 = time.monotonic()
+        while True:
+            status = self.proc.poll()
+            if status is not None:
+                self.stop()
+                raise DFlashError(f"vLLM exited with status {status} before it was ready; "
+                                  f"last lines of {self.log_path}:\n{self.tail()}")
+            if self._health():
+                break
+            if time.monotonic() - t0 > self.startup_timeout_s:
+                self.stop()
+                raise DFlashError(f"vLLM did not answer {self.url}/health within {self.startup_timeout_s:.0f} s; "
+                                  f"last lines of {self.log_path}:\n{self.tail()}")
+            time.sleep(0.5)
+        print(f"vllm: ready at {self.url} after {time.monotonic() - t0:.0f} s", flush=True)
+
+    def _health(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def tail(self, lines: int = 40) -> str:
+        """The last lines of the server's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after `grace_s`."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        atexit.unregister(self.stop)
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # The engine's workers are in the group too: make sure none outlives the server.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def add_server_arguments(parser, *, for_eval: bool = False) -> None:
+    """The flags that start a local vLLM (regenerate --engine vllm, eval --engine vllm)."""
+    parser.add_argument("--vllm-python", default=None, help="Python of the environment vLLM is installed in "
+                        "(default: $DFLASH_VLLM_PYTHON, else the repository's .venv-serve from `make serve-env`)")
+    parser.add_argument("--vllm-memory-fraction", type=float, default=None,
+                        help="vLLM's --gpu-memory-utilization (default: vLLM's own on a GPU; "
+                             f"{CPU_MEMORY_FRACTION} of RAM on a CPU, where vLLM reserves it as KV cache)")
+    parser.add_argument("--vllm-max-model-len", type=int, default=None,
+                        help="vLLM's --max-model-len (default: the target's context length)")
+    parser.add_argument("--vllm-dtype", default="auto" if not for_eval else None,
+                        help="vLLM's --dtype (default: " + ("as --dtype" if for_eval else "auto") + ")")
+    parser.add_argument("--vllm-startup-timeout", type=float, default=600.0,
+                        help="seconds to wait for the server's /health (default 600; a large target loads for minutes)")
+    parser.add_argument("--vllm-log", default=None, help="folder for the servers' logs (default: /tmp)" if for_eval
+                        else "the server's log file (default: OUT.vllm.log)")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for `vllm serve`, repeatable (e.g. --vllm-arg=--tensor-parallel-size "
+                             "--vllm-arg=4)")
+
