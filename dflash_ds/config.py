@@ -64,9 +64,28 @@ class LossConfig:
     kl_weight: float = 0.0
     """Mix weight of soft-label KL to the target distribution (0 = hard labels only)."""
     kl_temperature: float = 1.0
-    """Temperature applied to both distributions in the KL term."""
+    """Temperature applied to both distributions in the KL and LK terms (and the logged alpha)."""
     streak_weight: float = 0.0
-    """Mix of streak-aware weights with the decay weights (0 = decay only, 1 = streak only)."""
+    """Mix of streak-aware weights with the position weights (0 = position weights only, 1 = streak only)."""
+    labels: str = "data"
+    """Hard labels of the CE term: data (the data's next tokens) or target (the target's argmax at each position)."""
+    lk: str = ""
+    """LK loss on the acceptance rate alpha = sum min(p_drafter, p_target): "" (off), log (-log alpha) or hybrid."""
+    lk_weight: float = 1.0
+    """Mix of the LK loss with the CE/KL term when lk is set (1 = LK only)."""
+    lk_kl_scale: float = 1.0
+    """Hybrid LK: scale c of the KL share w = c * exp(-d * alpha) (the rest, 1 - w, on 1 - alpha)."""
+    lk_kl_decay: float = 1.0
+    """Hybrid LK: decay d of the KL share w = c * exp(-d * alpha)."""
+    position_weighting: str = "decay"
+    """Position weights: decay (exp(-(k-1)/gamma)) or dpace (D-PACE: from the drafter's own confidence)."""
+    dpace_alpha: float = 0.5
+    """D-PACE smoothing: confidence q becomes (1 - dpace_alpha) * q + dpace_alpha."""
+
+    @property
+    def needs_last_hidden(self) -> bool:
+        """Whether a term reads the target's distribution, i.e. the batch must carry its final hidden state."""
+        return self.kl_weight > 0 or self.lk != "" or self.labels == "target"
 
 
 @dataclass
@@ -231,6 +250,13 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("loss.kl_weight", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("loss.kl_temperature", "must be > 0", lambda v: v > 0),
     ("loss.streak_weight", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("loss.labels", "must be data or target", lambda v: v in ("data", "target")),
+    ("loss.lk", 'must be "" (off), log or hybrid', lambda v: v in ("", "log", "hybrid")),
+    ("loss.lk_weight", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("loss.lk_kl_scale", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("loss.lk_kl_decay", "must be >= 0", lambda v: v >= 0),
+    ("loss.position_weighting", "must be decay or dpace", lambda v: v in ("decay", "dpace")),
+    ("loss.dpace_alpha", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("optim.lr", "must be > 0", lambda v: v > 0),
     ("optim.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("optim.warmup_steps", "must be >= 0", lambda v: v >= 0),

@@ -132,7 +132,7 @@ def config_batch(config: str, overrides: list[str], cuda: bool) -> dict[str, Any
     arch = resolve_arch(cfg)
     dtype = torch_dtype(cfg, cuda)
     feature_dim = len(arch.target_layer_ids) * arch.hidden_size
-    last_dim = arch.hidden_size if cfg.loss.kl_weight > 0 else 0
+    last_dim = arch.hidden_size if cfg.loss.needs_last_hidden else 0
     per_token = bytes_per_token(feature_dim, last_dim, dtype)
     return {"config": config, "token_budget": cfg.data.token_budget, "feature_dim": feature_dim, "last_dim": last_dim,
             "dtype": str(dtype).removeprefix("torch."), "bytes_per_token": per_token,

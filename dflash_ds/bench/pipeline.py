@@ -126,7 +126,7 @@ def _target_work(ctx, cfg, data, batches, arch, dtype) -> tuple[list, list]:
     from dflash_ds.data.stream import load_batch
     from dflash_ds.models.target import load_target
 
-    lay, keep = ctx.layout, cfg.loss.kl_weight > 0
+    lay, keep = ctx.layout, cfg.loss.needs_last_hidden
     model = load_target(cfg.target, dtype=dtype, device=ctx.device, attn_implementation=cfg.train.target_attention)
     mine = [(s, d, spec, Batch(**load_batch(data.dataset, spec), spec=spec, cursor=Cursor(0, 0)))
             for s, d, spec in batches if lay.route(s, d) == ctx.role_rank]

@@ -1,126 +1,30 @@
-"""Anchor sampling, block labels, the DFlash loss and its metrics (docs/DESIGN.md §3).
+"""The DFlash loss and its metrics (docs/DESIGN.md §3): CE, KL and LK terms, chunked over blocks.
 
 Shapes: N blocks (batch x anchors flattened), K = block_size - 1 predicted positions
 per block, V vocabulary. Position k (1-based) of a block predicts x_{anchor+k}.
+Anchor sampling and block labels live in components/anchors.py (re-exported here).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from dflash_ds.components.anchors import (  # noqa: F401  (re-exported: they lived here)
+    anchor_quotas,
+    block_inputs_and_labels,
+    sample_anchors,
+    water_fill,
+)
+from dflash_ds.components.weights import decay_weights, position_weights, streak_weights  # noqa: F401
+from dflash_ds.config import LossConfig
 
-def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, block_size: int, num_anchors: int,
-                   generator: torch.Generator, max_total: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seeded choice of up to `num_anchors` anchor positions per sequence, at most `max_total` in all.
-
-    Candidates are response tokens (loss_mask == 1) at positions a >= 1 with a whole block after
-    them (a + block_size <= length). Every position gets a random key (one draw for the batch, on
-    its device) and a row keeps its `quota` candidates of lowest key: quota = its candidate count
-    capped at `num_anchors` and then, if `max_total` > 0, shared under the cap by `water_fill`. So a
-    capped row keeps a subset of its uncapped picks, and a cap that does not bind changes nothing.
-    Returns anchors [B, A] (sorted, padding = 0) and valid [B, A], A = the largest quota.
-
-    Host reads: one. Everything is tensor ops on the batch's device, vectorised over rows, except
-    reading A (a `.item()`) to size the output. A shape-only A would need no read, but water-filling
-    may hand one row the whole cap, so it must be min(num_anchors, S - block_size, max_total): at the
-    Qwen3-8B defaults (8 rows of 2,048, 512 per row, cap 2,048, block 16) 8 x 512 = 4,096 blocks
-    every batch where 2,048 are kept, twice the drafter's layers, LM head and loss (they run on
-    every block, padded or not), and 7.75x on a bucket of 32 rows of 512 (32 x 496 for 2,048).
-    Read, A is 256 there whenever every row has 256 candidates (2,048 blocks, none padded); its
-    worst case is that same 4,096, only when one row holds 512 candidates and the rest few.
-
-    `generator` should live on loss_mask's device; one elsewhere (the trainer's CPU generator)
-    lends its seed to a fresh one there. The same seed gives the same anchors on the same kind of
-    device (CPU and CUDA draw different streams).
-    """
-    b, s = loss_mask.shape
-    dev = loss_mask.device
-    pos = torch.arange(s, device=dev)
-    cand = (loss_mask > 0) & (pos >= 1) & (pos + block_size <= lengths[:, None])
-    quotas = cand.sum(1).clamp(max=num_anchors)
-    if max_total > 0:
-        quotas = water_fill(quotas, max_total)
-    keys = torch.rand((b, s), generator=_generator_on(generator, dev), device=dev, dtype=torch.float64)
-    order = keys.masked_fill(~cand, 2.0).argsort(dim=1, stable=True)  # candidates first, in random order
-    keep = pos < quotas[:, None]  # the first `quota` of each row's order
-    picked = torch.where(keep, order, s).sort(dim=1).values  # kept positions ascending, then s
-    a = max(1, int(quotas.max().item()))  # the one host read: the output's width
-    anchors = picked[:, :a]
-    valid = anchors < s
-    return anchors.masked_fill(~valid, 0), valid
-
-
-def _generator_on(generator: torch.Generator, device: torch.device) -> torch.Generator:
-    """`generator` if it draws on `device`, else a fresh generator there with its seed."""
-    if generator.device == device:
-        return generator
-    return torch.Generator(device=device).manual_seed(generator.initial_seed())
-
-
-def water_fill(counts: torch.Tensor, max_total: int) -> torch.Tensor:
-    """Quotas [B] under a cap: the largest level q with sum(min(c, q)) <= max_total, the rest one each in row order.
-
-    Every row keeps min(count, q) or one more; no row gives up anchors while a smaller row is cut,
-    and the quotas sum to min(sum(counts), max_total). Tensor ops only (no host read): with the
-    counts sorted, c_1 <= ... <= c_B and P_k = c_1 + ... + c_k, sum_i min(c_i, q) = min over k of
-    (P_k + (B - k) q), so the level is the largest of floor((max_total - P_k) / (B - k)), k < B
-    (at least max(counts) when the cap does not bind: then every quota is its count).
-    """
-    b = counts.numel()
-    ascending = counts.sort().values
-    below = ascending.cumsum(0) - ascending  # P_k, k = 0..B-1
-    level = torch.div(max_total - below, torch.arange(b, 0, -1, device=counts.device), rounding_mode="floor").max()
-    quotas = torch.minimum(counts, level)
-    cut = counts > quotas
-    spare = max_total - quotas.sum()  # fewer than the rows cut, or level + 1 would fit
-    return quotas + (cut & (cut.cumsum(0) <= spare)).to(quotas.dtype)
-
-
-def anchor_quotas(counts: list[int], max_total: int) -> list[int]:
-    """`water_fill` of host counts, as a list (the memory model's A)."""
-    if not counts:
-        return []
-    return water_fill(torch.tensor(counts, dtype=torch.long), max_total).tolist()
-
-
-def block_inputs_and_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
-                            anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
-                            mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block tokens [B, A, bs] = [x_a, MASK...], labels [B, A, bs-1] = x_{a+1..a+bs-1}, label_valid."""
-    b, s = input_ids.shape
-    offs = torch.arange(1, block_size, device=input_ids.device)
-    pos = anchors[:, :, None] + offs  # [B, A, K]
-    in_seq = pos < lengths[:, None, None]
-    pos_c = pos.clamp(max=s - 1)
-    flat = pos_c.reshape(b, -1)
-    labels = torch.gather(input_ids, 1, flat).view_as(pos)
-    on = torch.gather(loss_mask, 1, flat).view_as(pos) > 0
-    label_valid = in_seq & on & valid[:, :, None]
-    blocks = torch.full((*anchors.shape, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
-    blocks[:, :, 0] = torch.gather(input_ids, 1, anchors)
-    return blocks, labels, label_valid
-
-
-def decay_weights(num_positions: int, gamma: float, device=None) -> torch.Tensor:
-    """w_k = exp(-(k-1)/gamma) for k = 1..num_positions."""
-    k = torch.arange(num_positions, device=device, dtype=torch.float32)
-    return torch.exp(-k / gamma)
-
-
-def streak_weights(label_prob: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """s_k = prod_{i<k} p_i, p_i = drafter probability of the correct token at position i (detached).
-
-    s_1 = 1. Invalid positions contribute p_i = 1 (they neither break nor extend a streak;
-    their own weight is zeroed by the mask anyway). s_k estimates how likely the drafter's
-    streak is to reach position k, so training concentrates where acceptance breaks.
-    """
-    p = torch.where(valid, label_prob.detach().float(), torch.ones_like(label_prob, dtype=torch.float32))
-    ones = torch.ones_like(p[..., :1])
-    return torch.cumprod(torch.cat([ones, p[..., :-1]], dim=-1), dim=-1)
+LK_EPS = 1e-8  # -log(alpha + eps): finite where alpha underflows; the gradient never switches off
+LABELS, LK_KINDS, POSITION_WEIGHTINGS = ("data", "target"), ("", "log", "hybrid"), ("decay", "dpace")
 
 
 @dataclass
@@ -133,9 +37,10 @@ class LossTerms:
     in_top8: torch.Tensor  # [N, K] bool
     valid: torch.Tensor  # [N, K] bool
     weight_sum: torch.Tensor  # scalar: sum of weights over valid positions
+    alpha: torch.Tensor | None = None  # [N, K] float: sum_v min(p_d, p_t) where valid, else 0; None: no target
 
 
-@dataclass
+@dataclass(frozen=True)
 class LossSpec:
     """The loss knobs of `dflash_loss` (LossConfig's loss fields, without the sampling ones)."""
 
@@ -143,105 +48,183 @@ class LossSpec:
     kl_weight: float = 0.0
     kl_temperature: float = 1.0
     streak_weight: float = 0.0
+    labels: str = "data"
+    lk: str = ""
+    lk_weight: float = 1.0
+    lk_kl_scale: float = 1.0
+    lk_kl_decay: float = 1.0
+    position_weighting: str = "decay"
+    dpace_alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("labels", LABELS), ("lk", LK_KINDS), ("position_weighting", POSITION_WEIGHTINGS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"loss {name} = {getattr(self, name)!r}: must be one of {allowed}")
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether a term reads the target's distribution (KL, LK, target labels)."""
+        return self.kl_weight > 0 or self.lk != "" or self.labels == "target"
+
+    def without_target(self) -> "LossSpec":
+        """These knobs with every term that needs the target's distribution off (CE on the data labels)."""
+        return dataclasses.replace(self, kl_weight=0.0, lk="", labels="data")
+
+
+def loss_knobs(cfg: LossConfig) -> dict:
+    """The `LossSpec` fields of a LossConfig, as keyword arguments of the loss functions."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(LossSpec)}
+
+
+def lk_terms(spec: LossSpec, alpha: torch.Tensor, kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The LK loss per position and its partial derivatives: (value, d value / d alpha, d value / d KL).
+
+    log:    -log(alpha + eps)
+    hybrid: w * KL + (1 - w) * (1 - alpha),  w = lk_kl_scale * exp(-lk_kl_decay * alpha), alpha detached in w
+    alpha = sum_v min(p_d, p_t) and KL = KL(p_t || p_d) at T = kl_temperature (no T^2 factor).
+    """
+    if spec.lk == "log":
+        return -torch.log(alpha + LK_EPS), -1.0 / (alpha.detach() + LK_EPS), torch.zeros_like(kl)
+    w = spec.lk_kl_scale * torch.exp(-spec.lk_kl_decay * alpha.detach())
+    return w * kl + (1.0 - w) * (1.0 - alpha), -(1.0 - w), w
+
+
+def _weights(label_prob: torch.Tensor, valid: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+    """Masked position weights [N, K] of a chunk (components/weights.position_weights)."""
+    return position_weights(label_prob, valid, gamma=spec.gamma, position_weighting=spec.position_weighting,
+                            dpace_alpha=spec.dpace_alpha, streak_weight=spec.streak_weight) * valid
 
 
 def _loss_parts(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, spec: LossSpec,
                 target_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Unnormalised DFlash loss of some blocks: (sum of weight * term, sum of weight, (correct, top4, top8)).
+    """Unnormalised DFlash loss of some blocks by autograd: (sum of weight * term, sum of weight, statistics).
 
-    Every block's weights depend on that block alone, so blocks can be split into chunks and the
-    parts summed: the loss is the sum of the numerators over the sum of the weights.
+    Statistics: (correct, top4, top8, alpha). Every block's weights depend on that block alone, so
+    blocks can be split into chunks and the parts summed: the loss is the sum of the numerators over
+    the sum of the weights. Callers pass `target_logits` only when `spec.needs_target`.
     """
     n, k, v = logits.shape
     logits = logits.float()
+    if target_logits is not None and spec.labels == "target":
+        labels = target_logits.argmax(-1)
     logp = F.log_softmax(logits, dim=-1)
     safe_labels = labels.clamp(min=0, max=v - 1)
     label_logp = torch.gather(logp, -1, safe_labels[..., None]).squeeze(-1)
     term = -label_logp
-    if target_logits is not None and spec.kl_weight > 0:
+    alpha = torch.zeros_like(label_logp).detach()
+    if target_logits is not None:
         t = spec.kl_temperature
         log_pd = F.log_softmax(logits / t, dim=-1)
         log_pt = F.log_softmax(target_logits.float() / t, dim=-1)
-        kl = (log_pt.exp() * (log_pt - log_pd)).sum(-1) * (t * t)
-        term = (1.0 - spec.kl_weight) * term + spec.kl_weight * kl
-    weight = decay_weights(k, spec.gamma, logits.device).expand(n, k)
-    if spec.streak_weight > 0:
-        weight = (1.0 - spec.streak_weight) * weight + spec.streak_weight * streak_weights(label_logp.exp(), valid)
-    weight = weight * valid
+        kl = (log_pt.exp() * (log_pt - log_pd)).sum(-1)
+        acc = torch.minimum(log_pd.exp(), log_pt.exp()).sum(-1)
+        if spec.kl_weight > 0:
+            term = (1.0 - spec.kl_weight) * term + spec.kl_weight * (t * t) * kl
+        if spec.lk:
+            term = (1.0 - spec.lk_weight) * term + spec.lk_weight * lk_terms(spec, acc, kl)[0]
+        alpha = acc.detach()
+    weight = _weights(label_logp.exp(), valid, spec)
     with torch.no_grad():
         top8 = logits.topk(min(8, v), dim=-1).indices
         hit = top8 == safe_labels[..., None]
-        stats = (hit[..., 0] & valid, hit[..., :4].any(-1) & valid, hit.any(-1) & valid)
+        stats = (hit[..., 0] & valid, hit[..., :4].any(-1) & valid, hit.any(-1) & valid, alpha * valid)
     return (weight * term).sum(), weight.sum().detach(), stats
 
 
-def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *, gamma: float,
-                target_logits: torch.Tensor | None = None, kl_weight: float = 0.0, kl_temperature: float = 1.0,
-                streak_weight: float = 0.0) -> LossTerms:
-    """The DFlash objective over N blocks of K positions.
+def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, /, *, gamma: float,
+                target_logits: torch.Tensor | None = None, **knobs) -> LossTerms:
+    """The DFlash objective over N blocks of K positions; `knobs` are the other `LossSpec` fields.
 
-    Per position k (1-based) and block n:
-        term  = (1 - alpha) * CE(logits, label) + alpha * T^2 * KL(softmax(t/T) || softmax(z/T))
-        w_k   = exp(-(k-1)/gamma)                           position decay
-        s_nk  = prod_{i<k} softmax(z_ni)[label_ni]          streak reach, detached
-        weight_nk = (1 - lambda) * w_k + lambda * s_nk      lambda = streak_weight
+    Per position k (1-based) and block n, with z the drafter's logits and t the target's:
+        base  = (1 - a) * CE(z, label) + a * T^2 * KL(softmax(t/T) || softmax(z/T))     a = kl_weight
+        term  = (1 - b) * base + b * LK                        b = lk_weight if lk else 0 (`lk_terms`)
+        weight_nk = (1 - lambda) * d_nk + lambda * s_nk        lambda = streak_weight
+            d_nk = exp(-(k-1)/gamma), or the D-PACE weight (position_weighting = dpace)
+            s_nk = prod_{i<k} softmax(z_ni)[label_ni]          streak reach, detached
         loss  = sum(valid * weight * term) / sum(valid * weight)
-    alpha = kl_weight (0 when no target_logits), T = kl_temperature. A batch with no valid
-    position gives loss 0 (with a graph, so lockstep backward still runs).
+    T = kl_temperature. label = the data's next token, or argmax t (labels = target). Without
+    target_logits every term that needs them is off (a = b = 0, data labels). A batch with no
+    valid position gives loss 0 (with a graph, so lockstep backward still runs).
 
     This holds every [N, K, V] intermediate at once; `chunked_dflash_loss` computes the same
     value and gradient from hidden states with O(chunk x V) memory.
     """
-    spec = LossSpec(gamma, kl_weight, kl_temperature, streak_weight)
-    num, weight_sum, (correct, in_top4, in_top8) = _loss_parts(logits, labels, valid, spec, target_logits)
-    return LossTerms(num / weight_sum.clamp(min=1e-12), correct, in_top4, in_top8, valid, weight_sum)
+    spec = LossSpec(gamma, **knobs)
+    if target_logits is None or not spec.needs_target:
+        spec, target_logits = spec.without_target(), None
+    num, weight_sum, (correct, in_top4, in_top8, alpha) = _loss_parts(logits, labels, valid, spec, target_logits)
+    return LossTerms(num / weight_sum.clamp(min=1e-12), correct, in_top4, in_top8, valid, weight_sum,
+                     alpha if target_logits is not None else None)
 
 
 def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, spec: LossSpec,
                          target_logits: torch.Tensor | None, need_grad: bool):
     """`_loss_parts` of one chunk plus d(numerator)/d(logits), by hand, with few [c, K, V] buffers.
 
-    With p = softmax(z), p_d = softmax(z/T), p_t = softmax(t/T) and the (detached) weights w:
-        d/dz [w ((1-a) CE + a T^2 KL)] = w ((1-a) (p - onehot(label)) + a T (p_d - p_t)).
-    Every buffer is reused in place: about 8 bytes per (position x vocabulary entry) with hard
-    labels and 16 with KL in fp32, against 12.4 / 32.5 for the autograd graph of `_loss_parts`.
+    With p = softmax(z), p_d = softmax(z/T), p_t = softmax(t/T), the (detached) weights w and
+    m = [p_d < p_t] (the subgradient of min), S = sum(p_d * m):
+        d CE / dz = p - onehot(label)        d KL / dz = (p_d - p_t) / T
+        d alpha / dz = p_d * (m - S) / T     (alpha = sum min(p_d, p_t))
+    so d/dz [w term] = w ((1-b)(1-a) (p - onehot) + c_kl (p_d - p_t) + c_alpha p_d (m - S)) with
+    c_kl = (1-b) a T + b dLK/dKL / T and c_alpha = b dLK/dalpha / T (`lk_terms`). Every buffer is
+    reused in place: about 8 bytes per (position x vocabulary entry) with hard labels, 16 with the
+    target's distribution and 17 with LK in fp32, against 12.4 / 32.5 for the autograd graph of
+    `_loss_parts` (CE / KL).
     """
     n, k, v = logits.shape
     z = logits.float()
-    y = labels.clamp(min=0, max=v - 1)[..., None]
     with torch.no_grad():
+        if target_logits is not None and spec.labels == "target":
+            labels = target_logits.argmax(-1)
+        y = labels.clamp(min=0, max=v - 1)[..., None]
         top8 = z.topk(min(8, v), dim=-1).indices
         hit = top8 == y
-        stats = (hit[..., 0] & valid, hit[..., :4].any(-1) & valid, hit.any(-1) & valid)
+        stats = [hit[..., 0] & valid, hit[..., :4].any(-1) & valid, hit.any(-1) & valid]
         del top8, hit
         lse = torch.logsumexp(z, dim=-1, keepdim=True)
         label_logp = (z.gather(-1, y) - lse).squeeze(-1)
-        term = -label_logp
-        alpha = spec.kl_weight if target_logits is not None else 0.0
-        log_pd = log_pt = None
-        if alpha > 0:
+        weight = _weights(label_logp.exp(), valid, spec)
+        term, alpha = -label_logp, torch.zeros_like(label_logp)
+        kl_w = spec.kl_weight if target_logits is not None else 0.0
+        lk_w = spec.lk_weight if target_logits is not None and spec.lk else 0.0
+        c_kl = c_alpha = None
+        if target_logits is not None:
             t = spec.kl_temperature
-            log_pt = target_logits.float() / t
-            log_pt -= torch.logsumexp(log_pt, dim=-1, keepdim=True)
-            log_pd = z / t
-            log_pd -= torch.logsumexp(log_pd, dim=-1, keepdim=True)
-            p_t = log_pt.exp()
-            log_pt -= log_pd  # log_pt now holds log(p_t / p_d)
-            kl = (log_pt.mul_(p_t)).sum(-1) * (t * t)
-            term = (1.0 - alpha) * term + alpha * kl
-        weight = decay_weights(k, spec.gamma, z.device).expand(n, k)
-        if spec.streak_weight > 0:
-            weight = (1.0 - spec.streak_weight) * weight + spec.streak_weight * streak_weights(label_logp.exp(), valid)
-        weight = weight * valid
+            scratch = target_logits.float() / t
+            scratch -= torch.logsumexp(scratch, dim=-1, keepdim=True)  # log p_t
+            p_d = z / t
+            p_d -= torch.logsumexp(p_d, dim=-1, keepdim=True)  # log p_d, exponentiated below
+            p_t = scratch.exp()
+            kl = scratch.sub_(p_d).mul_(p_t).sum(-1)  # scratch is free again
+            p_d.exp_()
+            alpha = torch.minimum(p_d, p_t, out=scratch).sum(-1)
+            if kl_w > 0:
+                term = (1.0 - kl_w) * term + kl_w * (t * t) * kl
+                c_kl = (1.0 - lk_w) * kl_w * t * weight
+            if lk_w > 0:
+                lk, d_alpha, d_kl = lk_terms(spec, alpha, kl)
+                term = (1.0 - lk_w) * term + lk_w * lk
+                c_alpha = lk_w / t * d_alpha * weight
+                if spec.lk == "hybrid":
+                    c_kl = (0.0 if c_kl is None else c_kl) + lk_w / t * d_kl * weight
+        stats.append(alpha * valid)
         num = (weight * term).sum()
         dz = None
         if need_grad:
+            c_ce = ((1.0 - lk_w) * (1.0 - kl_w) * weight)[..., None]
             dz = z.sub_(lse).exp_()  # p, in z's buffer (the head's backward does not read its output)
-            dz.mul_(((1.0 - alpha) * weight)[..., None])
-            dz.scatter_add_(-1, y, -((1.0 - alpha) * weight)[..., None])
-            if alpha > 0:
-                p_d = log_pd.exp_()
-                dz.add_(p_d.sub_(p_t).mul_((alpha * spec.kl_temperature * weight)[..., None]))
+            dz.mul_(c_ce)
+            dz.scatter_add_(-1, y, -c_ce)
+            if c_alpha is not None:  # coefficient of p_d: c_kl + c_alpha (m - S), m = [p_d < p_t]
+                below = p_d < p_t
+                s = torch.mul(p_d, below, out=scratch).sum(-1)
+                ck = 0.0 if c_kl is None else c_kl
+                torch.where(below, (ck + c_alpha * (1.0 - s))[..., None], (ck - c_alpha * s)[..., None], out=scratch)
+                dz.addcmul_(scratch, p_d)
+            elif c_kl is not None:
+                dz.addcmul_(p_d, c_kl[..., None])
+            if c_kl is not None:
+                dz.sub_(p_t.mul_(c_kl[..., None]))
     return num, weight.sum(), stats, dz
 
 
@@ -260,7 +243,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad = torch.zeros_like(hidden) if need_grad else None
         num = torch.zeros((), dtype=torch.float32, device=hidden.device)
         weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        stats: list[list[torch.Tensor]] = [[], [], []]
+        stats: list[list[torch.Tensor]] = [[], [], [], []]  # correct, top4, top8, alpha
         for lo in range(0, n, chunk):
             hi = min(lo + chunk, n)
             with torch.enable_grad():
@@ -288,27 +271,28 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return (grad * g_num.to(grad.dtype) if grad is not None else None), None, None, None, None, None, None, None
 
 
-def chunked_dflash_loss(hidden: torch.Tensor, head, labels: torch.Tensor, valid: torch.Tensor, *, gamma: float,
-                        target_hidden: torch.Tensor | None = None, kl_weight: float = 0.0,
-                        kl_temperature: float = 1.0, streak_weight: float = 0.0,
-                        chunk_blocks: int = 64) -> LossTerms:
+def chunked_dflash_loss(hidden: torch.Tensor, head, labels: torch.Tensor, valid: torch.Tensor, /, *, gamma: float,
+                        target_hidden: torch.Tensor | None = None, chunk_blocks: int = 64, **knobs) -> LossTerms:
     """`dflash_loss(head(hidden), ...)` computed `chunk_blocks` blocks at a time (same value and gradient).
 
     hidden [N, K, H]: the drafter's final-normed states of the predicted positions; head maps
     [..., H] to vocabulary logits (the target's frozen LM head). target_hidden [N, K, H]: the
-    target's final hidden state at the same positions, for the KL term (its logits are
-    computed chunk by chunk too). Peak memory is O(chunk_blocks x K x V) instead of O(N x K x V):
-    about 8 bytes per (label position x vocabulary entry) of a chunk for CE, 16 with KL (fp32
-    buffers; plus the head's own output in the run dtype).
+    target's final hidden state at the same positions, for the terms that read the target's
+    distribution (KL, LK, target labels; its logits are computed chunk by chunk too). `knobs`: the
+    other `LossSpec` fields. Peak memory is O(chunk_blocks x K x V) instead of O(N x K x V): about
+    8 bytes per (label position x vocabulary entry) of a chunk for CE, 16 with the target's
+    distribution, 17 with LK (fp32 buffers; plus the heads' own outputs in the run dtype).
     """
     if chunk_blocks < 1:
         raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
-    spec = LossSpec(gamma, kl_weight if target_hidden is not None else 0.0, kl_temperature, streak_weight)
-    th = target_hidden if spec.kl_weight > 0 else None
+    spec = LossSpec(gamma, **knobs)
+    if target_hidden is None or not spec.needs_target:
+        spec, target_hidden = spec.without_target(), None
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    num, weight_sum, correct, in_top4, in_top8 = _ChunkedHeadLoss.apply(
-        hidden, labels, valid, th, head, spec, chunk_blocks, need_grad)
-    return LossTerms(num / weight_sum.clamp(min=1e-12), correct, in_top4, in_top8, valid, weight_sum)
+    num, weight_sum, correct, in_top4, in_top8, alpha = _ChunkedHeadLoss.apply(
+        hidden, labels, valid, target_hidden, head, spec, chunk_blocks, need_grad)
+    return LossTerms(num / weight_sum.clamp(min=1e-12), correct, in_top4, in_top8, valid, weight_sum,
+                     alpha if target_hidden is not None else None)
 
 
 def leading_run(hits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -335,8 +319,18 @@ def metric_sums(terms: LossTerms) -> dict[str, torch.Tensor]:
     }
 
 
+def acceptance_sums(terms: LossTerms) -> dict[str, torch.Tensor]:
+    """Sum of the acceptance estimate alpha over valid positions, and their count (0, 0 without the target's
+    distributions): alpha = sum_v min(p_drafter, p_target), the chance that speculative sampling accepts
+    the drafter's token at T = loss.kl_temperature. Device tensors, no host read."""
+    if terms.alpha is None:
+        zero = terms.valid.new_zeros((), dtype=torch.float32)
+        return {"alpha": zero, "alpha_positions": zero.clone()}
+    return {"alpha": terms.alpha.sum().float(), "alpha_positions": terms.valid.sum().float()}
+
+
 def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:
-    """accuracy, per-position accuracy, mean streak, tau = 1 + streak, top-k, tree streaks."""
+    """accuracy, per-position accuracy, mean streak, tau = 1 + streak, top-k, tree streaks; alpha when summed."""
     def ratio(a: str, b: str) -> float:
         den = float(sums[b])
         return float(sums[a]) / den if den > 0 else math.nan
@@ -353,4 +347,5 @@ def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float | list[f
         "tree_streak4": ratio("tree_streak4", "blocks"),
         "tree_streak8": ratio("tree_streak8", "blocks"),
         "accuracy_per_position": pos_acc,
+        **({"alpha": ratio("alpha", "alpha_positions")} if float(sums.get("alpha_positions", 0.0)) > 0 else {}),
     }

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_ds.components.loss import (LossTerms, block_inputs_and_labels, chunked_dflash_loss, metric_sums,
-                                       sample_anchors)
+from dflash_ds.components.anchors import block_inputs_and_labels, sample_anchors
+from dflash_ds.components.loss import LossTerms, acceptance_sums, chunked_dflash_loss, loss_knobs, metric_sums
 from dflash_ds.config import LossConfig
 from dflash_ds.models.drafter import DFlashDrafter
 
@@ -21,7 +21,7 @@ class TargetStates:
     loss_mask: torch.Tensor  # [B, S] long
     lengths: torch.Tensor  # [B] long
     context: torch.Tensor  # [B, S, n*H] selected target layers, concatenated
-    last_hidden: torch.Tensor | None  # [B, S, H] final normed hidden (for the KL term)
+    last_hidden: torch.Tensor | None  # [B, S, H] final normed hidden (for the KL / LK terms, target labels)
 
 
 def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStates, loss_cfg: LossConfig, *,
@@ -51,16 +51,16 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
     b, a = anchors.shape
     n = b * a
     target_hidden = None
-    if loss_cfg.kl_weight > 0 and states.last_hidden is not None:
+    if loss_cfg.needs_last_hidden and states.last_hidden is not None:
         # The target's distribution for x_{a+k} is lm_head(final hidden at a+k-1): computed on this
-        # side, chunk by chunk, instead of shipping vocabulary-sized logits over the wire.
+        # side, chunk by chunk, instead of shipping vocabulary-sized logits over the wire. Without
+        # it (a batch that does not carry it) the loss drops the terms that need it, as before.
         pos = (anchors[:, :, None] + torch.arange(bs - 1, device=anchors.device)).clamp(max=context.shape[1] - 1)
         last = states.last_hidden
         target_hidden = torch.gather(last, 1, pos.reshape(b, -1, 1).expand(-1, -1, last.shape[-1])).view(n, bs - 1, -1)
     terms = chunked_dflash_loss(hidden[:, :, 1:, :].reshape(n, bs - 1, -1), lm_head, labels.reshape(n, bs - 1),
-                                label_valid.reshape(n, bs - 1), gamma=loss_cfg.gamma, target_hidden=target_hidden,
-                                kl_weight=loss_cfg.kl_weight, kl_temperature=loss_cfg.kl_temperature,
-                                streak_weight=loss_cfg.streak_weight, chunk_blocks=loss_cfg.chunk_blocks)
-    sums = metric_sums(terms)
+                                label_valid.reshape(n, bs - 1), target_hidden=target_hidden,
+                                chunk_blocks=loss_cfg.chunk_blocks, **loss_knobs(loss_cfg))
+    sums = {**metric_sums(terms), **acceptance_sums(terms)}
     sums["anchors"] = valid.sum().float()
     return terms, sums

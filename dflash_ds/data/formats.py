@@ -24,6 +24,7 @@ MISSING_FIELD = "missing_field"
 UNKNOWN_ROLE = "unknown_role"
 EMPTY_CONVERSATION = "empty_conversation"
 NO_ASSISTANT_TURN = "no_assistant_turn"
+BAD_TOKEN_IDS = "bad_token_ids"  # a regenerated row's `token_ids` / `finish_reasons` do not fit its turns
 SPECIAL_TOKEN_IN_CONTENT = "special_token_in_content"
 TEMPLATE_ERROR = "template_error"
 OVERLONG = "overlong"
@@ -31,7 +32,7 @@ TOO_FEW_LOSS_TOKENS = "too_few_loss_tokens"
 NO_USER_TURN = "no_user_turn"  # regenerate only: nothing to answer
 DUPLICATE_ID = "duplicate_id"  # regenerate only: ids key the resume, so they must be unique
 DROP_REASONS = [MALFORMED_JSON, MISSING_FIELD, UNKNOWN_ROLE, EMPTY_CONVERSATION, NO_ASSISTANT_TURN,
-                SPECIAL_TOKEN_IN_CONTENT, TEMPLATE_ERROR, OVERLONG, TOO_FEW_LOSS_TOKENS]
+                BAD_TOKEN_IDS, SPECIAL_TOKEN_IN_CONTENT, TEMPLATE_ERROR, OVERLONG, TOO_FEW_LOSS_TOKENS]
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system"}
@@ -146,7 +147,11 @@ def to_messages(record: dict[str, Any], require_assistant: bool = True) -> list[
             role = SHAREGPT_ROLES.get(raw_role) if isinstance(raw_role, str) else None
         if role is None:
             raise RowError(UNKNOWN_ROLE, f"{where}.{role_key} = {raw_role!r}")
-        messages.append({"role": role, "content": _text(turn[text_key], f"{where}.{text_key}")})
+        message = {"role": role, "content": _text(turn[text_key], f"{where}.{text_key}")}
+        reasoning = turn.get("reasoning_content")
+        if role == "assistant" and isinstance(reasoning, str) and reasoning:
+            message["reasoning_content"] = reasoning  # a server's reasoning parser split it off; templates render it
+        messages.append(message)
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise RowError(NO_ASSISTANT_TURN, f"'{form}' has no assistant turn")
     return messages

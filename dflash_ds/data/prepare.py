@@ -10,6 +10,13 @@ the rendered history) up to the next end-of-turn token, else R[len(P):], else th
 Spans are mapped to tokens with the fast tokenizer's offsets: a token is a loss token when its
 first character lies inside a span.
 
+A row with `token_ids` (written by `regenerate`: the ids the target generated per assistant turn)
+is laid out from those ids, not from its text re-tokenized (data/token_ids.py): the loss tokens of
+a turn are its ids plus the end-of-turn token when it finished with 'stop'; a cut answer
+('length') has no end-of-turn label. Where the chat template rewrites earlier turns there is no
+such layout: the row takes the text path above (a cut answer's end-of-turn token still unlabelled)
+and is counted in the manifest's `rows_ids_fallback`. Rows without `token_ids` take the text path.
+
 A row whose text contains a special token string (e.g. a literal `<|im_end|>` in scraped data) is
 dropped (`special_token_in_content`): rendered and tokenized, it would become a control token.
 
@@ -26,17 +33,20 @@ import re
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from dflash_ds.data import formats
 from dflash_ds.data.chat import check_special_tokens, load_tokenizer, special_token_pattern
+from dflash_ds.data.token_ids import encode, layout, read_token_ids
 from dflash_ds.errors import DFlashError
 
 MAX_PRINTED_DROPS = 20
+FROM_IDS, IDS_FALLBACK = 1, 2  # the from_ids column: laid out from token_ids / has them, took the text path
 
 
 @lru_cache(maxsize=4)
@@ -50,7 +60,7 @@ def _render(tok, messages: list[dict[str, str]], generation_prompt: bool) -> str
 
 def assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
     """Render a conversation; return the text and the character spans of the assistant turns."""
-    try:
+    with _template_errors():
         full = _render(tok, messages, False)
         spans, cursor = [], 0
         for k, message in enumerate(messages):
@@ -65,11 +75,19 @@ def assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tupl
             end = start + len(full[start:end].rstrip())
             spans.append((start, end))
             cursor = end
+    return full, spans
+
+
+@contextmanager
+def _template_errors() -> Iterator[None]:
+    # jinja raise_exception / TemplateError: the template rejects this row.
+    try:
+        yield
     except formats.RowError:
         raise
-    except Exception as exc:  # jinja raise_exception / TemplateError: the template rejects this row
-        raise formats.RowError(formats.TEMPLATE_ERROR, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    return full, spans
+    except Exception as exc:
+        raise formats.RowError(formats.TEMPLATE_ERROR,
+                               str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
 
 
 def _search_span(tok, full: str, messages: list[dict[str, str]], k: int, prompt: str, turn: str,
@@ -102,49 +120,77 @@ def _search_span(tok, full: str, messages: list[dict[str, str]], k: int, prompt:
 
 def tokenize_batch(batch: dict[str, list], target: str, max_length: int, block_size: int,
                    overlong: str) -> dict[str, list]:
-    """datasets.map function: raw rows -> input_ids, loss_mask, length, loss_tokens, reason, detail."""
+    """datasets.map function: raw rows -> input_ids, loss_mask, length, loss_tokens, from_ids, reason, detail."""
     tok = load_tokenizer(target)
+    specials = _special_token_re(target)
     n = len(batch["raw"])
     out: dict[str, list] = {"input_ids": [[] for _ in range(n)], "loss_mask": [[] for _ in range(n)],
                             "length": [0] * n, "loss_tokens": [0] * n, "truncated": [False] * n,
-                            "reason": [""] * n, "detail": [""] * n}
-    texts, span_lists, ok_rows = [], [], []
+                            "from_ids": [0] * n, "reason": [""] * n, "detail": [""] * n}
+    texts, span_lists, text_rows = [], [], []
+    layouts, id_rows = [], []
     for i, raw in enumerate(batch["raw"]):
         try:
-            messages = formats.to_messages(formats.parse_row(raw))
-            check_special_tokens(_special_token_re(target), messages)
+            record = formats.parse_row(raw)
+            messages = formats.to_messages(record)
+            generated = read_token_ids(record, messages, len(tok))
+            check_special_tokens(specials, messages)
+            if generated is not None:
+                with _template_errors():
+                    parts = layout(tok, messages, *generated, specials)
+                if parts is not None:
+                    out["from_ids"][i] = FROM_IDS
+                    layouts.append(parts)
+                    id_rows.append(i)
+                    continue
+                out["from_ids"][i] = IDS_FALLBACK
             text, spans = assistant_spans(tok, messages)
+            if generated is not None:
+                spans = _unlabel_cut_ends(tok, text, spans, generated[1])
         except formats.RowError as err:
             out["reason"][i], out["detail"][i] = err.reason, err.detail
             continue
         texts.append(text)
         span_lists.append(spans)
-        ok_rows.append(i)
+        text_rows.append(i)
+    for i, (ids, mask) in zip(id_rows, encode(tok, layouts)):
+        _keep(out, i, ids, mask, max_length, block_size, overlong)
     if not texts:
         return out
     # One batched call into the Rust tokenizer; the chat template already holds every special token.
-    for i, enc, text, spans in zip(ok_rows, tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False),
+    for i, enc, text, spans in zip(text_rows, tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False),
                                    texts, span_lists):
-        ids = enc.ids
         in_span = np.zeros(len(text) + 1, dtype=np.int8)
         for s, e in spans:
             in_span[s:e] = 1
-        starts = np.fromiter((a for a, _ in enc.offsets), dtype=np.int64, count=len(ids))
-        mask = in_span[np.minimum(starts, len(text))].tolist()
-        if len(ids) > max_length:
-            if overlong == "drop":
-                out["reason"][i], out["detail"][i] = formats.OVERLONG, f"{len(ids)} tokens > --max-length {max_length}"
-                continue
-            ids, mask = ids[:max_length], mask[:max_length]
-            out["truncated"][i] = True
-        n_loss = sum(mask)
-        if n_loss < 2 * block_size:
-            out["reason"][i] = formats.TOO_FEW_LOSS_TOKENS
-            out["detail"][i] = f"{n_loss} loss tokens < 2 x --block-size {block_size}"
-            continue
-        out["input_ids"][i], out["loss_mask"][i] = ids, mask
-        out["length"][i], out["loss_tokens"][i] = len(ids), n_loss
+        starts = np.fromiter((a for a, _ in enc.offsets), dtype=np.int64, count=len(enc.ids))
+        _keep(out, i, enc.ids, in_span[np.minimum(starts, len(text))].tolist(), max_length, block_size, overlong)
     return out
+
+
+def _unlabel_cut_ends(tok, text: str, spans: list[tuple[int, int]], finishes: list[str]) -> list[tuple[int, int]]:
+    # A cut answer never emitted the end-of-turn token the template put after it: no label on it.
+    eos = tok.eos_token or ""
+    return [(s, e - len(eos)) if finish == "length" and eos and text[s:e].endswith(eos) else (s, e)
+            for (s, e), finish in zip(spans, finishes)]
+
+
+def _keep(out: dict[str, list], i: int, ids: list[int], mask: list[int], max_length: int, block_size: int,
+          overlong: str) -> None:
+    # Row i's ids and mask, or its drop reason: over --max-length, or too few loss tokens.
+    if len(ids) > max_length:
+        if overlong == "drop":
+            out["reason"][i], out["detail"][i] = formats.OVERLONG, f"{len(ids)} tokens > --max-length {max_length}"
+            return
+        ids, mask = ids[:max_length], mask[:max_length]
+        out["truncated"][i] = True
+    n_loss = sum(mask)
+    if n_loss < 2 * block_size:
+        out["reason"][i] = formats.TOO_FEW_LOSS_TOKENS
+        out["detail"][i] = f"{n_loss} loss tokens < 2 x --block-size {block_size}"
+        return
+    out["input_ids"][i], out["loss_mask"][i] = ids, mask
+    out["length"][i], out["loss_tokens"][i] = len(ids), n_loss
 
 
 def length_histogram(lengths_counts: dict[int, int], max_length: int) -> list[dict[str, int]]:
@@ -206,8 +252,8 @@ def prepare(target: str | Path, data: list[str | Path], out: str | Path, max_len
                 "file_idx": datasets.Value("int32"), "line": datasets.Value("int64"),
                 "input_ids": datasets.List(datasets.Value("int32")), "loss_mask": datasets.List(datasets.Value("int8")),
                 "length": datasets.Value("int32"), "loss_tokens": datasets.Value("int32"),
-                "truncated": datasets.Value("bool"), "reason": datasets.Value("string"),
-                "detail": datasets.Value("string")}),
+                "truncated": datasets.Value("bool"), "from_ids": datasets.Value("int8"),
+                "reason": datasets.Value("string"), "detail": datasets.Value("string")}),
         )
         manifest = _account(tokenized, files, tmp_out, max_length, strict)
         kept = tokenized.filter(lambda r: [x == "" for x in r], input_columns="reason", batched=True,
@@ -221,7 +267,8 @@ def prepare(target: str | Path, data: list[str | Path], out: str | Path, max_len
             "target": target, "inputs": files, "max_length": max_length, "block_size": block_size,
             "overlong": overlong, "shuffle_seed": seed, "elapsed_s": round(elapsed, 3),
             "tokens_per_s": round(manifest["tokens"] / max(elapsed, 1e-9), 1),
-            "mask_rule": "assistant content + end-of-turn token, found by prefix rendering of the chat template",
+            "mask_rule": "assistant content + end-of-turn token, found by prefix rendering of the chat template; "
+                         "rows with token_ids: those ids + end-of-turn token after a 'stop' answer only",
         })
         (tmp_out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if out.exists():
@@ -236,16 +283,18 @@ def prepare(target: str | Path, data: list[str | Path], out: str | Path, max_len
 def _account(ds, files: list[str], tmp_out: Path, max_length: int, strict: bool) -> dict[str, Any]:
     # One streaming pass over the per-row metadata: counts, histogram, and dropped.jsonl.
     read = kept = tokens = loss_tokens = truncated = 0
+    from_ids = {FROM_IDS: 0, IDS_FALLBACK: 0}
     dropped = {r: 0 for r in formats.DROP_REASONS}
     first_drops: dict[str, list[str]] = {}
     lengths: dict[int, int] = {}
     tmp_out.mkdir(parents=True)
-    cols = ds.select_columns(["file_idx", "line", "length", "loss_tokens", "truncated", "reason", "detail"])
+    cols = ds.select_columns(["file_idx", "line", "length", "loss_tokens", "truncated", "from_ids", "reason",
+                              "detail"])
     with open(tmp_out / "dropped.jsonl", "w", encoding="utf-8") as drop_log:
         for batch in cols.iter(batch_size=4096):
-            for fi, line, length, n_loss, trunc, reason, detail in zip(
+            for fi, line, length, n_loss, trunc, ids_path, reason, detail in zip(
                     batch["file_idx"], batch["line"], batch["length"], batch["loss_tokens"],
-                    batch["truncated"], batch["reason"], batch["detail"]):
+                    batch["truncated"], batch["from_ids"], batch["reason"], batch["detail"]):
                 read += 1
                 if reason:
                     where = f"{files[fi]}:{line}"
@@ -264,6 +313,8 @@ def _account(ds, files: list[str], tmp_out: Path, max_length: int, strict: bool)
                 tokens += length
                 loss_tokens += n_loss
                 truncated += int(trunc)
+                if ids_path:
+                    from_ids[ids_path] += 1
                 lengths[length] = lengths.get(length, 0) + 1
     dropped = {r: n for r, n in dropped.items() if n}
     if kept == 0:
@@ -272,6 +323,7 @@ def _account(ds, files: list[str], tmp_out: Path, max_length: int, strict: bool)
         raise DFlashError(f"no rows kept from {', '.join(files)}: {read} read, dropped {top}")
     assert kept + sum(dropped.values()) == read
     return {"rows_read": read, "rows_kept": kept, "rows_dropped": dropped, "rows_truncated": truncated,
+            "rows_from_token_ids": from_ids[FROM_IDS], "rows_ids_fallback": from_ids[IDS_FALLBACK],
             "dropped_examples": first_drops, "tokens": tokens, "loss_tokens": loss_tokens,
             "length_histogram": length_histogram(lengths, max_length)}
 
@@ -299,6 +351,9 @@ def run(args: argparse.Namespace) -> int:
     drops = ", ".join(f"{r}={n}" for r, n in m["rows_dropped"].items()) or "none"
     print(f"prepare: read {m['rows_read']} rows, kept {m['rows_kept']} ({m['rows_truncated']} truncated), "
           f"dropped {sum(m['rows_dropped'].values())} [{drops}]")
+    if m["rows_ids_fallback"]:
+        print(f"prepare: {m['rows_ids_fallback']} of {m['rows_from_token_ids'] + m['rows_ids_fallback']} rows with "
+              f"token_ids took the text path: the chat template rewrites earlier turns (labels from re-tokenized text)")
     print(f"prepare: {m['tokens']:,} tokens, {m['loss_tokens']:,} loss tokens, {m['tokens_per_s']:,.0f} tokens/s "
           f"-> {args.out}")
     return 0

@@ -4,10 +4,13 @@ Multi-turn rule: every assistant turn is regenerated in order, each given the *r
 history (system and user turns are kept verbatim); a conversation that ends with a user turn
 gets one generated answer appended. So the output is what the target itself would have said.
 
-Output: JSONL rows `{"id", "messages", "finish_reasons", "source"}` (OpenAI form, read by
-`prepare`). The id is the row's `id` field, else a hash of `file:line`. Resumable: ids already
-in the output are skipped; each batch is appended and flushed, so a kill loses at most one
-batch, and a torn last line is cut off on the next start. Greedy outputs do not depend on
+Output: JSONL rows `{"id", "messages", "finish_reasons", "token_ids", "source"}` (OpenAI form,
+read by `prepare`): `finish_reasons[k]` is 'stop' or 'length' and `token_ids[k]` the ids the
+target generated, without the stop token, for the k-th assistant message. `prepare` trains on
+those ids, not on the text re-tokenized, and the prompt of a later turn is laid out from them the
+same way (data/token_ids.py). The id is the row's `id` field, else a hash of `file:line`.
+Resumable: ids already in the output are skipped; each batch is appended and flushed, so a kill
+loses at most one batch, and a torn last line is cut off on the next start. Greedy outputs do not depend on
 batching (up to float rounding); sampled outputs depend on the seed and the batch composition.
 
 Under torchrun (RANK / WORLD_SIZE set), rank r takes input rows i with i % world == r and
@@ -19,55 +22,17 @@ or in a rank's shard from an earlier run are skipped, so a killed torchrun job r
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import time
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dflash_ds.data import formats
 from dflash_ds.data.chat import check_special_tokens, special_token_pattern
+from dflash_ds.data.regen_io import barrier, iter_rows, merge_shards, next_turn, read_done, shard_files
+from dflash_ds.data.token_ids import prompt_ids
 from dflash_ds.errors import DFlashError
-
-
-def read_done(path: Path, repair: bool = True) -> dict[str, int]:
-    """Ids already in an output file -> byte offset of their line; cut off a torn last line if `repair`."""
-    done: dict[str, int] = {}
-    if not path.exists():
-        return done
-    with open(path, "rb+" if repair else "rb") as f:
-        offset = 0
-        for lineno, line in enumerate(iter(f.readline, b""), start=1):
-            try:
-                if not line.endswith(b"\n"):
-                    raise ValueError("no newline")
-                done[str(json.loads(line)["id"])] = offset
-            except (ValueError, KeyError, TypeError):
-                if f.read(1):  # damage before the end is not a torn write: refuse to guess
-                    raise DFlashError(f"{path}:{lineno}: corrupt output line; fix or remove it") from None
-                if repair:
-                    print(f"regenerate: {path}:{lineno}: dropping a torn last line (interrupted write)")
-                    f.truncate(offset)
-                break
-            offset += len(line)
-    return done
-
-
-def iter_rows(data: str | Path, limit: int | None) -> Iterator[tuple[int, int, str | None, Any]]:
-    """Yield `(index, line, id, messages | RowError)` for the first `limit` input records."""
-    for index, (line, raw) in enumerate(formats.iter_raw_rows(data)):
-        if limit is not None and index >= limit:
-            return
-        try:
-            record = formats.parse_row(raw)
-            messages = formats.to_messages(record, require_assistant=False)
-            if not any(m["role"] == "user" for m in messages):
-                raise formats.RowError(formats.NO_USER_TURN, "no user turn to answer")
-            yield index, line, formats.row_id(record, data, line), messages
-        except formats.RowError as err:
-            yield index, line, None, err
 
 
 class Generator:
@@ -109,10 +74,13 @@ class Generator:
         torch.manual_seed(seed)
         self.new_tokens = 0
 
-    def answer(self, histories: list[list[dict[str, str]]]) -> list[tuple[str, str]]:
-        """One assistant answer per history: `(text, finish_reason)` with reason 'stop' or 'length'."""
-        prompts = [self.tok.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
-        enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+    def prompt(self, history: list[dict[str, str]], token_ids: list[list[int]], finishes: list[str]) -> list[int]:
+        """Prompt ids for the next answer: earlier answers as generated, the rest as the template renders it."""
+        return prompt_ids(self.tok, self.special_re, history, token_ids, finishes)
+
+    def answer(self, prompts: list[list[int]]) -> list[tuple[list[int], str]]:
+        """One answer per prompt: `(ids without the stop token, finish_reason)`, reason 'stop' or 'length'."""
+        enc = self.tok.pad({"input_ids": prompts}, return_tensors="pt").to(self.device)  # left padding
         with self.torch.no_grad():
             out = self.model.generate(**enc, **self.kwargs)
         results = []
@@ -120,39 +88,29 @@ class Generator:
             eos_at = next((k for k, t in enumerate(row) if t in self.stop_ids), None)
             tokens = row[:eos_at] if eos_at is not None else row  # no stop token: it ran to max_new_tokens
             self.new_tokens += len(tokens)
-            results.append((self.tok.decode(tokens, skip_special_tokens=True), "stop" if eos_at is not None else "length"))
+            results.append((tokens, "stop" if eos_at is not None else "length"))
         return results
 
 
-def _advance(src: list[dict[str, str]], out: list[dict[str, str]], pos: int) -> tuple[int, bool]:
-    # Copy system/user turns until the next assistant turn; say whether an answer is due there.
-    while True:
-        while pos < len(src) and src[pos]["role"] != "assistant":
-            out.append(dict(src[pos]))
-            pos += 1
-        if pos == len(src):
-            return pos, bool(out) and out[-1]["role"] == "user"
-        if any(m["role"] == "user" for m in out):
-            return pos, True
-        pos += 1  # an assistant turn before any user turn answers nothing: drop it
-
-
-def regenerate_batch(gen: Generator, conversations: list[list[dict[str, str]]]) -> list[tuple[list, list]]:
-    """Regenerate every assistant turn in order, batched across conversations; returns (messages, finishes)."""
+def regenerate_batch(gen: Generator, conversations: list[list[dict[str, str]]]) -> list[tuple[list, list, list]]:
+    """Regenerate every assistant turn in order, batched across conversations; (messages, finishes, token_ids) each."""
     outs: list[list[dict[str, str]]] = [[] for _ in conversations]
     finishes: list[list[str]] = [[] for _ in conversations]
+    token_ids: list[list[list[int]]] = [[] for _ in conversations]
     pos = [0] * len(conversations)
     while True:
         pending = []
         for j, src in enumerate(conversations):
-            pos[j], due = _advance(src, outs[j], pos[j])
+            pos[j], due = next_turn(src, outs[j], pos[j])
             if due:
                 pending.append(j)
         if not pending:
-            return list(zip(outs, finishes))
-        for j, (text, finish) in zip(pending, gen.answer([outs[j] for j in pending])):
-            outs[j].append({"role": "assistant", "content": text})
+            return list(zip(outs, finishes, token_ids))
+        prompts = [gen.prompt(outs[j], token_ids[j], finishes[j]) for j in pending]
+        for j, (ids, finish) in zip(pending, gen.answer(prompts)):
+            outs[j].append({"role": "assistant", "content": gen.tok.decode(ids, skip_special_tokens=True)})
             finishes[j].append(finish)
+            token_ids[j].append(ids)
             pos[j] = min(pos[j] + 1, len(conversations[j]))
 
 
@@ -175,7 +133,7 @@ def regenerate(target: str | Path, data: str | Path, out: str | Path, batch_size
     for path in shard_files(out):
         done |= set(read_done(path, repair=path == shard))
     if world > 1:
-        _barrier()
+        barrier()
     gen = Generator(target, max_new_tokens, temperature, top_p, seed + rank)
     stats = {"rows": 0, "skipped_done": 0, "bad": 0, "written": 0}
     seen: set[str] = set()
@@ -184,9 +142,10 @@ def regenerate(target: str | Path, data: str | Path, out: str | Path, batch_size
     with open(shard, "a", encoding="utf-8") as sink, tqdm(desc=f"regenerate[rank {rank}]", unit="row",
                                                           disable=None) as bar:
         def flush(batch: list[tuple[str, int, list]]) -> None:
-            for (rid, line, _), (messages, finishes) in zip(batch, regenerate_batch(gen, [b[2] for b in batch])):
+            answers = regenerate_batch(gen, [b[2] for b in batch])
+            for (rid, line, _), (messages, finishes, token_ids) in zip(batch, answers):
                 sink.write(json.dumps({"id": rid, "messages": messages, "finish_reasons": finishes,
-                                       "source": f"{data}:{line}"}, ensure_ascii=False) + "\n")
+                                       "token_ids": token_ids, "source": f"{data}:{line}"}, ensure_ascii=False) + "\n")
             sink.flush()
             os.fsync(sink.fileno())
             stats["written"] += len(batch)
@@ -226,58 +185,10 @@ def regenerate(target: str | Path, data: str | Path, out: str | Path, batch_size
           f"{stats['skipped_done']} already done, {stats['bad']} bad; {gen.new_tokens:,} new tokens "
           f"({gen.new_tokens / max(elapsed, 1e-9):,.0f} tokens/s) -> {shard}")
     if world > 1:
-        _barrier()
+        barrier()
     if rank == 0 and shard_files(out):
         stats["merged"] = merge_shards(data, out, limit)
     return stats
-
-
-def shard_files(out: Path) -> list[Path]:
-    """Existing per-rank outputs OUT.rank{r}, in rank order."""
-    shards = [p for p in out.parent.glob(f"{glob.escape(out.name)}.rank*") if p.name[len(out.name) + 5:].isdigit()]
-    return sorted(shards, key=lambda p: int(p.name[len(out.name) + 5:]))
-
-
-def _barrier() -> None:
-    # gloo on CPU works beside any accelerator; the long timeout covers unbalanced generation
-    # (a rank with longer answers may finish hours later). torchrun kills the job if a rank dies.
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:
-            raise DFlashError("WORLD_SIZE > 1 but MASTER_ADDR is not set: launch with torchrun")
-        dist.init_process_group("gloo", timeout=timedelta(days=7))
-    dist.barrier()
-
-
-def merge_shards(data: str | Path, out: Path, limit: int | None) -> int:
-    """Merge OUT and OUT.rank* into OUT, in input order (rows not in the input keep their place at the end)."""
-    sources = [out] + shard_files(out)
-    where = {}  # id -> (source, byte offset): an index, not the rows, so memory stays small
-    for src in sources:
-        for rid, offset in read_done(src).items():
-            where.setdefault(rid, (src, offset))
-    order, listed = [], set()
-    for rid in [rid for _, _, rid, _ in iter_rows(data, limit)] + list(where):
-        if rid in where and rid not in listed:
-            order.append(rid)
-            listed.add(rid)
-    tmp = out.with_name(f".{out.name}.merge-{os.getpid()}")
-    handles = {src: open(src, "rb") for src in sources if src.exists()}
-    try:
-        with open(tmp, "wb") as f:
-            for rid in order:
-                src, offset = where[rid]
-                handles[src].seek(offset)
-                f.write(handles[src].readline())
-    finally:
-        for h in handles.values():
-            h.close()
-    os.replace(tmp, out)
-    for src in sources[1:]:
-        src.unlink(missing_ok=True)
-    print(f"regenerate: merged {len(order)} rows from {len(sources) - 1} shards -> {out}")
-    return len(order)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -285,18 +196,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="target model folder (HF format)")
     parser.add_argument("--data", required=True, help="conversations (.jsonl/.json/.parquet, ShareGPT or OpenAI form)")
     parser.add_argument("--out", required=True, help="output JSONL (OpenAI form); existing rows are kept and skipped")
-    parser.add_argument("--batch-size", type=int, default=8, help="conversations generated together")
+    parser.add_argument("--batch-size", type=int, default=8, help="conversations generated together (--engine hf)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="token limit per generated answer")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (with --temperature > 0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (rank r uses seed + r)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N input rows")
+    served = parser.add_argument_group("through a serving engine (regenerate_server.py)")
+    served.add_argument("--server", default=None, metavar="URL", help="an OpenAI-compatible server already running "
+                        "the target (vLLM, SGLang, `transformers serve`), e.g. http://127.0.0.1:8000; --target still "
+                        "names the local folder whose tokenizer checks the prompts")
+    served.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="hf: transformers generate in this "
+                        "process (default); vllm: start a local vLLM server for --target and generate through it")
+    served.add_argument("--api", choices=["completions", "chat"], default="completions", help="completions: "
+                        "prompts as token ids laid out here, as the HF path does (rows equal HF's; vLLM, SGLang); "
+                        "chat: messages, the server applies the template (for servers without token-id prompts)")
+    served.add_argument("--concurrency", type=int, default=32, help="conversations in flight on the server (default 32)")
+    served.add_argument("--retries", type=int, default=4, help="retries of a request that failed for a reason that "
+                        "may pass (connection, timeout, 5xx), with backoff from 1 s doubling (default 4)")
+    served.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
+    served.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token for --server "
+                        "(default: $OPENAI_API_KEY)")
+    from dflash_ds.serving.vllm_server import add_server_arguments
+
+    add_server_arguments(served)
+
+
+def _rank_device_env() -> dict[str, str]:
+    # Under torchrun with --engine vllm every rank starts a server of its own: on its own GPU.
+    local = os.environ.get("LOCAL_RANK")
+    return {"CUDA_VISIBLE_DEVICES": local} if local is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1 else {}
 
 
 def run(args: argparse.Namespace) -> int:
-    """CLI entry: regenerate."""
-    if args.batch_size < 1 or args.max_new_tokens < 1:
-        raise DFlashError("--batch-size and --max-new-tokens must be >= 1")
-    regenerate(args.target, args.data, args.out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-               temperature=args.temperature, top_p=args.top_p, seed=args.seed, limit=args.limit)
+    """CLI entry: regenerate (HF generate here, or through --server / --engine vllm)."""
+    if args.batch_size < 1 or args.max_new_tokens < 1 or args.concurrency < 1:
+        raise DFlashError("--batch-size, --max-new-tokens and --concurrency must be >= 1")
+    if args.server is None and args.engine == "hf":
+        regenerate(args.target, args.data, args.out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_p=args.top_p, seed=args.seed, limit=args.limit)
+        return 0
+    if args.server and args.engine == "vllm":
+        raise DFlashError("--server and --engine vllm both name a server: give one")
+    import contextlib
+
+    from dflash_ds.data.regenerate_server import regenerate_served
+    from dflash_ds.serving.client import OpenAIClient
+    from dflash_ds.serving.vllm_server import VLLMServer
+
+    with contextlib.ExitStack() as stack:
+        url = args.server
+        if url is None:
+            log = args.vllm_log or f"{args.out}.vllm.log"
+            server = stack.enter_context(VLLMServer(
+                args.target, python=args.vllm_python, dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len,
+                memory_fraction=args.vllm_memory_fraction, seed=args.seed, log_path=log,
+                startup_timeout_s=args.vllm_startup_timeout, extra_args=args.vllm_arg, env=_rank_device_env()))
+            url = server.url
+        client = OpenAIClient(url, timeout_s=args.request_timeout, retries=args.retries, api_key=args.api_key)
+        regenerate_served(client, args.target, args.data, args.out, api=args.api, concurrency=args.concurrency,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          seed=args.seed, limit=args.limit)
     return 0

@@ -261,7 +261,7 @@ class LocalTargetSource:
 def open_source(ctx: RoleContext, cfg: Config, arch, dtype: torch.dtype, data: BatchStream, start_step: int,
                 cursor: Cursor, stop_step: int, target: torch.nn.Module | None = None) -> BatchSource:
     """The colocated rank's own target if it loaded one, else the bridge from the target ranks."""
-    kl = cfg.loss.kl_weight > 0
+    kl = cfg.loss.needs_last_hidden  # KL, LK or target labels: carry the final hidden state
     if target is not None:
         return LocalTargetSource(ctx, target, data, start_step, cursor, stop_step, arch.target_layer_ids, kl,
                                  prefetch=cfg.data.prefetch, overlap=cfg.topology.colocate_overlap)

@@ -109,7 +109,7 @@ def accumulate(engine, loss: torch.Tensor | None, accumulation: int, tensors: di
         return
     if loss is None:
         zeroed = dict(tensors, context=torch.zeros_like(tensors["context"]))
-        zeroed.pop("last_hidden", None)  # no KL term: the target's logits may be what was not finite
+        zeroed.pop("last_hidden", None)  # no KL / LK / target labels: the target's logits may be what was not finite
         loss = forward(engine, zeroed, cfg.loss, cfg.train.seed, batch_id, 0.0, dtype)[0].loss * 0.0
     engine.backward(loss)
     engine.step()

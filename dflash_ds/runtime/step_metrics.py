@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     from dflash_ds.runtime.monitor import Monitor
     from dflash_ds.runtime.step import StepResult
 
-# Sums of the loss statistics (components/loss.metric_sums + the objective's "anchors").
+# Sums of the loss statistics (components/loss.metric_sums and acceptance_sums + the objective's "anchors").
 LOSS_SUMS = ("valid_positions", "correct", "top4", "top8", "blocks", "streak", "tree_streak4", "tree_streak8",
-             "anchors")
+             "anchors", "alpha", "alpha_positions")
 # Per-step values summed over steps and drafters (divided by their count when logged).
 STEP_SUMS = ("loss", "steps", "real_tokens", "padded_tokens", "num_seqs", "queue_depth", "tgt_batch_per_s",
              "tgt_forward_s", "grad_norm", "lr", "noise_std")
@@ -143,6 +143,9 @@ class WindowTotals:
             "step": step, "epoch": epoch, "loss": s["loss"] / n, **{key: m[key] for key in (
                 "accuracy", "avg_streak", "tau", "top4_accuracy", "top8_accuracy", "tree_streak4", "tree_streak8")},
             "accuracy_per_position": m["accuracy_per_position"],
+            # mean sum_v min(p_drafter, p_target) over label positions: only when the loss read the target's
+            # distribution (loss.kl_weight > 0, loss.lk or loss.labels = target)
+            **({"alpha": m["alpha"]} if "alpha" in m else {}),
             "lr": s["lr"] / n, "noise_std": s["noise_std"] / n, "grad_norm": s["grad_norm"] / n,
             # each header carries its target's own rate: the mean times T is the whole target side's
             "tgt_batch_per_sec": s["tgt_batch_per_s"] / n * num_targets,

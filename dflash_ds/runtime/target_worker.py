@@ -39,7 +39,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
     # The leader's word is final (this rank may not see the checkpoint folder it resumed from). A new
     # stream, whose __post_init__ checks that G splits over the drafters; the caller's is left as it is.
     data = replace(data, global_batch=global_batch)
-    kl = cfg.loss.kl_weight > 0
+    kl = cfg.loss.needs_last_hidden  # KL, LK or target labels: send the final hidden state
     watchdog.tick_hooks.append(functools.partial(_exit_once_drafters_stopped, ctx, watchdog))
     sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.bridge_timeout_s, device=ctx.device)
     served, t_start = 0, time.perf_counter()

@@ -105,11 +105,11 @@ class OpenAIClient:
         return Answer(message.get("content") or "", reasoning, choice.get("token_ids"),
                       choice.get("finish_reason") or "stop")
 
-    def complete_ids(self, prompt: list[int], *, max_tokens: int, temperature: float = 0.0,
+    def complete_ids(self, prompt: list[int], *, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                      seed: int | None = None) -> Answer:
         """One completion of a prompt given as token ids (no chat template applied by the server)."""
         body = {"model": self.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-                "return_token_ids": True}
+                "top_p": top_p, "return_token_ids": True}
         if seed is not None:
             body["seed"] = seed
         choice = self.post("/v1/completions", body)["choices"][0]

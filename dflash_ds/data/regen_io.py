@@ -1,0 +1,119 @@
+"""The rows of `regenerate`, whichever engine generates them: reading the input, resuming, shards, merging.
+
+Rows are JSONL, one per conversation, keyed by id (the row's `id`, else a hash of file:line).
+`read_done` finds the rows an earlier run finished (cutting off a torn last line), `merge_shards`
+puts OUT and the per-rank OUT.rank{r} files together in input order, and `next_turn` walks a
+conversation's turns the way every engine regenerates them (data/regenerate.py's multi-turn rule).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+from dflash_ds.data import formats
+from dflash_ds.errors import DFlashError
+
+
+def read_done(path: Path, repair: bool = True) -> dict[str, int]:
+    """Ids already in an output file -> byte offset of their line; cut off a torn last line if `repair`."""
+    done: dict[str, int] = {}
+    if not path.exists():
+        return done
+    with open(path, "rb+" if repair else "rb") as f:
+        offset = 0
+        for lineno, line in enumerate(iter(f.readline, b""), start=1):
+            try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("no newline")
+                done[str(json.loads(line)["id"])] = offset
+            except (ValueError, KeyError, TypeError):
+                if f.read(1):  # damage before the end is not a torn write: refuse to guess
+                    raise DFlashError(f"{path}:{lineno}: corrupt output line; fix or remove it") from None
+                if repair:
+                    print(f"regenerate: {path}:{lineno}: dropping a torn last line (interrupted write)")
+                    f.truncate(offset)
+                break
+            offset += len(line)
+    return done
+
+
+def iter_rows(data: str | Path, limit: int | None) -> Iterator[tuple[int, int, str | None, Any]]:
+    """Yield `(index, line, id, messages | RowError)` for the first `limit` input records."""
+    for index, (line, raw) in enumerate(formats.iter_raw_rows(data)):
+        if limit is not None and index >= limit:
+            return
+        try:
+            record = formats.parse_row(raw)
+            messages = formats.to_messages(record, require_assistant=False)
+            if not any(m["role"] == "user" for m in messages):
+                raise formats.RowError(formats.NO_USER_TURN, "no user turn to answer")
+            yield index, line, formats.row_id(record, data, line), messages
+        except formats.RowError as err:
+            yield index, line, None, err
+
+
+def next_turn(src: list[dict[str, str]], out: list[dict[str, str]], pos: int) -> tuple[int, bool]:
+    """Copy system/user turns of `src` from `pos` into `out` up to the next assistant turn: (new pos, answer due)."""
+    while True:
+        while pos < len(src) and src[pos]["role"] != "assistant":
+            out.append(dict(src[pos]))
+            pos += 1
+        if pos == len(src):
+            return pos, bool(out) and out[-1]["role"] == "user"
+        if any(m["role"] == "user" for m in out):
+            return pos, True
+        pos += 1  # an assistant turn before any user turn answers nothing: drop it
+
+
+def shard_files(out: Path) -> list[Path]:
+    """Existing per-rank outputs OUT.rank{r}, in rank order."""
+    shards = [p for p in out.parent.glob(f"{glob.escape(out.name)}.rank*") if p.name[len(out.name) + 5:].isdigit()]
+    return sorted(shards, key=lambda p: int(p.name[len(out.name) + 5:]))
+
+
+def barrier() -> None:
+    """A gloo barrier over the torchrun job (initialised here if needed), with a 7-day timeout."""
+    # gloo on CPU works beside any accelerator; the long timeout covers unbalanced generation
+    # (a rank with longer answers may finish hours later). torchrun kills the job if a rank dies.
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            raise DFlashError("WORLD_SIZE > 1 but MASTER_ADDR is not set: launch with torchrun")
+        dist.init_process_group("gloo", timeout=timedelta(days=7))
+    dist.barrier()
+
+
+def merge_shards(data: str | Path, out: Path, limit: int | None) -> int:
+    """Merge OUT and OUT.rank* into OUT, in input order (rows not in the input keep their place at the end)."""
+    sources = [out] + shard_files(out)
+    where = {}  # id -> (source, byte offset): an index, not the rows, so memory stays small
+    for src in sources:
+        for rid, offset in read_done(src).items():
+            where.setdefault(rid, (src, offset))
+    order, listed = [], set()
+    for rid in [rid for _, _, rid, _ in iter_rows(data, limit)] + list(where):
+        if rid in where and rid not in listed:
+            order.append(rid)
+            listed.add(rid)
+    tmp = out.with_name(f".{out.name}.merge-{os.getpid()}")
+    handles = {src: open(src, "rb") for src in sources if src.exists()}
+    try:
+        with open(tmp, "wb") as f:
+            for rid in order:
+                src, offset = where[rid]
+                handles[src].seek(offset)
+                f.write(handles[src].readline())
+    finally:
+        for h in handles.values():
+            h.close()
+    os.replace(tmp, out)
+    for src in sources[1:]:
+        src.unlink(missing_ok=True)
+    print(f"regenerate: merged {len(order)} rows from {len(sources) - 1} shards -> {out}")
+    return len(order)

@@ -1,0 +1,63 @@
+"""eval --engine vllm: the export served as vLLM's DFlash drafter is lossless, and vLLM's acceptance length
+equals dflash-ds eval's tau_pooled on the same prompts (within 1%), for a full and an all-sliding layout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash_ds.cli import main
+
+
+def with_layers(export: Path, out: Path, layer_types: list[str], window: int | None) -> Path:
+    shutil.copytree(export, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["layer_types"] = layer_types
+    if window:
+        cfg.update(sliding_window=window, use_sliding_window=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory) -> Path:
+    from dflash_ds.tiny.corpus import tiny_prompts
+
+    path = tmp_path_factory.mktemp("served_eval") / "held_out.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in tiny_prompts(12, seed=11)))
+    return path
+
+
+@pytest.mark.parametrize("layout", ["full", "sliding"])
+def test_served_acceptance_equals_eval_and_is_lossless(vllm_python, eos_target, served_drafter, held_out, tmp_path,
+                                                      layout, capsys):
+    drafter = served_drafter if layout == "full" else \
+        with_layers(served_drafter, tmp_path / "swa", ["sliding_attention"] * 2, window=12)
+    report = tmp_path / "eval.json"
+    assert main(["eval", "--engine", "vllm", "--target", str(eos_target), "--drafter", str(drafter), "--data",
+                 str(held_out), "--num-prompts", "12", "--max-new-tokens", "64", "--json", str(report),
+                 "--vllm-log", str(tmp_path / "logs")]) == 0
+    r = json.loads(report.read_text())
+    served = r["vllm"]
+    assert served["mismatches"] == [] and r["mismatches"] == []  # lossless, in vLLM and in dflash-ds
+    assert served["generated_tokens"] == r["generated_tokens"]
+    assert served["drafts"] > 300 and served["accepted_tokens"] > 20  # speculation ran, drafts got accepted
+    assert abs(served["drafts"] - r["decode_steps"]) <= 0.01 * r["decode_steps"]
+    assert served["mean_acceptance_length"] == pytest.approx(r["tau_pooled"], rel=0.01)
+    assert len(served["per_position_acceptance"]) == 7
+    assert served["per_position_acceptance"][0] == pytest.approx(r["per_position_acceptance"][0], abs=0.01)
+    table = capsys.readouterr().out
+    assert "vllm (served)" in table and "dflash-ds eval" in table and "equal plain serving token for token" in table
+    assert (tmp_path / "logs" / "vllm_plain.log").exists() and (tmp_path / "logs" / "vllm_dflash.log").exists()
+
+
+def test_a_mixed_layout_gets_one_clear_message_on_a_cpu(vllm_python, eos_target, served_drafter, held_out, tmp_path,
+                                                         capsys):
+    drafter = with_layers(served_drafter, tmp_path / "mixed", ["sliding_attention", "full_attention"], window=12)
+    assert main(["eval", "--engine", "vllm", "--target", str(eos_target), "--drafter", str(drafter), "--data",
+                 str(held_out)]) == 2
+    err = capsys.readouterr().err
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in err and "Triton" in err and len(err.strip().splitlines()) == 1
