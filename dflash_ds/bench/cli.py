@@ -33,6 +33,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_ds.bench.pipeline",
         "target and drafter capacity, the real pipeline's tokens/s, and the colocated trainer's",
     ),
+    "recipe": (
+        "dflash_ds.bench.recipe",
+        "train K recipes over seeds on the same data and evaluate each export on held-out prompts: tau per recipe "
+        "with its spread",
+    ),
     "zero": (
         "dflash_ds.bench.zero",
         "per-rank parameter, gradient and optimizer bytes, peak memory and step time for ZeRO 0/1/2/3",

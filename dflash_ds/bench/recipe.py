@@ -1,0 +1,284 @@
+"""`dflash-ds bench recipe`: which training recipe reaches the highest held-out acceptance, beyond the seed spread?
+
+A recipe is a name and a set of config overrides (a YAML list, `--recipes FILE`):
+
+    - name: ce_decay            # today's default
+      set: {}
+    - name: kl
+      set: {loss.kl_weight: 0.5}
+
+Every recipe trains, for every seed, on the same target, prepared data, steps and token budget, from a
+fresh drafter initialised with that seed (`train.seed`), colocated on this machine (`--ranks` ranks
+under torchrun, each with the target and the drafter); its export is then evaluated on the same held-out
+prompts by real speculative decoding (`dflash-ds eval`'s `evaluate`: greedy, lossless-checked). The
+table gives per recipe the held-out tau (mean over prompts of each prompt's mean, and pooled) as mean
+and spread over seeds, P(position k accepted), training tokens and wall time, and the difference to the
+first recipe, marked where the seed ranges do not overlap. Runs live in OUT/<recipe>/seed<S>/; a
+finished run leaves result.json and is not run again, an interrupted one resumes from its checkpoint
+(`--resume auto`), so a killed bench continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_ds.errors import DFlashError
+
+NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def override_flags(overrides: dict[str, Any]) -> list[str]:
+    """{"loss.kl_weight": 0.5} -> ["--loss.kl_weight", "0.5"] (the trainer's command-line form)."""
+    return [item for key, value in overrides.items() for item in (f"--{key}", _flag_value(value))]
+
+
+def read_recipes(path: str | Path, config: str | None = None, shared: list[str] = ()) -> list[dict[str, Any]]:
+    """The recipe list, each checked with the base config and shared overrides before anything runs."""
+    import yaml
+
+    from dflash_ds.config import load_config
+
+    try:
+        recipes = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise DFlashError(f"--recipes {path}: cannot read ({str(exc).splitlines()[0]})") from None
+    if not isinstance(recipes, list) or not recipes:
+        raise DFlashError(f"--recipes {path}: expected a non-empty YAML list of {{name, set}} entries")
+    seen: set[str] = set()
+    for i, r in enumerate(recipes):
+        where = f"--recipes {path}: entry {i + 1}"
+        if not isinstance(r, dict) or set(r) - {"name", "set"} or "name" not in r:
+            raise DFlashError(f"{where}: expected {{name: ..., set: {{section.key: value}}}}, got {r!r}")
+        name, overrides = str(r["name"]), r.get("set") or {}
+        if not NAME.match(name) or name in seen:
+            raise DFlashError(f"{where}: name {name!r} must be unique and use only letters, digits, _ . -")
+        if not isinstance(overrides, dict):
+            raise DFlashError(f"{where} ({name}): 'set' must be a mapping of section.key: value")
+        try:
+            load_config(config, [*shared, *override_flags({str(k): v for k, v in overrides.items()})])
+        except DFlashError as exc:
+            raise DFlashError(f"{where} ({name}): {exc}") from None
+        seen.add(name)
+        r["name"], r["set"] = name, {str(k): v for k, v in overrides.items()}
+    return recipes
+
+
+def _flag_value(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
+
+
+def train_command(args: argparse.Namespace, recipe: dict, seed: int, run_dir: Path) -> list[str]:
+    """The torchrun command of one (recipe, seed) run: colocated, the bench's shared settings, then the recipe's."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
+           "-m", "dflash_ds.train"]
+    if args.config:
+        cmd += ["--config", str(args.config)]
+    cmd += ["--target", str(args.target), "--data", str(args.data), "--output-dir", str(run_dir),
+            "--max-steps", str(args.steps), "--topology.colocate", "true", "--train.seed", str(seed),
+            "--train.save_interval", str(args.save_interval), "--wandb.enabled", "false"]
+    return cmd + shared_flags(args.set) + override_flags(recipe["set"])
+
+
+def shared_flags(items: list[str]) -> list[str]:
+    """--set KEY=VALUE items as trainer flags."""
+    flags = []
+    for item in items:
+        if "=" not in item:
+            raise DFlashError(f"--set {item!r}: expected KEY=VALUE, e.g. data.token_budget=2048")
+        key, _, value = item.partition("=")
+        flags += [f"--{key}", value]
+    return flags
+
+
+def train_once(args: argparse.Namespace, recipe: dict, seed: int, run_dir: Path) -> tuple[float, Path]:
+    """Train (or resume) one run; its wall seconds and the export of its last checkpoint."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "train.log"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline",
+           "OMP_NUM_THREADS": str(args.threads)}
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+        status = subprocess.run(train_command(args, recipe, seed, run_dir), stdout=f, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True).returncode
+    wall = time.perf_counter() - t0
+    if status != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+        raise DFlashError(f"recipe {recipe['name']} seed {seed}: training exited with status {status}; "
+                          f"last lines of {log}:\n{tail}")
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return wall, run_dir / "checkpoints" / latest / "export"
+
+
+def train_metrics(run_dir: Path) -> dict[str, Any]:
+    """Tokens trained on and the last record's training-time acceptance figures."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last = records[-1] if records else {}
+    return {"train_tokens": int(sum(r.get("real_tokens", 0) for r in records)),
+            **{f"train_{k}": last[k] for k in ("tau", "est_tau", "accuracy") if k in last}}
+
+
+def run_one(args, recipe, seed, target, prompts) -> dict[str, Any]:
+    """Train and evaluate one (recipe, seed), or read its result.json if an earlier bench finished it."""
+    from dflash_ds.eval.cli import evaluate
+    from dflash_ds.models.drafter import DFlashDrafter
+
+    run_dir = Path(args.out) / recipe["name"] / f"seed{seed}"
+    done = run_dir / "result.json"
+    if done.is_file():
+        print(f"bench recipe: {recipe['name']} seed {seed}: done before ({done})", flush=True)
+        return json.loads(done.read_text())
+    print(f"bench recipe: {recipe['name']} seed {seed}: training {args.steps} steps (log {run_dir / 'train.log'})",
+          flush=True)
+    train_wall, export = train_once(args, recipe, seed, run_dir)
+    drafter = DFlashDrafter.from_pretrained(export).eval()
+    t0 = time.perf_counter()
+    res = evaluate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, log=lambda _s: None)
+    if res["mismatches"]:
+        raise DFlashError(f"recipe {recipe['name']} seed {seed}: speculative output differs from greedy decoding")
+    result = {"recipe": recipe["name"], "seed": seed, "overrides": recipe["set"], "steps": args.steps,
+              "tau": res["tau"], "tau_pooled": res["tau_pooled"], "decode_steps": res["decode_steps"],
+              "per_position_acceptance": res["per_position_acceptance"], **train_metrics(run_dir),
+              "train_wall_s": round(train_wall, 1), "eval_wall_s": round(time.perf_counter() - t0, 1),
+              "export": str(export)}
+    tmp = done.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, done)  # result.json is whole or absent: a killed bench reruns only this eval
+    print(f"bench recipe: {recipe['name']} seed {seed}: held-out tau {res['tau']:.3f} (pooled "
+          f"{res['tau_pooled']:.3f})", flush=True)
+    return result
+
+
+def _spread(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(recipes: list[dict], results: list[dict]) -> list[dict[str, Any]]:
+    """Per recipe: mean and spread over seeds, and the difference to the first recipe (the baseline)."""
+    rows = []
+    for r in recipes:
+        mine = [x for x in results if x["recipe"] == r["name"]]
+        taus, pooled = [x["tau"] for x in mine], [x["tau_pooled"] for x in mine]
+        positions = len(mine[0]["per_position_acceptance"])
+        rows.append({"recipe": r["name"], "overrides": r["set"], "seeds": [x["seed"] for x in mine],
+                     "tau_mean": statistics.fmean(taus), "tau_std": _spread(taus), "tau_min": min(taus),
+                     "tau_max": max(taus), "tau_pooled_mean": statistics.fmean(pooled),
+                     "tau_pooled_std": _spread(pooled),
+                     "per_position_acceptance": [statistics.fmean(x["per_position_acceptance"][k] for x in mine)
+                                                 for k in range(positions)],
+                     "train_tokens": statistics.fmean(x["train_tokens"] for x in mine),
+                     "train_wall_s": statistics.fmean(x["train_wall_s"] for x in mine),
+                     **({"train_tau": statistics.fmean(x["train_tau"] for x in mine)}
+                        if all("train_tau" in x for x in mine) else {}),
+                     **({"train_est_tau": statistics.fmean(x["train_est_tau"] for x in mine)}
+                        if all("train_est_tau" in x for x in mine) else {})})
+    base = rows[0]
+    for row in rows:
+        row["vs_baseline"] = row["tau_mean"] - base["tau_mean"]
+        # Beyond the seed spread: the two recipes' ranges over seeds do not overlap.
+        row["beyond_spread"] = row is not base and (row["tau_min"] > base["tau_max"] or row["tau_max"] < base["tau_min"])
+    return rows
+
+
+def format_table(rows: list[dict], baseline: str) -> str:
+    """The recipe table, one line per recipe."""
+    lines = [f"{'recipe':<16} {'tau':>13} {'pooled':>13} {'vs ' + baseline:>12} {'tokens':>9} {'wall s':>7}  "
+             "P(position k accepted)"]
+    for r in rows:
+        mark = " *" if r["beyond_spread"] else ""
+        lines.append(f"{r['recipe']:<16} {r['tau_mean']:>6.3f} ±{r['tau_std']:<5.3f} "
+                     f"{r['tau_pooled_mean']:>6.3f} ±{r['tau_pooled_std']:<5.3f} {r['vs_baseline']:>+10.3f}{mark:<2} "
+                     f"{r['train_tokens']:>9.0f} {r['train_wall_s']:>7.0f}  "
+                     + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]))
+    lines.append(f"tau: held-out, mean over prompts of each prompt's mean accepted length; ± the standard deviation "
+                 f"over seeds; * = seed ranges do not overlap with {baseline}'s")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], results: list[dict], path: Path) -> None:
+    """tau per recipe: the mean with its spread, and every seed's point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(rows)), 3.5))
+    xs = range(len(rows))
+    ax.bar(xs, [r["tau_mean"] for r in rows], yerr=[r["tau_std"] for r in rows], color="#8fb3d9", capsize=4)
+    for i, r in enumerate(rows):
+        seeds = [x["tau"] for x in results if x["recipe"] == r["recipe"]]
+        ax.plot([i] * len(seeds), seeds, "k.", ms=5)
+    ax.set_xticks(list(xs), [r["recipe"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("held-out tau")
+    ax.set_ylim(bottom=1.0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the bench recipe flags."""
+    parser.add_argument("--recipes", required=True, help="YAML list of {name, set: {section.key: value}}; the first "
+                        "is the baseline the others are compared with")
+    parser.add_argument("--target", required=True, help="target model folder")
+    parser.add_argument("--data", required=True, help="prepared dataset folder (dflash-ds prepare) to train on")
+    parser.add_argument("--eval-data", required=True, help="held-out prompts: a .jsonl conversation file or a "
+                        "prepared folder (as dflash-ds eval --data)")
+    parser.add_argument("--config", default=None, help="base run config every recipe starts from (e.g. configs/tiny.yaml)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for every recipe (before the recipe's own), repeatable")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values (default 0,1,2)")
+    parser.add_argument("--steps", type=int, default=300, help="training steps of every run (default 300)")
+    parser.add_argument("--save-interval", type=int, default=100, help="checkpoint interval of every run (default 100)")
+    parser.add_argument("--ranks", type=int, default=1, help="colocated ranks per run (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads of each training rank and of the eval "
+                        "(default 1: on a shared CPU, more threads than free cores make small matmuls spin, measured "
+                        "80x slower decoding under load)")
+    parser.add_argument("--num-prompts", type=int, default=16, help="held-out prompts evaluated (default 16)")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt (default 96)")
+    parser.add_argument("--out", default="bench_out/recipe", help="runs, results and the plot (default bench_out/recipe)")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object (last line)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train and evaluate every (recipe, seed) not done yet; print the table; write summary.json and tau.png."""
+    import torch
+
+    from dflash_ds.eval.cli import load_prompts
+    from dflash_ds.models.target import load_target
+
+    recipes = read_recipes(args.recipes, args.config, shared_flags(args.set))
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise DFlashError(f"--seeds {args.seeds!r}: expected comma-separated integers") from None
+    if not seeds or args.steps < 1 or args.ranks < 1:
+        raise DFlashError("--seeds needs at least one seed; --steps and --ranks must be >= 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.eval_data, args.target, args.num_prompts)
+    target = load_target(args.target)
+    t0 = time.perf_counter()
+    results = [run_one(args, r, seed, target, prompts) for r in recipes for seed in seeds]
+    rows = summarize(recipes, results)
+    summary = {"recipes": rows, "runs": results, "seeds": seeds, "steps": args.steps, "num_prompts": len(prompts),
+               "max_new_tokens": args.max_new_tokens, "wall_s": round(time.perf_counter() - t0, 1)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(rows, results, out / "tau.png")
+    table = format_table(rows, recipes[0]["name"])
+    if args.json:
+        print(table, file=sys.stderr)
+        print(json.dumps(summary))
+    else:
+        print(table)
+        print(f"bench recipe: summary -> {out / 'summary.json'}, plot -> {out / 'tau.png'}")
+    return 0

@@ -1,0 +1,78 @@
+"""`dflash-ds bench recipe` on 2 recipes x 1 seed x 4 steps: the table's fields, the per-run results, the
+plot, and a killed bench (one result missing) continuing with only what is missing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test_runtime"))  # shared torchrun helpers
+from runtime_utils import REPO, make_dataset  # noqa: E402
+
+RECIPES = """\
+- name: ce_decay
+  set: {}
+- name: kl_lk
+  set: {loss.kl_weight: 0.5, loss.lk: hybrid, loss.lk_weight: 0.5}
+"""
+
+
+def bench(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_ds.cli", "bench", "recipe", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=600)
+
+
+def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> None:
+    from dflash_ds.tiny.corpus import tiny_prompts
+
+    data = make_dataset(tiny_target, tmp_path / "prepared", n=48, max_length=256, block_size=8)
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(r) + "\n" for r in tiny_prompts(3, seed=11)))
+    (tmp_path / "recipes.yaml").write_text(RECIPES)
+    out = tmp_path / "out"
+    args = ["--recipes", str(tmp_path / "recipes.yaml"), "--target", str(tiny_target), "--data", str(data),
+            "--eval-data", str(held), "--config", str(REPO / "configs/tiny.yaml"), "--seeds", "3", "--steps", "4",
+            "--save-interval", "2", "--num-prompts", "3", "--max-new-tokens", "16", "--out", str(out),
+            "--set", "data.token_budget=1024", "--json"]
+    r = bench(args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert [x["recipe"] for x in summary["recipes"]] == ["ce_decay", "kl_lk"]
+    for row in summary["recipes"]:
+        runs = [x for x in summary["runs"] if x["recipe"] == row["recipe"]]
+        assert row["seeds"] == [3] and len(runs) == 1 and runs[0]["steps"] == 4
+        assert row["tau_mean"] == runs[0]["tau"] >= 1.0 and row["tau_std"] == 0.0
+        assert row["tau_pooled_mean"] == runs[0]["tau_pooled"] and len(row["per_position_acceptance"]) == 7
+        assert row["train_tokens"] > 0 and row["train_wall_s"] > 0 and "train_tau" in row
+        assert Path(runs[0]["export"], "model.safetensors").is_file()
+    base, other = summary["recipes"]
+    assert other["vs_baseline"] == pytest.approx(other["tau_mean"] - base["tau_mean"])
+    assert base["beyond_spread"] is False and other["overrides"] == {"loss.kl_weight": 0.5, "loss.lk": "hybrid",
+                                                                   "loss.lk_weight": 0.5}
+    assert base["train_tokens"] == other["train_tokens"]  # same data, steps and budget for every recipe
+    assert "alpha" in json.loads((out / "kl_lk/seed3/metrics.jsonl").read_text().splitlines()[-1])  # LK trained
+    assert "ce_decay" in r.stderr and "vs ce_decay" in r.stderr  # the table
+    assert (out / "tau.png").stat().st_size > 1000
+
+    # A killed bench: kl_lk's eval never finished. Only that run is redone (its training resumes at its last
+    # checkpoint, which is the end), and the summary is the same.
+    (out / "kl_lk/seed3/result.json").unlink()
+    r = bench(args)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "ce_decay seed 3: done before" in r.stdout and "kl_lk seed 3: training 4 steps" in r.stdout
+    again = json.loads(r.stdout.strip().splitlines()[-1])
+    for a, b in zip(again["runs"], summary["runs"]):
+        assert (a["tau"], a["tau_pooled"], a["train_tokens"]) == (b["tau"], b["tau_pooled"], b["train_tokens"])
+
+
+def test_bench_recipe_rejects_a_bad_recipe_before_running(tiny_target, tmp_path: Path) -> None:
+    (tmp_path / "recipes.yaml").write_text("- name: a\n  set: {loss.kl_wieght: 0.5}\n")
+    r = bench(["--recipes", str(tmp_path / "recipes.yaml"), "--target", str(tiny_target), "--data", str(tmp_path),
+               "--eval-data", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert r.returncode == 2 and "entry 1 (a)" in r.stderr and "kl_wieght" in r.stderr
+    assert not (tmp_path / "out").exists()
