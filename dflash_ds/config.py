@@ -134,6 +134,10 @@ class DataConfig:
     """Length buckets up to max_length."""
     prefetch: int = 2
     """Batches prepared ahead by the loader thread."""
+    val_fraction: float = 0.0
+    """Fraction of the prepared rows held out for validation (chosen by train.seed, never trained on; 0 = none)."""
+    val_path: str = ""
+    """A separate prepared folder to validate on instead of data.val_fraction ("" = none)."""
 
 
 @dataclass
@@ -183,6 +187,18 @@ class TrainConfig:
     """Consecutive steps with a non-finite loss or grad norm before the run stops with an error."""
     stop_at: int = 0
     """If > 0: stop at this step with a checkpoint, keeping max_steps' schedules (staged runs)."""
+    est_tau_rows: int = 4
+    """Rows of each drafter's last micro-batch that est_tau (greedy decoding walked over the response, the
+    acceptance length serving sees) is measured on when a metric record is written (0 = off). One no-grad
+    forward with a block at every response position: about 51 GFLOP per response token at Qwen3-8B scale
+    (H 4096, block 16, V 151,936: 31 in the 5 layers, 18.7 in the LM head, ~1.3 in attention), so 4 rows
+    of 1,500 response tokens cost ~0.3 PFLOP (under a second on one H100) per record and at most a
+    token_budget of blocks (16,384: 0.84 PFLOP); blocks run loss.max_anchors_per_batch at a time."""
+    eval_interval: int = 0
+    """Steps between evaluations on the validation split (data.val_fraction or data.val_path; 0 = never):
+    val_est_tau and val_tau in that step's record, the best val_est_tau kept as checkpoints/best."""
+    eval_batches: int = 16
+    """Validation batches per evaluation over all drafters (the same batches every time; 0 = the whole split)."""
 
 
 @dataclass
@@ -271,6 +287,7 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("data.token_budget", "must be >= 1", lambda v: v >= 1),
     ("data.num_buckets", "must be >= 1", lambda v: v >= 1),
     ("data.prefetch", "must be >= 1", lambda v: v >= 1),
+    ("data.val_fraction", "must be in [0, 1)", lambda v: 0 <= v < 1),
     ("train.max_steps", "must be >= 1", lambda v: v >= 1),
     ("train.log_interval", "must be >= 1", lambda v: v >= 1),
     ("train.save_interval", "must be >= 1", lambda v: v >= 1),
@@ -287,6 +304,9 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("train.bridge_timeout_s", "must be > 0", lambda v: v > 0),
     ("train.heartbeat_timeout_s", "must be > 0", lambda v: v > 0),
     ("train.max_bad_steps", "must be >= 1", lambda v: v >= 1),
+    ("train.est_tau_rows", "must be >= 0 (0 = off)", lambda v: v >= 0),
+    ("train.eval_interval", "must be >= 0 (0 = never)", lambda v: v >= 0),
+    ("train.eval_batches", "must be >= 0 (0 = the whole split)", lambda v: v >= 0),
     ("topology.num_target_ranks", "must be >= 1", lambda v: v >= 1),
     ("topology.targets_per_node", "must be >= 0", lambda v: v >= 0),
 ]
@@ -313,6 +333,7 @@ def validate(cfg: Config) -> Config:
         raise DFlashError(
             f"config: data.max_length = {cfg.data.max_length} must be <= data.token_budget = "
             f"{cfg.data.token_budget} (one longest sequence must fit a micro-batch)")
+    _validate_validation(cfg)
     t = cfg.topology
     if t.colocate and t.targets_per_node:
         raise DFlashError(f"config: topology.colocate = true runs the target on every rank: topology.targets_per_node "
@@ -320,6 +341,17 @@ def validate(cfg: Config) -> Config:
     if t.colocate_overlap and not t.colocate:
         raise DFlashError("config: topology.colocate_overlap = true needs topology.colocate = true (--colocate)")
     return cfg
+
+
+def _validate_validation(cfg: Config) -> None:
+    """One validation split at most, and an evaluation interval only with one."""
+    d = cfg.data
+    if d.val_fraction > 0 and d.val_path:
+        raise DFlashError(f"config: data.val_fraction = {d.val_fraction} and data.val_path = {d.val_path!r}: "
+                          f"choose one validation split")
+    if cfg.train.eval_interval and not (d.val_fraction > 0 or d.val_path):
+        raise DFlashError(f"config: train.eval_interval = {cfg.train.eval_interval} needs a validation split "
+                          f"(data.val_fraction or data.val_path)")
 
 
 def _validate_layer_types(m: DrafterConfig) -> None:

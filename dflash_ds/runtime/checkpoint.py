@@ -8,15 +8,20 @@ Layout under OUTPUT_DIR/checkpoints/:
         COMPLETE              written last, before the rename
     step_00000020.partial/    a save in progress (ignored and removed on the next start)
     latest                    name of the newest complete checkpoint, replaced atomically
+    best                      name of the checkpoint with the best val_est_tau so far (with a validation split)
 
 A save goes into `.partial`, every drafter rank finishes its shards, then rank 0 writes the
-state and the export, marks it COMPLETE, renames it and only then moves `latest`. A crash at
-any point leaves `latest` on the previous complete checkpoint.
+state and the export, marks it COMPLETE, renames it and only then moves `best` (when it is a
+new best) and `latest`. A crash at any point leaves both on complete checkpoints. Keep-K rotation
+(`train.keep_last`) never removes the one `best` names; its trainer_state.json holds its
+validation figures ("val"), and every checkpoint's holds the best so far ("best": step and
+val_est_tau), which a resumed run must beat (runtime/resume.py).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import re
@@ -34,6 +39,7 @@ from dflash_ds.runtime import faults
 from dflash_ds.runtime.monitor import scrub_secrets
 
 LATEST = "latest"
+BEST = "best"
 COMPLETE = "COMPLETE"
 STATE = "trainer_state.json"
 DS_TAG = "ds"
@@ -65,6 +71,29 @@ def find_latest(output_dir: str | Path) -> Path | None:
     complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial")
                       and is_complete(p))
     return complete[-1] if complete else None
+
+
+def find_best(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint `checkpoints/best` names, or None."""
+    root = checkpoint_root(output_dir)
+    pointer = root / BEST
+    if not pointer.is_file():
+        return None
+    cand = root / pointer.read_text().strip()
+    return cand if is_complete(cand) else None
+
+
+def improves(value: float | None, best: dict | None) -> bool:
+    """Whether a val_est_tau beats the best so far ({"step", "val_est_tau"} or None); NaN never does."""
+    if value is None or not math.isfinite(value):
+        return False
+    return best is None or value > float(best["val_est_tau"])
+
+
+def forget_best(output_dir: str | Path) -> None:
+    """A fresh run (no resume) drops the `best` pointer of an earlier run in the same folder: its step folders
+    are about to be rewritten, so the name would come to mean other weights."""
+    (checkpoint_root(output_dir) / BEST).unlink(missing_ok=True)
 
 
 def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
@@ -149,8 +178,10 @@ def check_writable(output_dir: str | Path) -> None:
 
 
 def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, Any], keep_last: int,
-                    export_fn) -> Path:
-    """Collective over the drafter group. `export_fn(folder)` writes the HF export (rank 0 writes)."""
+                    export_fn, best: bool = False) -> Path:
+    """Collective over the drafter group. `export_fn(folder)` writes the HF export (rank 0 writes).
+
+    `best`: this checkpoint becomes `checkpoints/best` (moved after the rename, before `latest`)."""
     root = checkpoint_root(output_dir)
     final = step_dir(root, step)
     partial = final.with_name(final.name + ".partial")
@@ -170,9 +201,10 @@ def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, 
             if final.exists():
                 shutil.rmtree(final)
             os.replace(partial, final)
-            tmp = root / (LATEST + ".tmp")
-            tmp.write_text(final.name + "\n")
-            os.replace(tmp, root / LATEST)
+            for pointer in ((BEST,) if best else ()) + (LATEST,):
+                tmp = root / (pointer + ".tmp")
+                tmp.write_text(final.name + "\n")
+                os.replace(tmp, root / pointer)
             _prune(root, keep_last)
         dist.barrier()
     except OSError as exc:
@@ -182,9 +214,11 @@ def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, 
 
 
 def trainer_state(cfg: Config, arch, num_drafters: int, global_batch: int, zero_stage: int, dtype, step: int,
-                  cursor: Cursor) -> dict[str, Any]:
-    """trainer_state.json: where the run is, how it trains (resharding reads this) and the drafter shape."""
-    return {"step": step, "cursor": asdict(cursor), "seed": cfg.train.seed, "num_drafters": num_drafters,
+                  cursor: Cursor, val: dict | None = None, best: dict | None = None) -> dict[str, Any]:
+    """trainer_state.json: where the run is, how it trains (resharding reads this) and the drafter shape;
+    with a validation split, this step's figures (`val`, when it evaluated) and the best so far (`best`)."""
+    extra = {**({"val": val} if val else {}), **({"best": best} if best else {})}
+    return {"step": step, "cursor": asdict(cursor), "seed": cfg.train.seed, "num_drafters": num_drafters, **extra,
             # informational: a colocated checkpoint resumes disaggregated on the same drafter count, and back
             "colocated": bool(cfg.topology.colocate),
             "global_batch": global_batch, "zero_stage": zero_stage,
@@ -206,6 +240,9 @@ def universal_info() -> dict[str, Any]:
 
 
 def _prune(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` step folders, and the one `best` names."""
     complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
+    best = (root / BEST).read_text().strip() if (root / BEST).is_file() else None
     for old in complete[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name != best:
+            shutil.rmtree(old, ignore_errors=True)

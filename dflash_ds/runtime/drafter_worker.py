@@ -9,6 +9,7 @@ same code path (`runtime/step.py`).
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import replace
@@ -26,6 +27,7 @@ from dflash_ds.models.drafter_arch import DrafterArch
 from dflash_ds.runtime import checkpoint as ckpt
 from dflash_ds.runtime import faults
 from dflash_ds.runtime.engine import build_drafter_engine, check_shared_head, export_drafter
+from dflash_ds.runtime.evaluate import validate
 from dflash_ds.runtime.job import last_step, load_run_target
 from dflash_ds.runtime.monitor import Monitor, scrub_secrets
 from dflash_ds.runtime.resume import ResumePoint, agree_on_resume
@@ -41,8 +43,7 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watc
     d, leader = ctx.role_rank, ctx.role_rank == 0
     out, stop = Path(cfg.train.output_dir), last_step(cfg)
     if leader:
-        ckpt.check_writable(out)
-        ckpt.clean_partials(out)
+        _prepare_output(out, resume)
     resume = agree_on_resume(ctx, cfg, resume, arch, leader)
     data = replace(data, global_batch=resume.global_batch)  # the leader's word; the caller's stream is left as it is
     faults.before_build()
@@ -53,23 +54,26 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watc
     source = open_source(ctx, cfg, arch, dtype, data, start_step, cursor, stop, target)
     log = StepLog(out, ctx, data, arch.block_size, cfg.train.max_steps, start_step,
                   _open_monitor(cfg, out, start_step) if leader else None)
-    consecutive_bad = 0
+    consecutive_bad, best = 0, resume.best  # best: {"step", "val_est_tau"} of checkpoints/best, or None
     for step in range(start_step, stop):
         watchdog.step = step
         faults.at_step(step)
-        result = optimizer_step(engine, source, data, cfg, dtype, step, d, watchdog.stop_event.is_set)
+        records = functools.partial(_records, cfg, data, step, stop)
+        result = optimizer_step(engine, source, data, cfg, dtype, step, d, watchdog.stop_event.is_set, records)
         log.add(step, result)
         consecutive_bad = consecutive_bad + 1 if result.bad else 0
         if result.bad:
             _report_bad_step(cfg, out, d, step, result, data.accumulation, consecutive_bad)
         done = step + 1
-        if done % cfg.train.log_interval == 0 or done == stop or result.stopping:
-            log.close_window(done, result.cursor.epoch)
+        figures = _evaluate_and_record(engine, source, log, data, cfg, dtype, step, d, result, records)
         if result.stopping and leader:
             ctx.store.set(STOP_STEP_KEY, str(done))  # targets drop every batch from this step on
-        # No periodic checkpoint inside a streak of bad steps: the last good one must stay the latest.
-        if (done % cfg.train.save_interval == 0 and consecutive_bad == 0) or done == stop or result.stopping:
-            _save(engine, cfg, out, arch, dtype, data, done, result.cursor)
+        # No periodic or best checkpoint inside a streak of bad steps: the last good one must stay the latest.
+        new_best = consecutive_bad == 0 and ckpt.improves(figures.get("val_est_tau"), best)
+        best = {"step": done, "val_est_tau": figures["val_est_tau"]} if new_best else best
+        if (done % cfg.train.save_interval == 0 and consecutive_bad == 0) or done == stop or result.stopping \
+                or new_best:
+            _save(engine, cfg, out, arch, dtype, data, done, result.cursor, figures, best, new_best)
         if result.stopping:
             _finish(source, log)
             if leader:
@@ -79,9 +83,36 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watc
             return EXIT_PREEMPTED
     _finish(source, log)
     if leader:
+        best_note = f"; best {ckpt.find_best(out)} (val_est_tau {best['val_est_tau']:.3f})" if best else ""
         print(f"[dflash-ds] done: step {stop} of {cfg.train.max_steps}; metrics {out / 'metrics.jsonl'}; "
-              f"checkpoint {ckpt.find_latest(out)}", flush=True)
+              f"checkpoint {ckpt.find_latest(out)}{best_note}", flush=True)
     return 0
+
+
+def _prepare_output(out: Path, resume: ResumePoint) -> None:
+    """The leader's start: a writable run folder without leftover partial saves; a fresh run forgets an old best."""
+    ckpt.check_writable(out)
+    ckpt.clean_partials(out)
+    if resume.path is None:
+        ckpt.forget_best(out)
+
+
+def _records(cfg: Config, data: BatchStream, step: int, stop: int, stopping: bool) -> bool:
+    """Whether a metric record follows step `step`: the log interval, an evaluation, the last step or a stop."""
+    done = step + 1
+    return done % cfg.train.log_interval == 0 or data.is_eval_step(step) or done == stop or stopping
+
+
+def _evaluate_and_record(engine, source: BatchSource, log: StepLog, data: BatchStream, cfg: Config,
+                         dtype: torch.dtype, step: int, d: int, result: StepResult, records) -> dict[str, float]:
+    """The validation batches of an evaluation step (not when stopping), then the record if one is due.
+
+    Returns the record's walk figures (est_tau, val_est_tau, ...), the same on every drafter, or {}."""
+    if data.is_eval_step(step) and not result.stopping:
+        log.window.add_walk("val", validate(engine, source, data, cfg, dtype, step, d, result.cursor))
+    if not records(result.stopping):
+        return {}
+    return log.close_window(step + 1, result.cursor.epoch).walks()
 
 
 def _build_engine(ctx: RoleContext, cfg: Config, data: BatchStream, resume: ResumePoint, arch: DrafterArch,
@@ -146,12 +177,15 @@ def _report_bad_step(cfg: Config, out: Path, d: int, step: int, result: StepResu
 
 
 def _save(engine, cfg: Config, out: Path, arch: DrafterArch, dtype: torch.dtype, data: BatchStream, step: int,
-          cursor: Cursor) -> None:
-    """The checkpoint of step `step` (collective over the drafters; the HF export gathered on the leader)."""
+          cursor: Cursor, figures: dict, best: dict | None, new_best: bool) -> None:
+    """The checkpoint of step `step` (collective over the drafters; the HF export gathered on the leader).
+
+    Its state keeps this step's validation figures and the best so far; `new_best` makes it checkpoints/best."""
+    val = {k: v for k, v in figures.items() if k.startswith("val_")}
     state = ckpt.trainer_state(cfg, arch, data.num_drafters, data.global_batch, engine.zero_optimization_stage(),
-                               dtype, step, cursor)
+                               dtype, step, cursor, val=val, best=best)
     ckpt.save_checkpoint(engine, step, out, state, cfg.train.keep_last,
-                         lambda folder: export_drafter(engine, arch, dtype, folder))
+                         lambda folder: export_drafter(engine, arch, dtype, folder), best=new_best)
 
 
 def _finish(source: BatchSource, log: StepLog) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_ds.components.acceptance import accepted_runs
 from dflash_ds.components.objective import TargetStates, drafter_objective
 from dflash_ds.components.schedules import lr_at
 from dflash_ds.config import Config
@@ -113,7 +114,14 @@ class DrafterTrainModule(nn.Module):
         """The target's LM head: hidden states -> vocabulary logits."""
         return F.linear(hidden, self.embed_weight if self.tied_head else self.head_weight)
 
-    def forward(self, states: TargetStates, loss_cfg, anchor_seed: int, noise_std: float, noise_seed: int):
+    def forward(self, states: TargetStates, loss_cfg, anchor_seed: int = 0, noise_std: float = 0.0,
+                noise_seed: int = 0, blocks: tuple | None = None):
+        """The objective's (loss terms, statistics); with `blocks` = (anchors, valid, label ids), each of those
+        blocks' accepted length instead (components/acceptance.accepted_runs: no loss, no noise)."""
+        if blocks is not None:
+            anchors, valid, label_ids = blocks
+            return accepted_runs(self.drafter, self.embed, self.lm_head, states.context, states.input_ids, label_ids,
+                                 states.loss_mask, states.lengths, anchors, valid, loss_cfg.chunk_blocks)
         dev = states.context.device
         anchor_gen = torch.Generator(device=dev).manual_seed(anchor_seed)  # anchors are drawn on the batch's device
         noise_gen = torch.Generator(device=dev).manual_seed(noise_seed) if noise_std > 0 else None

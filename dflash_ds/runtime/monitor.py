@@ -19,7 +19,8 @@ from typing import Any
 NAMESPACES = {
     **{k: "train" for k in ("loss", "accuracy", "avg_streak", "tau", "top4_accuracy", "top8_accuracy",
                             "tree_streak4", "tree_streak8", "lr", "noise_std", "grad_norm", "accuracy_per_position",
-                            "skipped_steps", "epoch")},
+                            "skipped_steps", "epoch", "est_tau", "est_tau_pooled")},
+    **{k: "val" for k in ("val_est_tau", "val_est_tau_pooled", "val_tau")},
     **{k: "pipeline" for k in ("tgt_batch_per_sec", "dft_batch_per_sec", "tok_per_sec", "hs_queue_depth", "eta_s",
                                "tgt_forward_s", "recv_wait_s", "step_time_s")},
     **{k: "batch" for k in ("avg_seq_len", "padding_efficiency", "bucket_pct", "real_tokens", "padded_tokens",
@@ -132,9 +133,12 @@ class Monitor:
         self.status(record)
 
     def status(self, r: dict[str, Any]) -> None:
-        """One status line: step/total, loss, accuracy, tau, tokens/s, queue depth, ETA."""
+        """One status line: step/total, loss, accuracy, tau (est_tau, val_est_tau when measured), tokens/s, queue
+        depth, ETA."""
+        taus = "".join(f" | {name} {r[key]:.2f}" for key, name in (("est_tau", "est"), ("val_est_tau", "val est"))
+                       if key in r)
         line = (f"step {r['step']}/{self.total} | loss {r['loss']:.4f} | acc {r['accuracy']:.3f} | "
-                f"tau {r['tau']:.2f} | {r['tok_per_sec']:,.0f} tok/s | queue {r['hs_queue_depth']:.1f} | "
+                f"tau {r['tau']:.2f}{taus} | {r['tok_per_sec']:,.0f} tok/s | queue {r['hs_queue_depth']:.1f} | "
                 f"eta {_fmt_eta(r['eta_s'])}")
         end = "\r" if self.tty and r["step"] < self.total else "\n"
         print(line.ljust(100) if self.tty else line, end=end, flush=True)

@@ -46,6 +46,7 @@ class ResumePoint:
     mode: str  # "fresh", "direct" (the shards as written) or "universal" (resharded)
     saved_drafters: int = 0
     saved_stage: int = -1
+    best: dict | None = None  # {"step", "val_est_tau"} a new checkpoints/best must beat (`best_so_far`)
 
     @property
     def tag(self) -> str:
@@ -97,14 +98,28 @@ def choose_resume(cfg: Config, num_drafters: int) -> ResumePoint:
         g = asked or num_drafters
         check_global_batch(g, num_drafters, where="config: train.global_batch: ")
         return ResumePoint(None, g, "fresh")
-    saved_d, saved_g, saved_stage, _ = saved_facts(ckpt.read_state(path))
+    state = ckpt.read_state(path)
+    saved_d, saved_g, saved_stage, _ = saved_facts(state)
     if asked and asked != saved_g:
         raise DFlashError(f"checkpoint {path} trains a global batch of {saved_g} micro-batches per step; this run "
                           f"asks train.global_batch = {asked}: a run keeps its global batch (leave it unset "
                           f"to take the checkpoint's, or start a new run with --resume none)")
     check_global_batch(saved_g, num_drafters, where=f"checkpoint {path} ({saved_d} drafter rank(s)): ")
     mode = resume_mode(path, saved_d, saved_stage, num_drafters, run_zero_stage(cfg))
-    return ResumePoint(path, saved_g, mode, saved_d, saved_stage)
+    return ResumePoint(path, saved_g, mode, saved_d, saved_stage, best_so_far(state, cfg.train.output_dir))
+
+
+def best_so_far(state: dict[str, Any], output_dir: str | Path) -> dict | None:
+    """The best val_est_tau a resumed run must beat: the resumed checkpoint's record of it, or the figures of the
+    checkpoint `checkpoints/best` names when higher (a resume from an older checkpoint keeps a later best)."""
+    best = state.get("best")
+    pointed = ckpt.find_best(output_dir)
+    if pointed is not None:
+        there = ckpt.read_state(pointed)
+        value = (there.get("val") or {}).get("val_est_tau")
+        if ckpt.improves(value, best):
+            best = {"step": int(there["step"]), "val_est_tau": float(value)}
+    return best
 
 
 def check_resume_state(state: dict, arch, path: Path) -> None:

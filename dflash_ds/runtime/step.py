@@ -25,6 +25,7 @@ from dflash_ds.components.schedules import noise_std_at
 from dflash_ds.config import Config, LossConfig
 from dflash_ds.data.batching import Cursor
 from dflash_ds.runtime import faults
+from dflash_ds.runtime.evaluate import estimate
 
 if TYPE_CHECKING:
     from dflash_ds.data.stream import BatchStream
@@ -59,6 +60,7 @@ class StepResult(NamedTuple):
     noise: float
     bad: bool  # a micro-batch was dropped, or the gradient norm is not finite
     stopping: bool  # the drafters agreed to stop after this step
+    est: dict | None = None  # walk sums of est_tau on the last micro-batch (runtime/evaluate.py), at a record
 
     @property
     def cursor(self) -> Cursor:
@@ -142,11 +144,16 @@ def step_grad_norm(engine, micro: list[MicroResult], accumulation: int) -> tuple
 
 
 def optimizer_step(engine, source: BatchSource, data: BatchStream, cfg: Config, dtype: torch.dtype, step: int,
-                   drafter: int, stop_requested: Callable[[], bool]) -> StepResult:
-    """This drafter's optimizer step `step`: its A micro-batches from `source`, in the order of the batch stream."""
+                   drafter: int, stop_requested: Callable[[], bool],
+                   records: Callable[[bool], bool] = lambda stopping: False) -> StepResult:
+    """This drafter's optimizer step `step`: its A micro-batches from `source`, in the order of the batch stream.
+
+    `records(stopping)` says whether a metric record follows the step: est_tau is then measured on the
+    last micro-batch (`train.est_tau_rows` of its rows), after the update, before its tensors go back.
+    """
     acc, n_d = data.accumulation, data.num_drafters
     lr, noise = engine.get_lr()[0], noise_at(cfg, step)
-    micro, stopping = [], False
+    micro, stopping, est = [], False, None
     for m in range(acc):
         batch = source.get()
         expected = (step * acc + m) * n_d + drafter
@@ -155,8 +162,10 @@ def optimizer_step(engine, source: BatchSource, data: BatchStream, cfg: Config, 
                                f"got {batch.batch_id}")
         result, stop_now = train_micro(engine, batch, m, cfg, dtype, noise, acc, stop_requested(),
                                        poison=functools.partial(faults.poison_loss, step, m, drafter == 0))
+        stopping = stopping or stop_now
+        if m == acc - 1 and cfg.train.est_tau_rows and records(stopping):  # the same on every drafter
+            est = estimate(engine, batch.tensors, cfg, dtype, rows=cfg.train.est_tau_rows)
         source.release(batch.tensors)  # nothing below reads the batch's tensors
         micro.append(result)
-        stopping = stopping or stop_now
     grad_norm, bad = step_grad_norm(engine, micro, acc)
-    return StepResult(micro, grad_norm, lr, noise, bad, stopping)
+    return StepResult(micro, grad_norm, lr, noise, bad, stopping, est)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from dflash_ds.components.acceptance import WALK_SUMS, walk_metrics
 from dflash_ds.components.loss import metrics_from_sums
 from dflash_ds.runtime.memory import compiled_graphs, peak_memory_bytes, reserved_memory_bytes, reset_peak_memory
 
@@ -33,6 +34,9 @@ LOSS_SUMS = ("valid_positions", "correct", "top4", "top8", "blocks", "streak", "
 # Per-step values summed over steps and drafters (divided by their count when logged).
 STEP_SUMS = ("loss", "steps", "real_tokens", "padded_tokens", "num_seqs", "queue_depth", "tgt_batch_per_s",
              "tgt_forward_s", "grad_norm", "lr", "noise_std")
+# Walk sums (components/acceptance.WALK_SUMS) of est_tau at the record and of the validation split.
+WALK_KINDS = ("est", "val")
+WALK_KEYS = tuple(f"{kind}_{key}" for kind in WALK_KINDS for key in WALK_SUMS)
 
 
 @dataclass
@@ -55,7 +59,7 @@ class MetricWindow:
 
     def clear(self) -> None:
         """Start a new window (the running skipped count is kept)."""
-        self.sums = {k: 0.0 for k in STEP_SUMS + LOSS_SUMS}
+        self.sums = {k: 0.0 for k in STEP_SUMS + LOSS_SUMS + WALK_KEYS}
         self.buckets = [0.0] * self.num_buckets
         self.pos_correct = [0.0] * self.num_positions
         self.pos_valid = [0.0] * self.num_positions
@@ -86,6 +90,11 @@ class MetricWindow:
         s["noise_std"] += noise_std
         self.buckets[int(meta["bucket"])] += 1
 
+    def add_walk(self, kind: str, sums: dict[str, float] | None) -> None:
+        """Walk sums of est_tau ("est", at a record) or of the validation batches ("val"), already on the host."""
+        for key, value in (sums or {}).items():
+            self.sums[f"{kind}_{key}"] += value
+
     def _read_device_sums(self) -> None:
         """Move the window's device statistics into the host sums (once per window: one host read)."""
         if self._device_sums is None:
@@ -101,7 +110,7 @@ class MetricWindow:
         self._read_device_sums()
         peak = [0.0] * self.num_drafters
         peak[self.drafter] = self.peak_mem_bytes  # a sum of one-hot rows = every rank's value
-        return ([self.sums[k] for k in STEP_SUMS + LOSS_SUMS] + [self.skipped_total] + self.buckets
+        return ([self.sums[k] for k in STEP_SUMS + LOSS_SUMS + WALK_KEYS] + [self.skipped_total] + self.buckets
                 + self.pos_correct + self.pos_valid + peak)
 
     def reduce(self, device: torch.device | None = None) -> "WindowTotals":
@@ -110,7 +119,7 @@ class MetricWindow:
         if dist.is_initialized():
             dist.all_reduce(packed)
         v = packed.cpu().tolist()
-        names = STEP_SUMS + LOSS_SUMS
+        names = STEP_SUMS + LOSS_SUMS + WALK_KEYS
         i = len(names)
         nb, k, d = self.num_buckets, self.num_positions, self.num_drafters
         return WindowTotals(sums=dict(zip(names, v[:i])), skipped_total=v[i], buckets=v[i + 1:i + 1 + nb],
@@ -129,6 +138,13 @@ class WindowTotals:
     pos_valid: list[float]
     peak_mem_bytes: list[float]  # per drafter rank
 
+    def walks(self) -> dict[str, float]:
+        """est_tau, est_tau_pooled and, after an evaluation, val_est_tau, val_est_tau_pooled and val_tau."""
+        out = {}
+        for kind in WALK_KINDS:
+            out.update(walk_metrics({k: self.sums[f"{kind}_{k}"] for k in WALK_SUMS}, "val_" if kind == "val" else ""))
+        return out
+
     def record(self, step: int, epoch: int, window_s: float, global_batch: int, num_drafters: int, num_targets: int,
                max_steps: int, sec_per_step: float) -> dict:
         """One metrics.jsonl record (a step trains `global_batch` micro-batches over the drafters)."""
@@ -146,6 +162,9 @@ class WindowTotals:
             # mean sum_v min(p_drafter, p_target) over label positions: only when the loss read the target's
             # distribution (loss.kl_weight > 0, loss.lk or loss.labels = target)
             **({"alpha": m["alpha"]} if "alpha" in m else {}),
+            # greedy decoding walked over the response (components/acceptance.py): est_tau at every record when
+            # train.est_tau_rows > 0, val_* on the validation split at an evaluation step
+            **self.walks(),
             "lr": s["lr"] / n, "noise_std": s["noise_std"] / n, "grad_norm": s["grad_norm"] / n,
             # each header carries its target's own rate: the mean times T is the whole target side's
             "tgt_batch_per_sec": s["tgt_batch_per_s"] / n * num_targets,
@@ -194,10 +213,13 @@ class StepLog:
                                         "loss": r.loss, "skipped": r.skipped,
                                         "target_rank": int(r.meta["target_rank"])}) + "\n")
             self.window.add_step(r.loss, r.sums, r.meta, r.depth, result.grad_norm, result.lr, result.noise)
+        self.window.add_walk("est", result.est)
         self.file.flush()
 
-    def close_window(self, done: int, epoch: int) -> None:
-        """Reduce the window over the drafters (collective); the leader logs it as step `done`; start the next."""
+    def close_window(self, done: int, epoch: int) -> WindowTotals:
+        """Reduce the window over the drafters (collective); the leader logs it as step `done`; start the next.
+
+        Returns the totals, the same on every drafter (what they decide on together, e.g. a best checkpoint)."""
         self.window.peak_mem_bytes = peak_memory_bytes(self.device)
         totals = self.window.reduce()  # host tensors: the role group carries them on GPU too (cpu:gloo)
         now = time.perf_counter()
@@ -212,6 +234,7 @@ class StepLog:
         self.window.clear()
         reset_peak_memory(self.device)
         self.t_last = now
+        return totals
 
     def close(self) -> None:
         """Close the records file and the leader's monitor."""

@@ -53,7 +53,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
         faults.at_step(step)
         # Keep serving after a stop request: the drafters need this step's batches to reach the step
         # at which they all agree to stop; only what lies past that step is dropped.
-        if _past_stop(ctx, watchdog, data, batch_id):
+        if _past_stop(ctx, watchdog, step):
             stopped = True
             break
         t0 = time.perf_counter()
@@ -93,10 +93,13 @@ def _stop_step(ctx: RoleContext, watchdog: Watchdog) -> int | None:
     return None
 
 
-def _past_stop(ctx: RoleContext, watchdog: Watchdog, data: BatchStream, batch_id: int) -> bool:
-    """Whether the batch belongs to a step at or after the agreed stop step (no drafter will take it)."""
+def _past_stop(ctx: RoleContext, watchdog: Watchdog, step: int) -> bool:
+    """Whether a batch of step `step` lies at or after the agreed stop step (no drafter will take it).
+
+    The step comes from the stream's walk: a validation batch's id (negative) names no step.
+    """
     s = _stop_step(ctx, watchdog)
-    return s is not None and data.step_of_batch(batch_id) >= s
+    return s is not None and step >= s
 
 
 def _exit_once_drafters_stopped(ctx: RoleContext, watchdog: Watchdog) -> None:

@@ -344,9 +344,9 @@ def test_bad_config_values_name_the_field(overrides, message):
 
 
 def test_window_record_has_alpha_only_when_measured():
-    from dflash_ds.runtime.step_metrics import LOSS_SUMS, STEP_SUMS, WindowTotals
+    from dflash_ds.runtime.step_metrics import LOSS_SUMS, STEP_SUMS, WALK_KEYS, WindowTotals
 
-    sums = {k: 1.0 for k in STEP_SUMS + LOSS_SUMS}
+    sums = {**{k: 1.0 for k in STEP_SUMS + LOSS_SUMS}, **{k: 0.0 for k in WALK_KEYS}}
     args = (5, 0, 1.0, 1, 1, 1, 10, 0.1)
     with_alpha = WindowTotals({**sums, "alpha": 3.0, "alpha_positions": 4.0}, 0.0, [1.0], [1.0], [1.0], [0.0])
     assert with_alpha.record(*args)["alpha"] == 0.75

@@ -1,0 +1,151 @@
+"""est_tau: the acceptance length greedy decoding would see, walked over the data (docs/DESIGN.md §3).
+
+`tau` (components/loss.metrics_from_sums) is 1 + the mean argmax streak over anchors drawn uniformly
+from the response. Decoding does not visit positions uniformly: after a rejection the next block
+starts right after the position the drafter got wrong, where it tends to be wrong again, so a
+uniform average overstates served acceptance (on the demo: tau 5.12, served 4.25 on its own text).
+
+The convention is the trainer's and `eval/speculative.py`'s. A block anchored at position a holds
+`[x_a, MASK x (B-1)]`, reads the target's features of positions < a, and its position k predicts
+x_{a+k}. Verifying `[x_a, draft]`, the target accepts the longest prefix equal to its own greedy
+choices plus its next token (the bonus): a step yields accepted + 1 tokens and the next block is
+anchored at a + accepted + 1, the bonus token's position. A response (a maximal run of loss-mask
+positions p..e) is decoded from its first token (the prefill's) to its last: blocks at p, then as
+above while the anchor is before e; labels past e are not the response's, so a run stops there.
+
+With teacher-forced context, the target's states of the true tokens, which is what greedy serving
+sees when the data is the target's greedy output (`regenerate`), every block the walk can visit
+is fixed before it runs: one no-grad forward with a block at every response position that has a
+label after it (`walk_anchors`, `accepted_runs`) gives each block's accepted length, and the walk
+is a pointer chase over them on the host (`decode_walk`). Per response, est_tau = tokens / steps;
+`walk_sums` adds what a record needs: per-response means (their mean is eval's `tau`, the headline
+`est_tau`), pooled tokens and steps (`est_tau_pooled`), and the uniform streak over the training's
+own anchor candidates (1 + its mean is `tau` over every anchor instead of a sample).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dflash_ds.components.anchors import block_inputs_and_labels
+from dflash_ds.components.loss import leading_run
+
+WALK_SUMS = ("tokens", "steps", "tau_sum", "responses", "streak", "blocks")
+
+
+def walk_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position a decode walk may anchor at: a response position with a response label after it.
+
+    Returns anchors [R, A] (ascending, padding 0) and valid [R, A], A = the most such positions in a
+    row. One host read (A), as in `sample_anchors`.
+    """
+    r, s = loss_mask.shape
+    pos = torch.arange(s, device=loss_mask.device)
+    on = loss_mask > 0
+    nxt = torch.zeros_like(on)
+    nxt[:, :-1] = on[:, 1:]
+    cand = on & nxt & (pos + 1 < lengths[:, None])
+    picked = torch.where(cand, pos, s).sort(dim=1).values
+    a = max(1, int(cand.sum(1).max().item()))
+    anchors = picked[:, :a]
+    valid = anchors < s
+    return anchors.masked_fill(~valid, 0), valid
+
+
+def target_labels(input_ids: torch.Tensor, last_hidden: torch.Tensor, lm_head, chunk: int) -> torch.Tensor:
+    """[R, S] ids whose position p >= 1 holds the target's greedy choice there, argmax lm_head(h_{p-1}).
+
+    Position 0 keeps x_0 (no block predicts it). `chunk` positions go through the head at once.
+    """
+    r, s, h = last_hidden.shape
+    flat = last_hidden[:, :-1].reshape(-1, h)
+    picks = [lm_head(flat[lo:lo + chunk]).argmax(-1) for lo in range(0, flat.shape[0], chunk)]
+    choice = torch.cat(picks).view(r, s - 1) if picks else input_ids.new_zeros(r, 0)
+    return torch.cat([input_ids[:, :1], choice.to(input_ids.dtype)], dim=1)
+
+
+def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: torch.Tensor, label_ids: torch.Tensor,
+                  loss_mask: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                  chunk_blocks: int) -> torch.Tensor:
+    """Per block, how many leading positions the drafter's argmax gets right: [R, A] long, in one forward.
+
+    Blocks are `[x_a, MASK...]` from input_ids; position k's label is label_ids[a + k] (the data, or
+    the target's choice: `target_labels`), counted while it is a response position inside the row.
+    The LM head runs `chunk_blocks` blocks at a time; no logits are kept. Call under no_grad.
+    """
+    arch = drafter.arch
+    bs = arch.block_size
+    blocks, labels, label_valid = block_inputs_and_labels(input_ids, loss_mask, lengths, anchors, valid, bs,
+                                                          arch.mask_token_id)
+    if label_ids is not input_ids:
+        labels = block_inputs_and_labels(label_ids, loss_mask, lengths, anchors, valid, bs, arch.mask_token_id)[1]
+    hidden = drafter.forward_train(context, embed(blocks).to(context.dtype), anchors)
+    r, a = anchors.shape
+    flat = hidden[:, :, 1:].reshape(r * a, bs - 1, -1)
+    picks = torch.cat([lm_head(flat[lo:lo + chunk_blocks]).argmax(-1) for lo in range(0, r * a, chunk_blocks)])
+    correct = picks.view(r, a, bs - 1) == labels
+    return leading_run(correct, label_valid)
+
+
+def decode_walk(runs: np.ndarray, loss_mask: np.ndarray, length: int) -> list[list[int]]:
+    """Tokens per decode step (accepted + 1) of each response of one row, walked over `runs`.
+
+    runs[a] is the accepted length of the block anchored at a (read only where the walk goes). A
+    response of one token has no decode step and is left out, as eval leaves out a prompt without one.
+    """
+    walks, p = [], 0
+    while p < length:
+        if not loss_mask[p]:
+            p += 1
+            continue
+        e = p
+        while e + 1 < length and loss_mask[e + 1]:
+            e += 1
+        steps, a = [], p
+        while a < e:
+            accepted = min(int(runs[a]), e - a)  # a run never passes the response's end (labels stop there)
+            steps.append(accepted + 1)
+            a += accepted + 1
+        if steps:
+            walks.append(steps)
+        p = e + 1
+    return walks
+
+
+def walk_sums(runs: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor,
+              lengths: torch.Tensor, block_size: int) -> dict[str, float]:
+    """Host sums of a batch's walks (`WALK_SUMS`): tokens, steps, per-response tau and their count, and the
+    uniform streak and block count over the training's anchor candidates (a >= 1, a + B <= length).
+
+    One read of the batch's runs, anchors and masks (a record's worth, not a micro-step's).
+    """
+    runs_h, anchors_h, valid_h = runs.cpu().numpy(), anchors.cpu().numpy(), valid.cpu().numpy()
+    mask_h, lengths_h = loss_mask.cpu().numpy(), lengths.cpu().numpy()
+    out = dict.fromkeys(WALK_SUMS, 0.0)
+    for row in range(runs_h.shape[0]):
+        length = int(lengths_h[row])
+        dense = np.zeros(mask_h.shape[1], dtype=np.int64)
+        at, run = anchors_h[row][valid_h[row]], runs_h[row][valid_h[row]]
+        dense[at] = run
+        for steps in decode_walk(dense, mask_h[row], length):
+            out["tokens"] += sum(steps)
+            out["steps"] += len(steps)
+            out["tau_sum"] += sum(steps) / len(steps)
+            out["responses"] += 1
+        uniform = (at >= 1) & (at + block_size <= length)
+        out["streak"] += float(run[uniform].sum())
+        out["blocks"] += float(uniform.sum())
+    return out
+
+
+def walk_metrics(sums: dict[str, float], prefix: str) -> dict[str, float]:
+    """`{prefix}est_tau` (mean over responses), `{prefix}est_tau_pooled` (all steps together) and, with the
+    uniform counts, `{prefix}tau`; keys without a response to count are left out."""
+    out = {}
+    if sums.get("responses", 0) > 0:
+        out[f"{prefix}est_tau"] = sums["tau_sum"] / sums["responses"]
+        out[f"{prefix}est_tau_pooled"] = sums["tokens"] / sums["steps"]
+    if prefix and sums.get("blocks", 0) > 0:
+        out[f"{prefix}tau"] = 1.0 + sums["streak"] / sums["blocks"]
+    return out

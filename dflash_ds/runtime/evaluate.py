@@ -1,0 +1,97 @@
+"""est_tau on the drafter ranks: at each metric record, and on the validation split at each evaluation.
+
+`estimate` runs components/acceptance on one batch through the DeepSpeed engine (its forward, so
+ZeRO-3 gathers and releases the drafter's weights as in training), no-grad, the drafter in eval
+mode, no noise, after the step's update: nothing of it reaches a gradient. The blocks run
+`loss.max_anchors_per_batch` at a time; under ZeRO-3 every drafter must run the same number of
+forwards, so the drafters agree on the most any of them needs (one small all-reduce) and the
+others run idle ones (a single padding block). It happens only when a record is written
+(`train.log_interval`, an evaluation step, the last step) or on validation batches: the micro-steps
+in between read the device no more than before (tests/test_core/test_host_syncs.py).
+
+`validate` takes this drafter's validation batches of an evaluation step from its batch source,
+where the stream put them (after the step's training micro-steps, data/stream.py), and sums their
+walks over every row.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from dflash_ds.components.acceptance import WALK_SUMS, target_labels, walk_anchors, walk_sums
+from dflash_ds.components.objective import TargetStates
+from dflash_ds.config import Config
+
+if TYPE_CHECKING:
+    from dflash_ds.data.batching import Cursor
+    from dflash_ds.data.stream import BatchStream
+    from dflash_ds.runtime.sources import BatchSource
+
+DEFAULT_MAX_BLOCKS = 2048  # blocks per forward when loss.max_anchors_per_batch is 0 (no cap)
+
+
+def estimate(engine, tensors: dict, cfg: Config, dtype: torch.dtype, rows: int = 0) -> dict[str, float]:
+    """Walk sums (components/acceptance.WALK_SUMS) of a batch's first `rows` rows (0: all of them).
+
+    Collective over the drafters (the forward count); `engine` is the DeepSpeed engine or the bare module.
+    """
+    keep = slice(0, rows or tensors["input_ids"].shape[0])
+    last = tensors.get("last_hidden")
+    states = TargetStates(tensors["input_ids"][keep], tensors["loss_mask"][keep], tensors["lengths"][keep],
+                          tensors["context"][keep].to(dtype), None if last is None else last[keep])
+    module = getattr(engine, "module", engine)
+    was_training = module.training
+    module.eval()  # the drafter has no dropout; eval mode all the same, for anything that would
+    try:
+        with torch.no_grad():
+            anchors, valid = walk_anchors(states.loss_mask, states.lengths)
+            label_ids = states.input_ids
+            if cfg.loss.labels == "target" and states.last_hidden is not None:
+                chunk = cfg.loss.chunk_blocks * (module.drafter.arch.block_size - 1)
+                label_ids = target_labels(states.input_ids, states.last_hidden.to(dtype), module.lm_head, chunk)
+            per = max(1, (cfg.loss.max_anchors_per_batch or DEFAULT_MAX_BLOCKS) // anchors.shape[0])
+            chunks = [slice(lo, lo + per) for lo in range(0, anchors.shape[1], per)]
+            runs = [engine(states, cfg.loss, blocks=(anchors[:, c], valid[:, c], label_ids)) for c in chunks]
+            for _ in range(_agree_forwards(len(chunks)) - len(chunks)):
+                _idle_forward(engine, module, cfg, dtype, states.context.device)
+    finally:
+        module.train(was_training)
+    return walk_sums(torch.cat(runs, dim=1), anchors, valid, states.loss_mask, states.lengths,
+                     module.drafter.arch.block_size)
+
+
+def _agree_forwards(mine: int) -> int:
+    """The most forwards any drafter needs for its batch (one tiny all-reduce; a host tensor, as `step.agree`)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    count = torch.tensor([float(mine)])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count[0])
+
+
+def _idle_forward(engine, module, cfg: Config, dtype: torch.dtype, device: torch.device) -> None:
+    """One forward of a single padding block without context: keeps the drafters' forward counts equal."""
+    arch = module.drafter.arch
+    zeros = torch.zeros((1, 1), dtype=torch.long, device=device)
+    context = torch.zeros((1, 1, len(arch.target_layer_ids) * arch.hidden_size), dtype=dtype, device=device)
+    states = TargetStates(zeros, zeros, torch.ones(1, dtype=torch.long, device=device), context, None)
+    engine(states, cfg.loss, blocks=(zeros, zeros.bool(), zeros))
+
+
+def validate(engine, source: BatchSource, data: BatchStream, cfg: Config, dtype: torch.dtype, step: int,
+             drafter: int, cursor: Cursor) -> dict[str, float]:
+    """Walk sums over this drafter's validation batches of evaluation step `step` (every row of each)."""
+    sums = dict.fromkeys(WALK_SUMS, 0.0)
+    for ms in data.val_steps(step, cursor):
+        batch = source.get()
+        if batch.batch_id != ms.batch_id(drafter):
+            raise RuntimeError(f"drafter {drafter} expected validation batch {ms.batch_id(drafter)} after step "
+                               f"{step}, got {batch.batch_id}")
+        got = estimate(engine, batch.tensors, cfg, dtype)
+        source.release(batch.tensors)
+        for key in WALK_SUMS:
+            sums[key] += got[key]
+    return sums

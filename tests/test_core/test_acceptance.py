@@ -1,0 +1,201 @@
+"""est_tau (components/acceptance.py): greedy decoding walked over the data.
+
+A hand-built prediction table gives a known walk, est_tau and pooled value, where the uniform tau of
+the same table differs; on greedy text of the tiny target a drafter fitted to it gives the same
+per-step accepted lengths as a plain loop over single blocks (`forward_infer`, one block at a time)
+and as real speculative decoding (eval/speculative.py) of the same prompts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_ds.components.acceptance import decode_walk, walk_anchors, walk_metrics, walk_sums
+from dflash_ds.components.loss import leading_run
+
+BS = 4  # block size of the hand-built cases: 3 predicted positions
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def table_case():
+    """One row of 16 tokens: prompt 0-1, response 2-13, then padding (length 14).
+
+    `wrong[a]` lists the block positions k (1..3) the block anchored at a gets wrong. Only the blocks at 2
+    and 12 are weak, and the walk lands on both; a uniform average weighs them 2 in 9 (12 has no whole
+    block inside the row, so training never samples it).
+    """
+    mask = torch.zeros(1, 16, dtype=torch.long)
+    mask[0, 2:14] = 1
+    lengths = torch.tensor([14])
+    wrong = {2: [2], 3: [], 4: [], 5: [], 6: [], 7: [], 8: [], 9: [], 10: [], 11: [3], 12: [2]}
+    return mask, lengths, wrong
+
+
+def test_walk_by_hand_and_uniform_tau_differs() -> None:
+    mask, lengths, wrong = table_case()
+    anchors, valid = walk_anchors(mask, lengths)
+    assert anchors[valid].tolist() == list(range(2, 13))  # response positions with a response label after them
+    correct = torch.ones(1, anchors.shape[1], BS - 1, dtype=torch.bool)
+    for j, a in enumerate(anchors[0].tolist()):
+        for k in wrong.get(a, []):
+            correct[0, j, k - 1] = False
+    label_valid = (anchors[:, :, None] + torch.arange(1, BS)) < 14  # labels inside the response (it ends at 13)
+    runs = leading_run(correct, label_valid & valid[:, :, None])
+    assert runs[0].tolist() == [1, 3, 3, 3, 3, 3, 3, 3, 3, 2, 1]
+    # The walk: anchor 2 accepts 1 (+ bonus) -> 2 tokens, next anchor 4; 4 accepts 3 -> 4 tokens, anchor 8;
+    # 8 accepts 3 -> 4 tokens, anchor 12; 12 accepts 1 (its label 14 is past the response) -> 2 tokens, done.
+    dense = np.zeros(16, dtype=np.int64)
+    dense[2:13] = runs[0].numpy()
+    assert decode_walk(dense, mask[0].numpy(), 14) == [[2, 4, 4, 2]]
+    sums = walk_sums(runs, anchors, valid, mask, lengths, BS)
+    assert sums["tokens"] == 12 and sums["steps"] == 4 and sums["responses"] == 1
+    # Uniform candidates, as training samples them: a >= 1 and a + 4 <= 14, i.e. anchors 2..10.
+    assert sums["blocks"] == 9 and sums["streak"] == 1 + 3 * 8
+    figures = walk_metrics(sums, "val_")
+    assert figures["val_est_tau"] == pytest.approx(3.0) and figures["val_est_tau_pooled"] == pytest.approx(3.0)
+    assert figures["val_tau"] == pytest.approx(1 + 25 / 9)  # 3.78: the uniform average overstates the walk
+
+
+def test_responses_walk_apart_and_est_tau_is_a_mean_over_responses() -> None:
+    """Two assistant turns of one row are two decodes (the user turn between is not decoded); a one-token
+    response has no decode step. est_tau averages per-response means (eval's tau), pooled weighs steps."""
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1, 0]])
+    runs_at = {1: 3, 5: 1}  # a good first turn; every block of the second one misses at once
+    walks = decode_walk(np.array([runs_at.get(i, 0) for i in range(16)]), mask[0].numpy(), 16)
+    assert walks == [[4, 2], [1, 1, 1]]
+    anchors, valid = walk_anchors(mask, torch.tensor([16]))
+    assert anchors[valid].tolist() == [1, 2, 3, 4, 5, 9, 10, 11]
+    runs = torch.tensor([[runs_at.get(a, 0) for a in anchors[0].tolist()]])
+    m = walk_metrics(walk_sums(runs, anchors, valid, mask, torch.tensor([16]), BS), "")
+    assert m["est_tau"] == pytest.approx((6 / 2 + 3 / 3) / 2)  # 2.0: per-response means 3 and 1
+    assert m["est_tau_pooled"] == pytest.approx(9 / 5)
+    assert "tau" not in m  # the training tau of a record comes from the loss statistics, not from here
+
+
+def greedy_rows(target, prompts, new_tokens):
+    """Each prompt plus the target's greedy answer; the answer is the response (loss mask on)."""
+    from dflash_ds.eval.speculative import eos_token_ids, greedy_generate
+
+    rows = []
+    for prompt in prompts:
+        out = greedy_generate(target, prompt, new_tokens, eos_token_ids(target))
+        rows.append((prompt + out, len(prompt)))
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (seq, start) in enumerate(rows):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, start:len(seq)] = 1
+    return ids, mask, torch.tensor([len(seq) for seq, _ in rows])
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_target):
+    """A 1-layer drafter fitted for a few dozen steps to the tiny target's greedy answers to 3 prompts."""
+    from transformers import AutoTokenizer
+
+    from dflash_ds.components.objective import TargetStates
+    from dflash_ds.config import LossConfig
+    from dflash_ds.models.drafter import DFlashDrafter
+    from dflash_ds.models.from_target import drafter_arch_from_target
+    from dflash_ds.models.target import capture_hidden, load_target, target_parts
+    from dflash_ds.runtime.engine import DrafterTrainModule
+    from dflash_ds.tiny.corpus import tiny_prompts
+
+    torch.set_num_threads(1)
+    target = load_target(tiny_target)
+    tok = AutoTokenizer.from_pretrained(str(tiny_target))
+    prompts = [tok(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for r in tiny_prompts(3)]
+    ids, mask, lengths = greedy_rows(target, prompts, 40)
+    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=8)
+    drafter = DFlashDrafter(arch)
+    drafter.init_weights(0)
+    parts = target_parts(target)
+    module = DrafterTrainModule(drafter, parts.embed, parts.head)
+    attn = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    context, last = capture_hidden(target, ids, attn, arch.target_layer_ids)
+    states = TargetStates(ids, mask, lengths, context, last)
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for step in range(60):
+        terms, _ = module(states, LossConfig(num_anchors=64, gamma=4.0), step, 0.0, 0)
+        opt.zero_grad()
+        terms.loss.backward()
+        opt.step()
+    return target, module.eval(), prompts, states
+
+
+def single_block_walks(module, states):
+    """The reference: each response decoded by a plain loop, one block through `forward_infer` at a time."""
+    drafter, bs = module.drafter, module.drafter.arch.block_size
+    walks = []
+    with torch.no_grad():
+        for row in range(states.input_ids.shape[0]):
+            ids = states.input_ids[row]
+            on = states.loss_mask[row].nonzero().view(-1).tolist()
+            p, e = on[0], on[-1]
+            steps, a = [], p
+            while a < e:
+                block = torch.full((1, bs), drafter.arch.mask_token_id)
+                block[0, 0] = ids[a]
+                hidden = drafter.forward_infer(states.context[row:row + 1, :a], module.embed(block), a)
+                guess = module.lm_head(hidden[0, 1:]).argmax(-1).tolist()
+                accepted = 0
+                while accepted < bs - 1 and a + accepted + 1 <= e and guess[accepted] == int(ids[a + accepted + 1]):
+                    accepted += 1
+                steps.append(accepted + 1)
+                a += accepted + 1
+            walks.append(steps)
+    return walks
+
+
+def test_est_tau_of_a_real_drafter_equals_single_blocks_and_speculative_decoding(fitted) -> None:
+    from dflash_ds.config import Config
+    from dflash_ds.eval.speculative import eos_token_ids, speculative_generate, summarize
+    from dflash_ds.runtime.evaluate import estimate
+
+    target, module, prompts, states = fitted
+    reference = single_block_walks(module, states)
+    assert max(max(w) for w in reference) >= 3  # the fitted drafter gets whole runs right: a real test
+    cfg = Config()
+    cfg.loss.max_anchors_per_batch = 16  # 3 rows x 5 anchors per forward: several forwards per batch
+    tensors = {"input_ids": states.input_ids, "loss_mask": states.loss_mask, "lengths": states.lengths,
+               "context": states.context, "last_hidden": states.last_hidden}
+    sums = estimate(module, tensors, cfg, torch.float32)
+    per_row = [sum(w) / len(w) for w in reference]
+    assert sums["responses"] == 3 and sums["steps"] == sum(len(w) for w in reference)
+    assert sums["tokens"] == sum(sum(w) for w in reference)
+    assert sums["tau_sum"] == pytest.approx(sum(per_row))
+    assert estimate(module, tensors, cfg, torch.float32, rows=1)["tau_sum"] == pytest.approx(per_row[0])
+    # Served: the same drafter decoding the same prompts against the target. Every step but the last matches
+    # (the walk stops at the response's end; decoding counts the last step's acceptance in full).
+    served = [speculative_generate(target, p, drafter=module.drafter, max_new_tokens=40,
+                                   eos_ids=eos_token_ids(target)) for p in prompts]
+    for out, walk in zip(served, reference):
+        assert out.accept_lengths[:-1] == walk[:-1] and out.accept_lengths[-1] >= walk[-1]
+    served_tau = summarize(served, 8)["tau"]
+    print(f"est_tau {sum(per_row) / 3:.3f}, served tau {served_tau:.3f}")
+    assert abs(sum(per_row) / 3 - served_tau) < 0.5
+
+
+def test_est_tau_with_target_labels_reads_the_targets_choices(fitted) -> None:
+    """loss.labels = target: the labels are argmax lm_head(final hidden) one position back; on the target's own
+    greedy text they are the data, so est_tau is the same."""
+    from dflash_ds.config import Config
+    from dflash_ds.runtime.evaluate import estimate
+
+    _, module, _, states = fitted
+    tensors = {"input_ids": states.input_ids, "loss_mask": states.loss_mask, "lengths": states.lengths,
+               "context": states.context, "last_hidden": states.last_hidden}
+    data_cfg, target_cfg = Config(), Config()
+    target_cfg.loss.labels = "target"
+    assert estimate(module, tensors, target_cfg, torch.float32) == estimate(module, tensors, data_cfg, torch.float32)
