@@ -82,8 +82,9 @@ def bench_config(args: argparse.Namespace) -> Config:
         overrides.setdefault("topology", {})["num_target_ranks"] = args.num_target_ranks
     train = overrides.setdefault("train", {})
     # The first log window of (c) is exactly the warm-up; no checkpoint but the final one.
+    # No acceptance walk at the records: its extra forward is not training throughput.
     train.update({"max_steps": args.steps, "log_interval": args.warmup_steps, "save_interval": 10**9,
-                  "resume": "none", "stop_at": 0, "timeout_s": args.timeout_s})
+                  "resume": "none", "stop_at": 0, "timeout_s": args.timeout_s, "est_tau_rows": 0})
     overrides.setdefault("wandb", {})["enabled"] = False
     return load_config(args.config, overrides)
 
