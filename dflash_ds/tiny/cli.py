@@ -1,4 +1,4 @@
-"""`dflash-ds make-tiny-target`: write a tiny seeded target (Qwen3, or `--family NAME`) and its tokenizer."""
+"""`dflash-ds make-tiny-target`: write a tiny seeded target (Qwen3, `--family NAME`, or the trained `--quality`)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-std", type=float, default=None,
                         help=f"std of the random weights (default {d['init_std']}; larger = peakier distributions)")
     parser.add_argument("--force", action="store_true", help="overwrite files in a non-empty --out folder")
+    parser.add_argument("--quality", action="store_true",
+                        help="train the quality target instead of a random init: a qwen3 whose answers copy, repeat "
+                             "or swap words of the prompt, so drafting needs the target's context (docs/QUALITY.md); "
+                             "takes --layers, --hidden, --vocab-size, --seed and --steps")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="with --quality: training steps (default 300, about 25 s on 2 CPU cores)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +48,11 @@ def run(args: argparse.Namespace) -> int:
     from dflash_ds.models.target import read_target_config
 
     given = {k: getattr(args, k) for k in QWEN3_SHAPE if getattr(args, k) is not None}
-    if args.family == "qwen3":
+    if args.steps is not None and not args.quality:
+        raise DFlashError("--steps applies to --quality only")
+    if args.quality:
+        out = _quality(args, given)
+    elif args.family == "qwen3":
         out = make_tiny_target(args.out, **{**QWEN3_SHAPE, **given}, vocab_size=args.vocab_size, seed=args.seed,
                                force=args.force)
     elif given:
@@ -55,12 +65,26 @@ def run(args: argparse.Namespace) -> int:
 
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         n_params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
-    print(f"tiny target ({args.family}): {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+    kind = "quality" if args.quality else args.family
+    print(f"tiny target ({kind}): {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
           f"vocab {config['vocab_size']}, {n_params:,} parameters")
     for path in sorted(out.iterdir()):
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
         print(f"  wrote {path} ({path.stat().st_size:,} bytes, sha256 {digest})")
     return 0
+
+
+def _quality(args: argparse.Namespace, given: dict):
+    from dflash_ds.tiny.quality import make_quality_target
+
+    if args.family != "qwen3":
+        raise DFlashError("--quality builds a qwen3 target; drop --family")
+    other = [k for k in given if k not in ("layers", "hidden")]
+    if other:
+        flag = other[0].replace("_", "-")
+        raise DFlashError(f"--{flag} does not apply to --quality (it takes --layers and --hidden)")
+    return make_quality_target(args.out, **given, vocab_size=args.vocab_size, seed=args.seed, force=args.force,
+                               **({"steps": args.steps} if args.steps is not None else {}), log_every=100)
 
 
 def _prod(shape: list[int]) -> int:

@@ -59,3 +59,46 @@ def test_refuses_non_empty_dir(tmp_path: Path) -> None:
     (tmp_path / "keep.txt").write_text("x")
     with pytest.raises(DFlashError, match="not empty"):
         make_tiny_target(tmp_path, layers=1)
+
+
+def test_quality_tasks_are_functions_of_the_prompt(tiny_target: Path) -> None:
+    from dflash_ds.tiny.quality import WORDS, quality_conversations, quality_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    # One token per word, leading space included: an answer's positions line up with the prompt's words.
+    assert all(len(tok.tokenize(" " + w)) == 1 for w in WORDS) and len(set(WORDS)) == len(WORDS)
+    rows = quality_conversations(30, seed=3)
+    assert rows == quality_conversations(30, seed=3) and rows != quality_conversations(30, seed=4)
+    assert [r["messages"][:1] for r in rows] == [r["messages"] for r in quality_prompts(30, seed=3)]
+    for row in rows:
+        task, words = row["messages"][0]["content"].split(":")
+        words, answer = words.split(), row["messages"][1]["content"].split()
+        assert answer[0] == "=" and len(set(words)) == len(words) == 12
+        swapped = [w for i in range(0, 12, 2) for w in (words[i + 1], words[i])]
+        want = {"copy": words, "twice": words + words, "swap": swapped}
+        assert answer[1:] == want[task]
+
+
+def test_quality_target_is_deterministic(tmp_path: Path) -> None:
+    from dflash_ds.tiny.quality import make_quality_target
+
+    # A few steps suffice for the bytes; the trained target itself is tested in tests/test_eval/test_quality_target.py.
+    a = make_quality_target(tmp_path / "a", steps=3, batch=4)
+    b = make_quality_target(tmp_path / "b", steps=3, batch=4)
+    c = make_quality_target(tmp_path / "c", steps=3, batch=4, seed=1)
+    assert _digests(a) == _digests(b)
+    assert _digests(a)["model.safetensors"] != _digests(c)["model.safetensors"]
+    assert _digests(a)["tokenizer.json"] == _digests(c)["tokenizer.json"]
+    assert AutoModelForCausalLM.from_pretrained(a).config.model_type == "qwen3"
+
+
+def test_make_tiny_target_quality_flag(tmp_path: Path, capsys) -> None:
+    from dflash_ds.cli import main
+
+    assert main(["make-tiny-target", "--out", str(tmp_path / "q"), "--quality", "--steps", "2", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny target (quality): 2 layers, hidden 128, vocab 512" in out and "quality target step 1" in out
+    assert main(["make-tiny-target", "--out", str(tmp_path / "x"), "--steps", "2"]) == 2
+    assert "--steps applies to --quality only" in capsys.readouterr().err
+    assert main(["make-tiny-target", "--out", str(tmp_path / "y"), "--quality", "--heads", "2"]) == 2
+    assert "--heads does not apply to --quality" in capsys.readouterr().err

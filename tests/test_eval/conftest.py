@@ -41,3 +41,28 @@ def random_drafter(tiny_target, tmp_path_factory):
     from dflash_ds.tools.init_drafter import init_drafter
 
     return init_drafter(tiny_target, tmp_path_factory.mktemp("eval") / "drafter", num_layers=2, block_size=BS).eval()
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(tiny_target, target, tmp_path_factory):
+    """40 AdamW steps of the real objective on the target's own greedy answers to 8 other prompts."""
+    from transformers import AutoTokenizer
+
+    from dflash_ds.eval.speculative import eos_token_ids, greedy_generate
+    from dflash_ds.tiny.context_check import AblationConfig, encode_prompts, train_drafter
+    from dflash_ds.tiny.corpus import tiny_prompts
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(str(tiny_target))
+    train = encode_prompts(tok, tiny_prompts(8, seed=5))  # other prompts than the evaluated ones
+    seqs = [(p, greedy_generate(target, p, 48, eos_token_ids(target))) for p in train]
+    cfg = AblationConfig(steps=40, batch=8, num_anchors=16, num_layers=2, block_size=BS, seed=1)
+    return train_drafter(target, tiny_target, seqs, cfg, tmp_path_factory.mktemp("eval") / "trained")
+
+
+@pytest.fixture(scope="session")
+def quality_target(tmp_path_factory):
+    """The quality target (tiny/quality.py) at its defaults, trained once per session (~25 s on 2 cores)."""
+    from dflash_ds.tiny.quality import make_quality_target
+
+    return make_quality_target(tmp_path_factory.mktemp("quality_target"))

@@ -14,47 +14,6 @@ from dflash_ds.eval.speculative import (SpecOutput, _accept_sampled, eos_token_i
 BS = 8  # drafter block size, as the random_drafter fixture (conftest.py)
 
 
-@pytest.fixture(scope="module")
-def trained_drafter(tiny_target, target, tmp_path_factory):
-    """40 AdamW steps of the real objective on the target's own greedy answers (tau > 1 afterwards)."""
-    from transformers import AutoTokenizer
-
-    from dflash_ds.components.objective import TargetStates, drafter_objective
-    from dflash_ds.config import LossConfig
-    from dflash_ds.tools.init_drafter import init_drafter
-    from dflash_ds.models.target import capture_hidden
-    from dflash_ds.tiny.corpus import tiny_prompts
-
-    torch.set_num_threads(1)
-    drafter = init_drafter(tiny_target, tmp_path_factory.mktemp("eval") / "trained", num_layers=2, block_size=BS,
-                           seed=1)
-    tok = AutoTokenizer.from_pretrained(str(tiny_target))
-    eos = eos_token_ids(target)
-    seqs = []
-    for row in tiny_prompts(8, seed=5):  # other prompts than the evaluated ones
-        ids = tok(tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False),
-                  add_special_tokens=False)["input_ids"]
-        seqs.append((ids, greedy_generate(target, ids, 48, eos)))
-    length = max(len(a) + len(b) for a, b in seqs)
-    ids = torch.zeros(len(seqs), length, dtype=torch.long)
-    loss_mask = torch.zeros_like(ids)
-    for i, (a, b) in enumerate(seqs):
-        ids[i, : len(a) + len(b)] = torch.tensor(a + b)
-        loss_mask[i, len(a): len(a) + len(b)] = 1
-    context, last = capture_hidden(target, ids, None, drafter.arch.target_layer_ids)
-    states = TargetStates(ids, loss_mask, torch.tensor([len(a) + len(b) for a, b in seqs]), context, last)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, betas=(0.9, 0.95))
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    drafter.train()
-    for step in range(40):
-        terms, _ = drafter_objective(drafter, embed, head, states, LossConfig(num_anchors=16),
-                                     anchor_gen=torch.Generator().manual_seed(step))
-        opt.zero_grad()
-        terms.loss.backward()
-        opt.step()
-    return drafter.eval()
-
-
 def oracle(sequence: list[int], correct: int = BS - 1, vocab: int = 512):
     """A draft_fn proposing `sequence` (prompt + greedy continuation): right for `correct` positions, then wrong."""
     def draft(_ctx, _block, start: int) -> torch.Tensor:
@@ -82,7 +41,10 @@ def test_lossless_trained_drafter(target, prompts, trained_drafter):
         assert out.tokens == greedy
         outs.append(out)
     # The trained drafter gets draft tokens accepted, so partial blocks and the drafter cache are exercised.
-    assert summarize(outs, BS)["tau"] > 1.0
+    # Measured: tau 2.39 (per-prompt mean), 1.37 pooled; a random drafter gets 1.0. Most of it is one prompt
+    # whose answer loops: the tiny target's text is that repetitive (the quality target is not, test_quality_target).
+    s = summarize(outs, BS)
+    assert s["tau"] >= 2.0 and s["tau_pooled"] >= 1.25, s
 
 
 def test_oracle_drafter_accepts_whole_blocks(target, prompts):
