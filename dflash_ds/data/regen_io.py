@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dflash_ds.data import formats
+from dflash_ds.data.chat import check_special_tokens
 from dflash_ds.errors import DFlashError
 
 
@@ -117,3 +118,53 @@ def merge_shards(data: str | Path, out: Path, limit: int | None) -> int:
         src.unlink(missing_ok=True)
     print(f"regenerate: merged {len(order)} rows from {len(sources) - 1} shards -> {out}")
     return len(order)
+
+
+def open_outputs(out: str | Path, rank: int, world: int) -> tuple[Path, Path, set[str]]:
+    """OUT, this rank's file (OUT, or OUT.rank{r} under torchrun) and the ids an earlier run finished.
+
+    Rows in OUT and in any shard left by an earlier (killed, maybe other-sized) torchrun job count as done.
+    Each file is repaired only by its owner (OUT by rank 0); the barrier keeps everyone from appending
+    before all ranks have read the old outputs.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shard = out if world == 1 else out.with_name(f"{out.name}.rank{rank}")
+    done = set(read_done(out, repair=rank == 0))
+    for path in shard_files(out):
+        done |= set(read_done(path, repair=path == shard))
+    if world > 1:
+        barrier()
+    return out, shard, done
+
+
+def rows_to_generate(data: str | Path, limit: int | None, rank: int, world: int, specials, done: set[str],
+                     stats: dict[str, int]) -> Iterator[tuple[int, int, str, list[dict]]]:
+    """This rank's rows still to generate: `(index, line, id, messages)`; counts rows, bad and done ones in `stats`.
+
+    A bad row (unparsable, a duplicate id, a literal special token in its text) is printed with its file:line
+    and skipped; every rank tracks all ids, so a duplicate is reported the same way at any world size.
+    """
+    seen: set[str] = set()
+    for index, line, rid, messages in iter_rows(data, limit):
+        duplicate = rid is not None and rid in seen
+        if rid is not None:
+            seen.add(rid)
+        if index % world != rank:
+            continue
+        stats["rows"] += 1
+        if duplicate:
+            messages = formats.RowError(formats.DUPLICATE_ID, f"id {rid!r} seen before")
+        elif not isinstance(messages, formats.RowError):
+            try:  # a literal control token in a prompt would be encoded as the real token
+                check_special_tokens(specials, messages)
+            except formats.RowError as err:
+                messages = err
+        if isinstance(messages, formats.RowError):
+            stats["bad"] += 1
+            print(f"regenerate: skipped {data}:{line}: {messages.reason}: {messages.detail}")
+            continue
+        if rid in done:
+            stats["skipped_done"] += 1
+            continue
+        yield index, line, rid, messages

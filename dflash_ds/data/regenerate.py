@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ds.data import formats
-from dflash_ds.data.chat import check_special_tokens, special_token_pattern
-from dflash_ds.data.regen_io import barrier, iter_rows, merge_shards, next_turn, read_done, shard_files
+from dflash_ds.data.chat import special_token_pattern
+from dflash_ds.data.regen_io import barrier, merge_shards, next_turn, open_outputs, rows_to_generate, shard_files
 from dflash_ds.data.token_ids import prompt_ids
 from dflash_ds.errors import DFlashError
 
@@ -123,20 +123,9 @@ def regenerate(target: str | Path, data: str | Path, out: str | Path, batch_size
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
     formats.file_kind(data)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    shard = out if world == 1 else out.with_name(f"{out.name}.rank{rank}")
-    # Skip rows in OUT and in any shard left by an earlier (killed, maybe other-sized) torchrun job.
-    # Each file is repaired only by its owner (OUT by rank 0); the barrier below keeps everyone from
-    # appending before all ranks have read the old outputs.
-    done = set(read_done(out, repair=rank == 0))
-    for path in shard_files(out):
-        done |= set(read_done(path, repair=path == shard))
-    if world > 1:
-        barrier()
+    out, shard, done = open_outputs(out, rank, world)
     gen = Generator(target, max_new_tokens, temperature, top_p, seed + rank)
     stats = {"rows": 0, "skipped_done": 0, "bad": 0, "written": 0}
-    seen: set[str] = set()
     t0 = time.perf_counter()
 
     with open(shard, "a", encoding="utf-8") as sink, tqdm(desc=f"regenerate[rank {rank}]", unit="row",
@@ -152,28 +141,7 @@ def regenerate(target: str | Path, data: str | Path, out: str | Path, batch_size
             bar.update(len(batch))
 
         batch: list[tuple[str, int, list]] = []
-        for index, line, rid, messages in iter_rows(data, limit):
-            # Every rank tracks all ids, so a duplicate is reported the same way at any world size.
-            duplicate = rid is not None and rid in seen
-            if rid is not None:
-                seen.add(rid)
-            if index % world != rank:
-                continue
-            stats["rows"] += 1
-            if duplicate:
-                messages = formats.RowError(formats.DUPLICATE_ID, f"id {rid!r} seen before")
-            elif not isinstance(messages, formats.RowError):
-                try:  # a literal control token in a prompt would be encoded as the real token
-                    check_special_tokens(gen.special_re, messages)
-                except formats.RowError as err:
-                    messages = err
-            if isinstance(messages, formats.RowError):
-                stats["bad"] += 1
-                print(f"regenerate: skipped {data}:{line}: {messages.reason}: {messages.detail}")
-                continue
-            if rid in done:
-                stats["skipped_done"] += 1
-                continue
+        for _, line, rid, messages in rows_to_generate(data, limit, rank, world, gen.special_re, done, stats):
             batch.append((rid, line, messages))
             if len(batch) == batch_size:
                 flush(batch)

@@ -32,8 +32,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from dflash_ds.data import formats
-from dflash_ds.data.chat import check_special_tokens, load_tokenizer, special_token_pattern
-from dflash_ds.data.regen_io import barrier, iter_rows, merge_shards, next_turn, read_done, shard_files
+from dflash_ds.data.chat import load_tokenizer, special_token_pattern
+from dflash_ds.data.regen_io import barrier, merge_shards, next_turn, open_outputs, rows_to_generate
 from dflash_ds.data.token_ids import prompt_ids
 from dflash_ds.errors import DFlashError
 from dflash_ds.serving.client import OpenAIClient, ServerError
@@ -99,14 +99,7 @@ def regenerate_served(client: OpenAIClient, target: str | Path, data: str | Path
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
     formats.file_kind(data)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    shard = out if world == 1 else out.with_name(f"{out.name}.rank{rank}")
-    done = set(read_done(out, repair=rank == 0))
-    for path in shard_files(out):
-        done |= set(read_done(path, repair=path == shard))
-    if world > 1:
-        barrier()
+    out, shard, done = open_outputs(out, rank, world)
     if api not in ("completions", "chat"):
         raise DFlashError(f"--api {api!r}: must be completions or chat")
     tok = load_tokenizer(str(target))
@@ -155,28 +148,7 @@ def regenerate_served(client: OpenAIClient, target: str | Path, data: str | Path
                               flush=True)
             os.fsync(sink.fileno())
 
-        seen: set[str] = set()
-        for index, line, rid, messages in iter_rows(data, limit):
-            duplicate = rid is not None and rid in seen  # tracked on every rank, as the HF path does
-            if rid is not None:
-                seen.add(rid)
-            if index % world != rank:
-                continue
-            stats["rows"] += 1
-            if duplicate:
-                messages = formats.RowError(formats.DUPLICATE_ID, f"id {rid!r} seen before")
-            elif not isinstance(messages, formats.RowError):
-                try:
-                    check_special_tokens(special_re, messages)
-                except formats.RowError as err:
-                    messages = err
-            if isinstance(messages, formats.RowError):
-                stats["bad"] += 1
-                print(f"regenerate: skipped {data}:{line}: {messages.reason}: {messages.detail}")
-                continue
-            if rid in done:
-                stats["skipped_done"] += 1
-                continue
+        for index, line, rid, messages in rows_to_generate(data, limit, rank, world, special_re, done, stats):
             if server_gone:
                 stats["not_attempted"] += 1
                 continue
