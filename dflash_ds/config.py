@@ -209,6 +209,10 @@ class TopologyConfig:
     """Target ranks in the whole job (the last ranks: drafters take the first), unless targets_per_node is set."""
     targets_per_node: int = 0
     """If > 0: the last N local ranks of every node are targets, each node's targets feeding only its drafters."""
+    target_parallel: int = 1
+    """Ranks that hold one copy of the target between them (tensor parallel, transformers' tp_plan): consecutive
+    target ranks on one node form a replica, its first rank sends the hidden states. 1 = every target rank holds
+    the whole target. Pick it with `dflash-ds plan` (docs/MEMORY.md "Targets larger than one GPU")."""
     colocate: bool = False
     """Every rank loads the frozen target and trains the drafter (target forward, then the drafter step, on the
     same GPU; all ranks in the ZeRO group, no bridge). One GPU works. num_target_ranks and targets_per_node are
@@ -309,6 +313,7 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("train.eval_batches", "must be >= 0 (0 = the whole split)", lambda v: v >= 0),
     ("topology.num_target_ranks", "must be >= 1", lambda v: v >= 1),
     ("topology.targets_per_node", "must be >= 0", lambda v: v >= 0),
+    ("topology.target_parallel", "must be >= 1", lambda v: v >= 1),
 ]
 
 
@@ -338,6 +343,10 @@ def validate(cfg: Config) -> Config:
     if t.colocate and t.targets_per_node:
         raise DFlashError(f"config: topology.colocate = true runs the target on every rank: topology.targets_per_node "
                           f"= {t.targets_per_node} cannot be combined with it")
+    if t.colocate and t.target_parallel > 1:
+        raise DFlashError(f"config: topology.target_parallel = {t.target_parallel} shards the target over target ranks; "
+                          "colocated mode (topology.colocate = true) loads the whole target on every rank and cannot "
+                          "shard it: use target ranks (--num-target-ranks) for a target larger than one GPU")
     if t.colocate_overlap and not t.colocate:
         raise DFlashError("config: topology.colocate_overlap = true needs topology.colocate = true (--colocate)")
     return cfg

@@ -30,6 +30,8 @@ FLAGS = [
     ("--gamma", "loss.gamma", float, "position decay gamma of the loss"),
     ("--num-target-ranks", "topology.num_target_ranks", int, "ranks that run the target (the last ones)"),
     ("--targets-per-node", "topology.targets_per_node", int, "per-node layout: the last N local ranks are targets, each feeding the drafters of its own node"),
+    ("--target-parallel", "topology.target_parallel", int, "ranks that hold one copy of the target between them "
+     "(tensor parallel on one node; `dflash-ds plan` picks it): for a target larger than one GPU"),
     ("--wandb-project", "wandb.project", str, "W&B project"),
     ("--wandb-run-name", "wandb.run_name", str, "W&B run name"),
 ]

@@ -30,6 +30,9 @@ class Layout:
     ranks_per_node: int | None = None
     # Colocated: no target ranks; every rank (a drafter here) also runs the frozen target on its own batches.
     colocated: bool = False
+    # Ranks per target replica (topology.target_parallel): consecutive target ranks hold one copy of the target
+    # between them, on one node; the first of each replica (its leader) sends the batches. 1: every target rank.
+    target_parallel: int = 1
     _index: dict[int, tuple[Role, int]] = field(init=False, repr=False, compare=False)
     _local: dict[int, tuple[list[int], int, int]] | None = field(init=False, repr=False, compare=False)
 
@@ -49,6 +52,14 @@ class Layout:
             )
         self.target_ranks = sorted(self.target_ranks)
         self.drafter_ranks = sorted(self.drafter_ranks)
+        k = self.target_parallel
+        if k < 1 or len(self.target_ranks) % k:
+            raise DFlashError(f"topology.target_parallel {k} does not divide the {len(self.target_ranks)} target "
+                              f"ranks {self.target_ranks}: every replica needs exactly {k} ranks")
+        for replica in self.replicas:
+            if replica != list(range(replica[0], replica[0] + k)):
+                raise DFlashError(f"target replica {replica} (topology.target_parallel {k}) is not {k} consecutive "
+                                  f"ranks")
         self._index = {r: (TARGET, i) for i, r in enumerate(self.target_ranks)}
         self._index.update({r: (DRAFTER, i) for i, r in enumerate(self.drafter_ranks)})
         self._local = self._node_routes() if self.ranks_per_node else None
@@ -59,8 +70,8 @@ class Layout:
         assert g
         targets_on: dict[int, list[int]] = {}
         drafters_on: dict[int, list[int]] = {}
-        for i, r in enumerate(self.target_ranks):
-            targets_on.setdefault(r // g, []).append(i)
+        for i, leader in enumerate(self.senders):
+            targets_on.setdefault(leader // g, []).append(i)
         for d, r in enumerate(self.drafter_ranks):
             drafters_on.setdefault(r // g, []).append(d)
         if any(node not in targets_on for node in drafters_on):
@@ -72,8 +83,24 @@ class Layout:
         """Whether every drafter is fed only by the targets of its own node."""
         return self._local is not None
 
+    @property
+    def replicas(self) -> list[list[int]]:
+        """Global ranks of each target replica (topology.target_parallel consecutive target ranks), in order."""
+        k = self.target_parallel
+        return [self.target_ranks[i:i + k] for i in range(0, len(self.target_ranks), k)]
+
+    @property
+    def senders(self) -> list[int]:
+        """The rank of each replica that sends its batches over the bridge (its first); all target ranks when k = 1."""
+        return self.target_ranks[::self.target_parallel]
+
+    def replica_of(self, rank: int) -> tuple[int, int]:
+        """(replica index, position in the replica) of a target rank."""
+        i = self.target_ranks.index(rank)
+        return i // self.target_parallel, i % self.target_parallel
+
     def route(self, step: int, drafter_idx: int) -> int:
-        """Index of the target that computes drafter `drafter_idx`'s batch of micro-step `step`.
+        """Index of the target (replica) that computes drafter `drafter_idx`'s batch of micro-step `step`.
 
         Global layout: global batch g = step * D + d goes to target g mod T, which keeps the T
         targets within one batch of each other over any prefix of the stream, for any T:D.
@@ -91,8 +118,8 @@ class Layout:
         return targets[(step * n_local + pos) % len(targets)]
 
     def target_rank_for(self, step: int, drafter_idx: int) -> int:
-        """Global rank of the target that computes drafter `drafter_idx`'s batch of micro-step `step` (`route`)."""
-        return self.target_ranks[self.route(step, drafter_idx)]
+        """Global rank that sends drafter `drafter_idx`'s batch of micro-step `step` (`route`; a replica's leader)."""
+        return self.senders[self.route(step, drafter_idx)]
 
     def drafter_rank_for(self, batch_id: int) -> int:
         """Global rank of the drafter that trains global batch `batch_id` (batch u * D + d of micro-step u: drafter d)."""
@@ -100,8 +127,8 @@ class Layout:
 
     @property
     def num_targets(self) -> int:
-        """Number of target ranks (T)."""
-        return len(self.target_ranks)
+        """Number of targets (T): target replicas, each of topology.target_parallel ranks (1: target ranks)."""
+        return len(self.target_ranks) // self.target_parallel
 
     @property
     def num_drafters(self) -> int:
@@ -129,7 +156,9 @@ class Layout:
         if self.colocated:
             return (f"{self.world_size} colocated rank(s): each runs the target forward and trains the drafter "
                     f"(ranks {self.drafter_ranks})")
-        return (f"{self.world_size} ranks: targets {self.target_ranks}, "
+        targets = (f"targets {self.target_ranks}" if self.target_parallel == 1 else
+                   f"{self.num_targets} target replica(s) of {self.target_parallel} ranks {self.replicas}")
+        return (f"{self.world_size} ranks: {targets}, "
                 f"drafters {self.drafter_ranks}" + ("; routed within each node" if self.node_local else ""))
 
     def _lookup(self, rank: int) -> tuple[Role, int]:
@@ -143,6 +172,7 @@ def make_layout(
     num_target_ranks: int | None,
     nproc_per_node: int | None = None,
     targets_per_node: int | None = None,
+    target_parallel: int = 1,
 ) -> Layout:
     """Drafters first, targets last: the last T ranks (global layout) or the last k local ranks of every node."""
     if world_size < 2:
@@ -185,4 +215,12 @@ def make_layout(
         targets = [(n + 1) * nproc_per_node - k + i for n in range(nodes) for i in range(k)]
     is_target = set(targets)
     drafters = [r for r in range(world_size) if r not in is_target]
-    return Layout(world_size, targets, drafters, ranks_per_node=nproc_per_node if targets_per_node else None)
+    layout = Layout(world_size, targets, drafters, ranks_per_node=nproc_per_node if targets_per_node else None,
+                    target_parallel=target_parallel)
+    if nproc_per_node:  # a replica's tensor-parallel collectives stay on one node
+        for replica in layout.replicas:
+            if replica[0] // nproc_per_node != replica[-1] // nproc_per_node:
+                raise DFlashError(f"target replica {replica} (topology.target_parallel {target_parallel}) spans two "
+                                  f"nodes of {nproc_per_node} ranks: choose the target ranks so that each node holds "
+                                  f"whole replicas")
+    return layout

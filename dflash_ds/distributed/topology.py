@@ -65,6 +65,11 @@ class RoleContext:
     device: torch.device
     backend: str
     timeout_s: float
+    # Target ranks of a sharded replica (topology.target_parallel k > 1): which replica, and this rank's place in
+    # it. The replica is then this rank's default process group (k ranks): transformers' tensor parallelism
+    # shards the target over it. With k = 1 all target ranks share one group, as before.
+    replica: int | None = None
+    replica_rank: int = 0
     abort_bridge: bool = False  # receives are still posted at exit: abort the bridge, do not shut it down
     bridge_timeout_s: float = 1800.0  # transfers between targets and drafters (train.bridge_timeout_s)
 
@@ -100,6 +105,10 @@ def init_role_groups(
     role = layout.role_of(rank)
     role_rank = layout.local_rank_in_role(rank)
     role_ranks = layout.ranks_of(role)
+    group_prefix, replica, replica_rank = f"dflash/{role}", None, 0
+    if role == TARGET and layout.target_parallel > 1:
+        replica, replica_rank = layout.replica_of(rank)
+        role_ranks, group_prefix = layout.replicas[replica], f"dflash/{role}/replica{replica}"
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -115,8 +124,9 @@ def init_role_groups(
     me = store.get(f"dflash/host/{rank}")
     local_size = sum(store.get(f"dflash/host/{r}") == me for r in role_ranks)
 
+    group_rank = role_ranks.index(rank)
     os.environ.update({
-        "RANK": str(role_rank),
+        "RANK": str(group_rank),
         "WORLD_SIZE": str(len(role_ranks)),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port + ROLE_PORT_OFFSET[role]),
@@ -133,14 +143,15 @@ def init_role_groups(
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(ROLE_BACKENDS[backend], store=dist.PrefixStore(f"dflash/{role}", store),
-                            rank=role_rank, world_size=len(role_ranks), timeout=timeout)
+    dist.init_process_group(ROLE_BACKENDS[backend], store=dist.PrefixStore(group_prefix, store),
+                            rank=group_rank, world_size=len(role_ranks), timeout=timeout)
     # A colocated job has nothing to carry between ranks but the ZeRO group's collectives.
     bridge_timeout = datetime.timedelta(seconds=bridge_timeout_s or timeout_s)
     bridge = None if layout.colocated else make_bridge(BRIDGE_BACKENDS[backend], dist.PrefixStore("dflash/bridge", store),
                                                         rank, layout.world_size, bridge_timeout)
-    return RoleContext(layout, rank, role, role_rank, len(role_ranks), bridge, store, device, backend,
-                       timeout_s, bridge_timeout_s=bridge_timeout_s or timeout_s)
+    return RoleContext(layout, rank, role, role_rank, len(layout.ranks_of(role)), bridge, store, device, backend,
+                       timeout_s, replica=replica, replica_rank=replica_rank,
+                       bridge_timeout_s=bridge_timeout_s or timeout_s)
 
 
 def warm_up_bridge(ctx: RoleContext, timeout_s: float) -> float:

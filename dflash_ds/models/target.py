@@ -52,13 +52,19 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flas
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                attn_implementation: str = "auto") -> nn.Module:
+                attn_implementation: str = "auto", tp_size: int = 1) -> nn.Module:
     """Load the target causal LM straight onto `device` in `dtype`, frozen and in eval mode.
 
     `device_map` places each tensor on the rank's device as it is read from the safetensors: no
     rank stages the whole model in host RAM first (a Qwen3.6-27B is 54 GB in bf16: eight colocated
     ranks staging it would need 432 GB of host memory). `attn_implementation` ("auto": transformers'
     choice, sdpa on most models) selects the attention kernels; `describe_target` says which run.
+
+    `tp_size` > 1: this rank holds 1/tp_size of the target, sharded over the default process group (which
+    must have tp_size ranks: a replica's group, distributed/topology.py) by the model's own tensor-parallel
+    plan (transformers' `DistributedConfig(tp_size)`: attention heads and MLP columns/rows split, MoE experts'
+    matrices split, not replicated). Each rank reads only its slices from the safetensors. Every rank of the
+    replica must run every forward; each gets the whole (all-reduced) hidden states.
     """
     from transformers import AutoModelForCausalLM
 
@@ -67,10 +73,16 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
         raise DFlashError(f"target attention implementation {attn_implementation!r}: expected one of "
                           f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
     extra = {} if attn_implementation == "auto" else {"attn_implementation": attn_implementation}
+    if tp_size > 1:
+        extra["distributed_config"] = _tensor_parallel_config(path, tp_size)
+    else:
+        extra["device_map"] = torch.device(device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=torch.device(device),
-                                                     local_files_only=True, **extra)
-    except (ImportError, ValueError) as exc:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, **extra)
+    except (ImportError, ValueError, AssertionError, RuntimeError) as exc:
+        if tp_size > 1 and not isinstance(exc, ImportError):
+            raise DFlashError(f"target {path}: cannot shard it over {tp_size} ranks with transformers' tensor "
+                              f"parallelism ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
         if attn_implementation == "auto" or attn_implementation not in str(exc):
             raise
         raise DFlashError(f"target {path}: attention implementation {attn_implementation} is not available "
@@ -80,6 +92,24 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def _tensor_parallel_config(path: str | Path, tp_size: int):
+    """transformers' DistributedConfig for `tp_size` ranks, after the checks that give a clear error first."""
+    import torch.distributed as dist
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    if not dist.is_initialized() or dist.get_world_size() != tp_size:
+        have = dist.get_world_size() if dist.is_initialized() else "no"
+        raise DFlashError(f"target {path}: sharding over {tp_size} ranks needs a default process group of {tp_size} "
+                          f"ranks (a target replica's), found {have}")
+    cfg = read_target_config(path)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = cfg.get(key)
+        if isinstance(heads, int) and heads % tp_size:
+            raise DFlashError(f"{Path(path) / 'config.json'}: {key} = {heads} is not divisible by "
+                              f"topology.target_parallel {tp_size}: tensor parallelism splits whole heads")
+    return DistributedConfig(tp_size=tp_size)
 
 
 # Kernels of the Gated DeltaNet (linear-attention) layers of Qwen3.5/3.6 and Qwen3-Next: without them

@@ -50,9 +50,13 @@ def last_step(cfg: Config) -> int:
 
 
 def load_run_target(cfg: Config, dtype: torch.dtype, device: torch.device, rank: int) -> torch.nn.Module:
-    """The frozen target on this rank's device, with the configured attention kernels; logs what runs."""
+    """The frozen target on this rank's device (its shard of it with topology.target_parallel > 1), with the
+    configured attention kernels; logs what runs."""
     from dflash_ds.models.target import describe_target, load_target
 
-    target = load_target(cfg.target, dtype=dtype, device=device, attn_implementation=cfg.train.target_attention)
-    print(f"[dflash-ds] rank {rank}: {describe_target(target)}", flush=True)
+    k = cfg.topology.target_parallel
+    target = load_target(cfg.target, dtype=dtype, device=device, attn_implementation=cfg.train.target_attention,
+                         tp_size=k)
+    shard = f" (tensor-parallel shard of {k})" if k > 1 else ""
+    print(f"[dflash-ds] rank {rank}: {describe_target(target)}{shard}", flush=True)
     return target

@@ -25,7 +25,8 @@ def job_layout(cfg: Config, world_size: int, local_world_size: int | None) -> La
         return Layout(world_size, [], list(range(world_size)), colocated=True)
     per_node = cfg.topology.targets_per_node or None
     return make_layout(world_size, None if per_node else cfg.topology.num_target_ranks,
-                       nproc_per_node=local_world_size, targets_per_node=per_node)
+                       nproc_per_node=local_world_size, targets_per_node=per_node,
+                       target_parallel=cfg.topology.target_parallel)
 
 
 def validate_job(cfg: Config, world_size: int, local_world_size: int | None) -> Layout:
@@ -86,6 +87,9 @@ def run_job(cfg: Config) -> int:
         ctx.bridge = audit.install(ctx.bridge, ctx.device)
 
     def describe(rank: int) -> str:
+        if layout.target_parallel > 1 and rank in layout.target_ranks:
+            replica, pos = layout.replica_of(rank)
+            return f"rank {rank} (target replica {replica}, its rank {pos} of {layout.target_parallel})"
         return f"rank {rank} ({layout.role_name(rank)} {layout.local_rank_in_role(rank)})"
 
     watchdog = Watchdog(ctx.store, env.rank, layout.world_size, describe, cfg.train.heartbeat_timeout_s,
@@ -95,7 +99,7 @@ def run_job(cfg: Config) -> int:
         if ctx.bridge is not None:  # every target-drafter pair connected now, under the start-up timeout
             took = warm_up_bridge(ctx, cfg.train.startup_timeout_s)
             if env.rank == 0:
-                print(f"[dflash-ds] bridge: {layout.num_targets * layout.num_drafters} target-drafter pair(s) "
+                print(f"[dflash-ds] bridge: {len(layout.target_ranks) * layout.num_drafters} target-drafter pair(s) "
                       f"connected in {took:.1f}s", flush=True)
         if ctx.is_target:
             from dflash_ds.runtime.target_worker import run_target

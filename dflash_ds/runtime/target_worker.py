@@ -4,6 +4,11 @@ A loader thread keeps the next batches read and padded; the main thread runs the
 builds each batch's payload in a pooled send buffer (the selected layers are concatenated
 straight into it) and posts its send (header + payload) without waiting, so batch i+1 is
 computed while batch i is on the wire (the sender keeps at most `depth` batches in flight).
+
+A sharded target (topology.target_parallel k > 1): the k ranks of a replica walk the same batches (those
+routed to the replica), run every forward together (transformers' tensor parallelism all-reduces inside
+it, so each gets the whole hidden states), and only the replica's first rank sends: the drafters see one
+target per replica, as with k = 1.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
     kl = cfg.loss.needs_last_hidden  # KL, LK or target labels: send the final hidden state
     watchdog.tick_hooks.append(functools.partial(_exit_once_drafters_stopped, ctx, watchdog))
     sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.bridge_timeout_s, device=ctx.device)
+    sends = ctx.replica_rank == 0  # a replica's other ranks compute with it and send nothing
     served, t_start = 0, time.perf_counter()
     routed: deque[tuple[int, int]] = deque()  # (step, global batch id) of each batch the loader was handed
     loader = PrefetchLoader(data.dataset, _my_batches(ctx, data, start_step, cursor, last_step(cfg), routed),
@@ -57,6 +63,9 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
             stopped = True
             break
         t0 = time.perf_counter()
+        if not sends:
+            capture_batch(target, batch, arch.target_layer_ids, kl, ctx.device, place=_discard)
+            continue
         into_send_buffer = functools.partial(build_payload, sender, payload_specs(batch.spec, arch, dtype, kl))
         tensors = capture_batch(target, batch, arch.target_layer_ids, kl, ctx.device, place=into_send_buffer)
         fwd = time.perf_counter() - t0
@@ -77,12 +86,17 @@ def _my_batches(ctx: RoleContext, data: BatchStream, start_step: int, cursor: Cu
 
     Each one's (step, global batch id) goes into `routed` first: the main thread pops them in the same order.
     """
-    layout, t_idx = ctx.layout, ctx.role_rank
+    layout = ctx.layout
+    t_idx = ctx.role_rank if ctx.replica is None else ctx.replica  # which target of the router this rank serves
     for ms in data.micro_steps(start_step, cursor, stop_step):
         for d, spec in enumerate(ms.specs):
             if layout.route(ms.index, d) == t_idx:
                 routed.append((ms.step, ms.batch_id(d)))
                 yield ms.after, spec
+
+
+def _discard(*_payload) -> None:
+    """A replica's non-sending rank: the hidden states it computed are its leader's to send."""
 
 
 def _stop_step(ctx: RoleContext, watchdog: Watchdog) -> int | None:

@@ -50,14 +50,14 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], bool]] = {
 }
 
 
-def family_config(family: str, vocab_size: int, special: dict[str, int | None]):
-    """The transformers config of a tiny `family` model with this vocabulary and these special token ids."""
+def family_config(family: str, vocab_size: int, special: dict[str, int | None], text_overrides: dict | None = None):
+    """The transformers config of a tiny `family` model with this vocabulary, these special token ids and overrides."""
     import transformers
 
     if family not in FAMILIES:
         raise DFlashError(f"unknown target family {family!r} (known: {', '.join(FAMILIES)})")
     config_cls, _, overrides, wrapper = FAMILIES[family]
-    text = {**_BASE, **overrides, "vocab_size": vocab_size, **special}
+    text = {**_BASE, **overrides, **(text_overrides or {}), "vocab_size": vocab_size, **special}
     text = {k: v for k, v in text.items() if v is not None}  # None = let the family pick its default
     cls = getattr(transformers, config_cls)
     if wrapper:
@@ -67,8 +67,12 @@ def family_config(family: str, vocab_size: int, special: dict[str, int | None]):
 
 
 def make_tiny_family(out_dir: str | Path, family: str, vocab_size: int = 512, seed: int = 0,
-                     force: bool = False) -> Path:
-    """Write a seeded random `family` model (fp32 safetensors) and the chat-template tokenizer; return the path."""
+                     force: bool = False, text_overrides: dict | None = None) -> Path:
+    """Write a seeded random `family` model (fp32 safetensors) and the chat-template tokenizer; return the path.
+
+    `text_overrides` change the text config's toy shape (e.g. {"num_key_value_heads": 2}: tensor parallelism
+    over 2 ranks needs a head count it divides).
+    """
     import torch
     import transformers
 
@@ -78,6 +82,6 @@ def make_tiny_family(out_dir: str | Path, family: str, vocab_size: int = 512, se
     out = prepare_out_dir(out_dir, force)
     tokenizer = build_tokenizer(vocab_size)
     special = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    config = family_config(family, max(vocab_size, len(tokenizer)), special)
+    config = family_config(family, max(vocab_size, len(tokenizer)), special, text_overrides)
     torch.manual_seed(seed)
     return save_tiny(getattr(transformers, FAMILIES[family][1])(config), tokenizer, out)

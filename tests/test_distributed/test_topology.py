@@ -90,6 +90,44 @@ def test_colocated_layout_every_rank_a_drafter_one_rank_enough() -> None:
         Layout(2, [], [0, 1])
 
 
+def test_target_replicas_route_like_targets_and_send_from_their_first_rank() -> None:
+    """topology.target_parallel k: consecutive target ranks form a replica; the router sees one target a replica."""
+    lay = make_layout(6, 4, target_parallel=2)
+    assert (lay.target_ranks, lay.replicas, lay.senders, lay.num_targets) == ([2, 3, 4, 5], [[2, 3], [4, 5]], [2, 4], 2)
+    assert [lay.replica_of(r) for r in (2, 3, 4, 5)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # Global batch g = step * D + d goes to replica g mod 2, sent by its first rank.
+    assert [lay.target_rank_for(step, d) for step in range(2) for d in range(2)] == [2, 4, 2, 4]
+    assert "2 target replica(s) of 2 ranks [[2, 3], [4, 5]]" in lay.describe()
+    assert make_layout(6, 4) == Layout(6, [2, 3, 4, 5], [0, 1])  # k = 1: every target rank sends, as before
+    per_node = make_layout(8, None, nproc_per_node=4, targets_per_node=2, target_parallel=2)
+    assert per_node.replicas == [[2, 3], [6, 7]] and per_node.node_local
+    assert [per_node.target_rank_for(0, d) for d in range(4)] == [2, 2, 6, 6]  # each node's drafters, its replica
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=4, num_target_ranks=3, target_parallel=2),
+     "topology.target_parallel 2 does not divide the 3 target ranks [1, 2, 3]"),
+    (dict(world_size=6, num_target_ranks=4, nproc_per_node=3, target_parallel=2),
+     "target replica [2, 3] (topology.target_parallel 2) spans two nodes of 3 ranks"),
+    (dict(world_size=8, num_target_ranks=None, nproc_per_node=4, targets_per_node=1, target_parallel=2),
+     "target replica [3, 7] (topology.target_parallel 2) is not 2 consecutive ranks"),
+])
+def test_replica_errors_name_the_ranks(kwargs: dict, message: str) -> None:
+    with pytest.raises(DFlashError) as info:
+        make_layout(**kwargs)
+    assert message in str(info.value)
+
+
+def test_colocated_with_a_sharded_target_is_one_clear_error() -> None:
+    from dflash_ds.train import config_from_args
+
+    with pytest.raises(DFlashError, match="colocated mode .* cannot shard it: use target ranks"):
+        config_from_args(["--colocate", "--target-parallel", "2"])
+    assert config_from_args(["--target-parallel", "2"]).topology.target_parallel == 2
+    with pytest.raises(DFlashError, match="topology.target_parallel"):
+        config_from_args(["--target-parallel", "0"])
+
+
 def test_read_launch_env_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)

@@ -1,0 +1,50 @@
+"""Under torchrun: load TARGET sharded over the world (tensor parallel) and compare its capture with the whole.
+
+argv: target folder, output JSON. Rank 0 writes the largest differences (the selected layers' outputs and the
+final hidden state against an unsharded load on the same batch), and every rank its local parameter count.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dflash_ds.models.target import capture_hidden, load_target
+
+
+def local_numel(model) -> int:
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+
+
+def main() -> None:
+    path, out = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    sharded = load_target(path, tp_size=world)
+    ids = torch.randint(5, 500, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 30:] = 0  # a padded row, as batches have
+    layers = [0, 1, 3]
+    ctx, last = capture_hidden(sharded, ids, mask, layers)
+    counts = [None] * world
+    dist.all_gather_object(counts, local_numel(sharded))
+    if dist.get_rank() == 0:
+        whole = load_target(path)
+        ref_ctx, ref_last = capture_hidden(whole, ids, mask, layers)
+        keep = mask.bool()
+        json.dump({"context": (ctx - ref_ctx)[keep].abs().max().item(),
+                   "last_hidden": (last - ref_last)[keep].abs().max().item(),
+                   "scale": ref_ctx[keep].abs().max().item(),
+                   "plain_tensors": type(ctx) is torch.Tensor and type(last) is torch.Tensor,
+                   "local_params": counts, "whole_params": local_numel(whole),
+                   "expert_shapes": {n: [list(p.shape), list((p.to_local() if hasattr(p, "to_local") else p).shape)]
+                                     for n, p in sharded.named_parameters() if "layers.0.mlp.experts" in n}},
+                  open(out, "w"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
