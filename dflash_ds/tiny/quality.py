@@ -1,7 +1,7 @@
 """The quality target: a tiny Qwen3 trained briefly on text whose next tokens depend on the context.
 
 The random-init tiny target (tiny/target.py) repeats itself, so a drafter gets most of its acceptance
-from the anchor token alone. Here every answer copies, repeats or swaps the 12 words that the prompt drew at
+from the anchor token alone. Here every answer copies, repeats or swaps the 16 words that the prompt drew at
 random from `WORDS`: past its `=`, an answer token is a function of the prompt, not of the token before it,
 so a drafter can only predict it by reading the target's hidden states (docs/QUALITY.md).
 The same arguments always give the same weights on the same machine and thread count.
@@ -21,7 +21,10 @@ WORDS = ("met near help car said old every dinner before day night right now tod
 TASKS = ("copy", "twice", "swap")
 
 
-def quality_conversation(rng: random.Random, num_words: int = 12) -> list[dict]:
+NUM_WORDS = 16  # copy and swap answers: 1 + 16 tokens + end of turn, above prepare's 2 x block 8 loss tokens
+
+
+def quality_conversation(rng: random.Random, num_words: int = NUM_WORDS) -> list[dict]:
     """One user/assistant exchange of a random task: the answer is a function of the words in the prompt."""
     task = rng.choice(TASKS)
     words = rng.sample(WORDS, num_words)  # distinct: a word names its place

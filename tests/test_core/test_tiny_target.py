@@ -62,7 +62,7 @@ def test_refuses_non_empty_dir(tmp_path: Path) -> None:
 
 
 def test_quality_tasks_are_functions_of_the_prompt(tiny_target: Path) -> None:
-    from dflash_ds.tiny.quality import WORDS, quality_conversations, quality_prompts
+    from dflash_ds.tiny.quality import NUM_WORDS, WORDS, quality_conversations, quality_prompts
 
     tok = AutoTokenizer.from_pretrained(tiny_target)
     # One token per word, leading space included: an answer's positions line up with the prompt's words.
@@ -73,8 +73,8 @@ def test_quality_tasks_are_functions_of_the_prompt(tiny_target: Path) -> None:
     for row in rows:
         task, words = row["messages"][0]["content"].split(":")
         words, answer = words.split(), row["messages"][1]["content"].split()
-        assert answer[0] == "=" and len(set(words)) == len(words) == 12
-        swapped = [w for i in range(0, 12, 2) for w in (words[i + 1], words[i])]
+        assert answer[0] == "=" and len(set(words)) == len(words) == NUM_WORDS == 16
+        swapped = [w for i in range(0, NUM_WORDS, 2) for w in (words[i + 1], words[i])]
         want = {"copy": words, "twice": words + words, "swap": swapped}
         assert answer[1:] == want[task]
 
