@@ -38,6 +38,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "train K recipes over seeds on the same data and evaluate each export on held-out prompts: tau per recipe "
         "with its spread",
     ),
+    "target-load": (
+        "dflash_ds.bench.target_load",
+        "per rank of a target replica (under torchrun: k ranks): peak resident memory while loading its shard, "
+        "the parameters it holds, load and forward time",
+    ),
     "zero": (
         "dflash_ds.bench.zero",
         "per-rank parameter, gradient and optimizer bytes, peak memory and step time for ZeRO 0/1/2/3",

@@ -71,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-params-b", type=float, default=None,
                         help="target parameters in billions; weight bytes = this x 1e9 x --dtype-bytes "
                              "(default: the size of --target's safetensors)")
+    parser.add_argument("--target-weight-gb", type=float, default=None,
+                        help="the target's weight bytes in GB as stored (a quantized checkpoint: e.g. 595 for an INT4 "
+                             "1 T model); overrides --target-params-b and --target's safetensors size")
+    parser.add_argument("--target-parallel", type=int, default=None, metavar="K",
+                        help="ranks that hold one copy of the target (topology.target_parallel); default: the smallest "
+                             "power of two whose 1/K of the weights + --headroom-gb fits --gpu-memory-gb")
     parser.add_argument("--drafter-memory-gb", type=float, default=None,
                         help="drafter training memory per GPU in GB, as `dflash-ds bench memory` measures it (its "
                              "total also counts the embedding + LM head and eight pooled payloads: an upper bound here); "
@@ -99,8 +105,11 @@ def wire_bytes(hidden: int, layers_read: int, dtype_bytes: int, vocab: int, id_b
             "logits_over_last_hidden": logits / (hidden * dtype_bytes)}
 
 
-def best_split(gpus: int, nodes: int, a: float, b: float) -> dict[str, Any]:
-    """Targets per node maximising min(T a, D b); ties go to the split with less idle capacity."""
+def best_split(gpus: int, nodes: int, a: float, b: float, k: int = 1) -> dict[str, Any]:
+    """Targets per node maximising min(T a, D b); ties go to the split with less idle capacity.
+
+    With target replicas of k ranks (topology.target_parallel), target ranks come k at a time and T counts
+    replicas: a is then the tokens/s of one replica."""
     if nodes < 1 or gpus % nodes:
         raise DFlashError(f"--gpus {gpus} is not a multiple of --nodes {nodes}")
     per_node = gpus // nodes
@@ -108,12 +117,19 @@ def best_split(gpus: int, nodes: int, a: float, b: float) -> dict[str, Any]:
         raise DFlashError(f"{per_node} GPU(s) per node cannot hold a target and a drafter: need at least 2")
     if a <= 0 or b <= 0:
         raise DFlashError("target and drafter tokens/s must be > 0")
+    if k >= per_node and nodes < 2:
+        raise DFlashError(f"a target replica of {k} ranks leaves no drafter GPU on a node of {per_node}")
     options = []
-    for t in range(1, per_node):
-        tt, dd = t * nodes, (per_node - t) * nodes
-        options.append({"targets_per_node": t, "target_ranks": tt, "drafter_ranks": dd, "target_tok_per_s": tt * a,
-                        "drafter_tok_per_s": dd * b, "tok_per_s": min(tt * a, dd * b),
-                        "bottleneck": "target" if tt * a < dd * b else "drafter"})
+    # A replica as large as a node: whole nodes of targets, the drafters on the others (a global layout, so the
+    # hidden states cross nodes); otherwise every node splits alike.
+    whole_nodes = k >= per_node
+    for t in (range(1, nodes) if whole_nodes else range(k, per_node, k)):
+        tt, dd = (t * per_node, (nodes - t) * per_node) if whole_nodes else (t * nodes, (per_node - t) * nodes)
+        reps = tt // k
+        options.append({"targets_per_node": None if whole_nodes else t, "target_nodes": t if whole_nodes else None,
+                        "target_ranks": tt, "replicas": reps, "drafter_ranks": dd,
+                        "target_tok_per_s": reps * a, "drafter_tok_per_s": dd * b, "tok_per_s": min(reps * a, dd * b),
+                        "bottleneck": "target" if reps * a < dd * b else "drafter"})
     best = max(options, key=lambda o: (o["tok_per_s"], -abs(o["target_tok_per_s"] - o["drafter_tok_per_s"])))
     return {"best": best, "options": options}
 
@@ -155,7 +171,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         raise DFlashError("--hidden, --vocab, layer counts, --dtype-bytes and --token-budget must be >= 1")
     wire = wire_bytes(hidden, k, args.dtype_bytes, vocab, args.id_bytes, not args.no_last_hidden)
     a, b, rate_source, measured = _rates(args)
-    out: dict[str, Any] = {"model": {"hidden": hidden, "vocab": vocab, "layers_read": k, "dtype_bytes": args.dtype_bytes,
+    tp = _target_parallel(args)
+    k_tp = tp["k"] if tp else (args.target_parallel or 1)
+    out: dict[str, Any] = {"target_parallel": tp, "model": {"hidden": hidden, "vocab": vocab, "layers_read": k, "dtype_bytes": args.dtype_bytes,
                                      "source": source},
                            "wire_bytes_per_token": wire, "gpus": args.gpus, "nodes": args.nodes, "split": None}
     per_node = args.gpus // args.nodes
@@ -163,19 +181,22 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
                            "target_ranks": None, "drafter_ranks": None,
                            "reason": None if per_node >= 2 else
                            f"{per_node} GPU per node cannot hold a target and a drafter rank: need at least 2"}
-    if a is not None and per_node >= 2:
-        split = best_split(args.gpus, args.nodes, a, b)
+    if 1 < k_tp and per_node >= 2 and k_tp >= per_node and args.nodes < 2:
+        dis.update(possible=False, reason=f"a target replica of {k_tp} ranks leaves no drafter GPU on a node of "
+                                          f"{per_node}")
+    if a is not None and dis["possible"]:
+        split = best_split(args.gpus, args.nodes, a, b, k_tp)
         best = split["best"]
         tok = best["tok_per_s"]
         out["split"] = {**split, "rate_source": rate_source, "target_tok_per_s_per_rank": a,
                         "drafter_tok_per_s_per_rank": b}
         out["links"] = {
             "per_drafter_in_bytes_per_s": wire["total"] * tok / best["drafter_ranks"],
-            "per_target_out_bytes_per_s": wire["total"] * tok / best["target_ranks"],
+            "per_target_out_bytes_per_s": wire["total"] * tok / best["replicas"],  # a replica's first rank sends
             "total_bytes_per_s": wire["total"] * tok,
             # With more than one node the split is per node (--targets-per-node), and a per-node layout
             # routes every drafter's batches to the targets of its own node (Layout.route).
-            "cross_node_fraction": 0.0,
+            "cross_node_fraction": 1.0 if best["target_nodes"] else 0.0,
         }
         dis.update(tok_per_s=tok, tok_per_s_per_gpu=tok / args.gpus, target_ranks=best["target_ranks"],
                    drafter_ranks=best["drafter_ranks"])
@@ -186,6 +207,19 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     out["colocated"]["rates"] = {"a": a, "b": b, "source": rate_source if a is not None else None}
     out["choice"] = choose(out)
     return out
+
+
+def _target_parallel(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The replica size for the target's weights (None when they are unknown and no --target-parallel is given)."""
+    from dflash_ds.plan.colocated import target_weight_bytes
+    from dflash_ds.plan.sharding import target_parallel_choice
+
+    weights, source = target_weight_bytes(args)
+    if weights is None:
+        return None
+    tp = target_parallel_choice(weights, args.gpu_memory_gb * 1e9, args.headroom_gb * 1e9, args.gpus // args.nodes,
+                                args.target_parallel)
+    return {**tp, "weight_source": source}
 
 
 def _gb(x: float) -> str:
@@ -224,29 +258,38 @@ def _split_lines(p: dict[str, Any]) -> list[str]:
     if s is None:
         return ["split: give --target-tok-per-s and --drafter-tok-per-s (or --from-bench) to size it"]
     best, links = s["best"], p["links"]
+    k = (p.get("target_parallel") or {}).get("k", 1)
+    per = "target rank" if k == 1 else f"target replica of {k} ranks"
     lines = [f"split of {p['gpus']} GPUs on {p['nodes']} node(s), a = {s['target_tok_per_s_per_rank']:,.0f} tok/s per "
-             f"target rank, b = {s['drafter_tok_per_s_per_rank']:,.0f} per drafter rank ({s['rate_source']}):",
-             "  targets/node  T  D  T*a tok/s  D*b tok/s  min tok/s  bound by"]
+             f"{per}, b = {s['drafter_tok_per_s_per_rank']:,.0f} per drafter rank ({s['rate_source']}):",
+             "  targets/node  T  D  T*a tok/s  D*b tok/s  min tok/s  bound by"
+             + ("" if k == 1 else f"   (T: replicas of {k} ranks)")]
     for o in s["options"]:
         mark = " <-" if o is best else ""
-        lines.append(f"  {o['targets_per_node']:>12} {o['target_ranks']:>2} {o['drafter_ranks']:>2} "
+        where = f"{o['target_nodes']} node(s)" if o["target_nodes"] else o["targets_per_node"]
+        lines.append(f"  {where:>12} {o['replicas']:>2} {o['drafter_ranks']:>2} "
                      f"{o['target_tok_per_s']:>10,.0f} {o['drafter_tok_per_s']:>10,.0f} {o['tok_per_s']:>10,.0f}  "
                      f"{o['bottleneck']}{mark}")
     lines += [f"link bandwidth at the best split's rate ({w['total']:,} B/token):",
               f"  into each drafter   {w['total']:,} x {best['tok_per_s']:,.0f} / {best['drafter_ranks']} = "
               f"{_gb(links['per_drafter_in_bytes_per_s'])}",
-              f"  out of each target  {w['total']:,} x {best['tok_per_s']:,.0f} / {best['target_ranks']} = "
+              f"  out of each target  {w['total']:,} x {best['tok_per_s']:,.0f} / {best['replicas']} = "
               f"{_gb(links['per_target_out_bytes_per_s'])}",
               f"  whole job           {_gb(links['total_bytes_per_s'])}"]
     if p["nodes"] > 1:
-        lines.append(f"  {links['cross_node_fraction']:.0%} of it crosses nodes: with --targets-per-node every drafter is "
-                     "fed by the targets of its own node")
+        lines.append(f"  {links['cross_node_fraction']:.0%} of it crosses nodes: " + (
+            "a replica fills whole nodes, the drafters run on the others" if links["cross_node_fraction"] else
+            "with --targets-per-node every drafter is fed by the targets of its own node"))
     return lines
 
 
 def report(p: dict[str, Any]) -> str:
     """The recommendation as text, arithmetic shown."""
-    return "\n".join(_wire_lines(p) + _split_lines(p) + colocated_lines(p) + choice_lines(p))
+    from dflash_ds.plan.sharding import sharding_lines
+
+    tp = p["target_parallel"]
+    return "\n".join((sharding_lines(tp, tp["weight_source"]) if tp else []) + _wire_lines(p) + _split_lines(p)
+                     + colocated_lines(p) + choice_lines(p))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,6 +30,8 @@ def colocated_rate(a: float, b: float) -> float:
 
 def target_weight_bytes(args: argparse.Namespace) -> tuple[float | None, str]:
     """The target's weight bytes and where they came from (None: unknown)."""
+    if getattr(args, "target_weight_gb", None) is not None:
+        return args.target_weight_gb * GB, f"--target-weight-gb {args.target_weight_gb:g}"
     if args.target_params_b is not None:
         return (args.target_params_b * 1e9 * args.dtype_bytes,
                 f"--target-params-b {args.target_params_b:g} x 1e9 x {args.dtype_bytes} B")
@@ -135,8 +137,8 @@ def choose(p: dict[str, Any]) -> dict[str, Any]:
                        f"headroom {gb['headroom_bytes']} = {gb['total_bytes']} > {gb['gpu_bytes']}")
     if not dis["possible"]:
         if why_not_col:
-            raise DFlashError(f"{p['gpus'] // p['nodes']} GPU per node cannot hold a target and a drafter rank, and "
-                              f"{why_not_col}: add GPUs, or lower the drafter's memory (--token-budget, ZeRO-3)")
+            raise DFlashError(f"disaggregated is impossible ({dis['reason']}), and {why_not_col}: add GPUs or "
+                              f"nodes, or lower the drafter's memory (--token-budget, ZeRO-3)")
         return {"mode": "colocated", "reason": "the only mode with 1 GPU per node" + _unchecked(mem)}
     if why_not_col:
         return {"mode": "disaggregated", "reason": why_not_col}
@@ -153,8 +155,10 @@ def choose(p: dict[str, Any]) -> dict[str, Any]:
 
 def split_flag(p: dict[str, Any]) -> str:
     best = p["split"]["best"]
-    return (f"--num-target-ranks {best['target_ranks']}" if p["nodes"] == 1
+    flag = (f"--num-target-ranks {best['target_ranks']}" if p["nodes"] == 1 or best.get("target_nodes")
             else f"--targets-per-node {best['targets_per_node']}")
+    tp = p.get("target_parallel") or {}
+    return flag + (f" --target-parallel {tp['k']}" if tp.get("k", 1) > 1 else "")
 
 
 def _num(x: float | None, fmt: str = "8.2f", scale: float = GB) -> str:

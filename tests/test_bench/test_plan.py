@@ -210,3 +210,50 @@ def test_text_report_shows_the_colocated_arithmetic(capsys) -> None:
     assert f"16.40 + {drafter / GB:.2f} + 8.00 = {(24.4e9 + drafter) / GB:.2f} GB <= 80 GB: fits" in out
     assert "colocated 22,400 tok/s (5,600 per GPU) vs disaggregated 21,000 tok/s (5,250 per GPU, 1 target + 3 drafter)" in out
     assert out.rstrip().endswith("recommended: --colocate on 4 GPU(s), expected 22,400 tok/s: colocated is 6.7% faster")
+
+
+@pytest.mark.parametrize("gpu_gb, k, per_rank, left, split", [(80, 4, 61.0, 11.0, (4, 1, 4, 3000)),
+                                                             (141, 2, 122.0, 11.0, (4, 2, 4, 4000))])
+def test_qwen35_122b_a10b_replica_size(capsys, gpu_gb, k, per_rank, left, split) -> None:
+    """Qwen3.5-122B-A10B in bf16: 122e9 x 2 B = 244 GB. On 80 GB GPUs: 244/2 + 8 = 130 > 80, 244/4 + 8 = 69 <= 80
+    -> k = 4, 4 drafter GPUs. On 141 GB: 244/1 + 8 > 141, 244/2 + 8 = 130 <= 141 -> k = 2, 6 drafters."""
+    p = plan_json(capsys, "--gpus", "8", "--target-params-b", "122", "--gpu-memory-gb", str(gpu_gb),
+                  "--hidden", "3072", "--vocab", "248320", "--target-tok-per-s", "3000", "--drafter-tok-per-s", "1000")
+    tp = p["target_parallel"]
+    assert tp["weight_bytes"] == 244e9 and tp["k"] == k and tp["source"] == "smallest k that fits"
+    assert tp["weights_per_rank"] == pytest.approx(per_rank * 1e9) and tp["left_per_rank"] == pytest.approx(left * 1e9)
+    assert [r["fits"] for r in tp["rows"]] == [r["k"] >= k for r in tp["rows"]]
+    # The split counts replicas of k target ranks, a = 3000 tok/s per replica, b = 1000 per drafter rank:
+    # k = 4: only 1 replica + 4 drafters, min(3000, 4000); k = 2: 1, 2 or 3 replicas -> min(3000, 6000),
+    # min(6000, 4000), min(9000, 2000): 2 replicas (4 ranks) + 4 drafters, 4000 tok/s.
+    best = p["split"]["best"]
+    assert (best["target_ranks"], best["replicas"], best["drafter_ranks"], best["tok_per_s"]) == split
+    assert p["choice"]["mode"] == "disaggregated"  # 244 GB cannot be colocated on one GPU
+    main(["plan", "--gpus", "8", "--target-params-b", "122", "--gpu-memory-gb", str(gpu_gb), "--hidden", "3072",
+          "--vocab", "248320", "--target-tok-per-s", "3000", "--drafter-tok-per-s", "1000"])
+    text = capsys.readouterr().out
+    assert f"k = {k}: 244.00 / {k} + 8.00 = {244 / k + 8:.2f} GB <= {gpu_gb}  <- smallest k that fits" in text
+    assert f"--num-target-ranks {split[0]} --target-parallel {k}" in text
+
+
+def test_kimi_k25_needs_a_node_of_its_own(capsys) -> None:
+    """Kimi-K2.5, 1.04 T parameters: in bf16 (2,080 GB) no node of 8 x 141 GB holds it (260 + 8 > 141); its INT4
+    release (about 595 GB) needs all 8 GPUs of a 141 GB node (595/4 + 8 = 156.75 > 141, 595/8 + 8 = 82.38 <= 141),
+    so the drafters take a second node; on 8 x 80 GB even k = 8 does not fit (82.38 > 80)."""
+    assert main(["plan", "--gpus", "8", "--target-params-b", "1040", "--gpu-memory-gb", "141"]) == 2
+    assert ("the target's 2,080.00 GB of weights do not fit one node: even over all 8 GPUs of a node, 260.00 GB a GPU "
+            "+ 8.00 GB headroom = 268.00 GB > 141.00 GB") in capsys.readouterr().err
+    assert main(["plan", "--gpus", "8", "--target-weight-gb", "595", "--gpu-memory-gb", "80"]) == 2
+    assert "74.38 GB a GPU + 8.00 GB headroom = 82.38 GB > 80.00 GB" in capsys.readouterr().err
+    p = plan_json(capsys, "--gpus", "16", "--nodes", "2", "--target-weight-gb", "595", "--gpu-memory-gb", "141",
+                  "--hidden", "7168", "--vocab", "163840", "--target-tok-per-s", "2000", "--drafter-tok-per-s", "3000")
+    tp, best = p["target_parallel"], p["split"]["best"]
+    assert tp["k"] == 8 and tp["weights_per_rank"] == pytest.approx(595e9 / 8)
+    assert tp["left_per_rank"] == pytest.approx(141e9 - 595e9 / 8 - 8e9)  # 58.62 GB
+    assert (best["target_nodes"], best["target_ranks"], best["replicas"], best["drafter_ranks"]) == (1, 8, 1, 8)
+    assert p["links"]["cross_node_fraction"] == 1.0
+    assert p["disaggregated"]["possible"] and p["choice"]["mode"] == "disaggregated"
+    assert main(["plan", "--gpus", "8", "--target-weight-gb", "595", "--gpu-memory-gb", "141"]) == 2  # one node
+    err = capsys.readouterr().err
+    assert "disaggregated is impossible (a target replica of 8 ranks leaves no drafter GPU on a node of 8)" in err
+    assert "colocated does not fit one GPU: target 595.00 GB" in err
