@@ -103,13 +103,32 @@ def _tensor_parallel_config(path: str | Path, tp_size: int):
         have = dist.get_world_size() if dist.is_initialized() else "no"
         raise DFlashError(f"target {path}: sharding over {tp_size} ranks needs a default process group of {tp_size} "
                           f"ranks (a target replica's), found {have}")
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(str(path), local_files_only=True).get_text_config()
+    tp_plan = getattr(text, "base_model_tp_plan", None) or {}
+    ep_plan = getattr(text, "base_model_ep_plan", None) or {}
     cfg = read_target_config(path)
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        heads = cfg.get(key)
-        if isinstance(heads, int) and heads % tp_size:
-            raise DFlashError(f"{Path(path) / 'config.json'}: {key} = {heads} is not divisible by "
-                              f"topology.target_parallel {tp_size}: tensor parallelism splits whole heads")
+    if any("self_attn" in rule for rule in tp_plan):
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            heads = cfg.get(key)
+            if isinstance(heads, int) and heads % tp_size:
+                raise DFlashError(f"{Path(path) / 'config.json'}: {key} = {heads} is not divisible by "
+                                  f"topology.target_parallel {tp_size}: tensor parallelism splits whole heads")
+    if ep_plan and not any("experts" in rule for rule in tp_plan):
+        # The family's tensor-parallel plan leaves its experts whole (gpt-oss: only the embedding is split):
+        # its expert-parallel plan gives each rank 1/k of the experts, every rank running the replica's batch.
+        return DistributedConfig(tp_size=tp_size, ep_size=tp_size, ep_implementation="all_reduce")
+    if not tp_plan:
+        raise DFlashError(f"target {path}: model type {cfg.get('model_type')!r} has no tensor-parallel plan in "
+                          f"transformers, so it cannot be sharded over topology.target_parallel {tp_size} ranks")
     return DistributedConfig(tp_size=tp_size)
+
+
+def held_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of parameters this rank holds, bytes of the whole model): equal unless the model is sharded."""
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
+    return local, sum(p.nbytes for p in model.parameters())
 
 
 # Kernels of the Gated DeltaNet (linear-attention) layers of Qwen3.5/3.6 and Qwen3-Next: without them

@@ -52,11 +52,14 @@ def last_step(cfg: Config) -> int:
 def load_run_target(cfg: Config, dtype: torch.dtype, device: torch.device, rank: int) -> torch.nn.Module:
     """The frozen target on this rank's device (its shard of it with topology.target_parallel > 1), with the
     configured attention kernels; logs what runs."""
-    from dflash_ds.models.target import describe_target, load_target
+    from dflash_ds.models.target import describe_target, held_bytes, load_target
 
     k = cfg.topology.target_parallel
     target = load_target(cfg.target, dtype=dtype, device=device, attn_implementation=cfg.train.target_attention,
                          tp_size=k)
-    shard = f" (tensor-parallel shard of {k})" if k > 1 else ""
+    shard = ""
+    if k > 1:
+        mine, whole = held_bytes(target)
+        shard = f" (tensor-parallel shard of {k}: {mine / 1e9:.3f} of {whole / 1e9:.3f} GB, {mine / whole:.0%})"
     print(f"[dflash-ds] rank {rank}: {describe_target(target)}{shard}", flush=True)
     return target

@@ -22,13 +22,16 @@ STEPS = 6
 TP = [*COMMON, "--max-steps", str(STEPS), "--train.save_interval", "3", "--no-wandb"]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-def test_sharded_capture_equals_the_whole_target(family, tmp_path):
+@pytest.mark.parametrize("family, held", [("qwen3", 0.55), ("qwen3_moe", 0.55), ("gpt_oss", 0.6), ("qwen3_5_moe", 0.6)])
+def test_sharded_capture_equals_the_whole_target(family, held, tmp_path):
     """Layers 0, 1, 3 and the final hidden state of a 2-rank replica against the unsharded target, same batch.
 
-    Measured: differences <= 1.7e-6 (dense) and 1.2e-6 (MoE) against layer outputs of order 0.2 and final hidden states of order 1-10 (fp32 round-off
-    of the split matmuls and the all-reduce order); each rank holds about half of the parameters, and the MoE
-    experts' matrices are split between the ranks, not replicated.
+    Measured: differences <= 1.7e-6 (dense) and 1.2e-6 (MoE) against layer outputs of order 0.2 and final hidden
+    states of order 1-10 (fp32 round-off of the split matmuls and the all-reduce order); each rank holds about
+    half of the parameters, and the MoE experts' matrices are split between the ranks, not replicated. gpt-oss,
+    whose tensor-parallel plan splits only the embedding, is sharded by its expert-parallel plan (each rank
+    half of the experts; attention replicated: 56% a rank). Qwen3.5-MoE (Gated DeltaNet + full attention, the
+    family of Qwen3.5-122B-A10B): within 7.2e-7.
     """
     from dflash_ds.tiny.families import make_tiny_family
 
@@ -40,11 +43,11 @@ def test_sharded_capture_equals_the_whole_target(family, tmp_path):
     r = run_bounded(cmd, 240, env=env_for_children(), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(out.read_text())
-    assert got["plain_tensors"] and got["scale"] > 0.1, got  # not all zeros: a real comparison
+    assert got["plain_tensors"] and got["scale"] > 0.05, got  # not all zeros: a real comparison
     assert got["context"] < 1e-5 and got["last_hidden"] < 1e-5, got
-    # Each rank: its half of the split matrices plus the replicated norms and router (a few percent).
+    # Each rank: its half of the split matrices plus what stays whole (norms, router; gpt-oss's attention).
     for n in got["local_params"]:
-        assert 0.45 * got["whole_params"] < n < 0.6 * got["whole_params"], got
+        assert 0.45 * got["whole_params"] < n < held * got["whole_params"], got
     if family == "qwen3_moe":
         for name, (whole, local) in got["expert_shapes"].items():
             assert whole[0] == local[0] == 4 and local[1] * local[2] * 2 == whole[1] * whole[2], (name, got)
