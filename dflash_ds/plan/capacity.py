@@ -217,8 +217,14 @@ def _target_parallel(args: argparse.Namespace) -> dict[str, Any] | None:
     weights, source = target_weight_bytes(args)
     if weights is None:
         return None
+    kv_heads = None
+    if args.target:
+        from dflash_ds.models.target import read_target_config
+
+        cfg = read_target_config(args.target)
+        kv_heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
     tp = target_parallel_choice(weights, args.gpu_memory_gb * 1e9, args.headroom_gb * 1e9, args.gpus // args.nodes,
-                                args.target_parallel)
+                                args.target_parallel, kv_heads if isinstance(kv_heads, int) else None)
     return {**tp, "weight_source": source}
 
 

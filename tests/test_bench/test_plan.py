@@ -257,3 +257,15 @@ def test_kimi_k25_needs_a_node_of_its_own(capsys) -> None:
     err = capsys.readouterr().err
     assert "disaggregated is impossible (a target replica of 8 ranks leaves no drafter GPU on a node of 8)" in err
     assert "colocated does not fit one GPU: target 595.00 GB" in err
+
+
+def test_replica_size_respects_the_key_value_heads(capsys, tiny_target) -> None:
+    """A target folder with 2 key/value heads (the tiny target's; Qwen3.5-122B-A10B's too) and 244 GB of weights:
+    on 80 GB GPUs k = 4 and 8 fit the memory but cannot split 2 heads -> one error; on 141 GB k = 2 fits."""
+    argv = ["plan", "--gpus", "8", "--target", str(tiny_target), "--target-weight-gb", "244"]
+    assert main([*argv, "--gpu-memory-gb", "80"]) == 2
+    assert ("the target's 2 key/value heads do not split over any replica size whose share of the weights fits a "
+            "80 GB GPU (k = 4, k = 8)") in capsys.readouterr().err
+    p = plan_json(capsys, *argv[1:], "--gpu-memory-gb", "141")
+    assert p["target_parallel"]["k"] == 2 and [r["heads_split"] for r in p["target_parallel"]["rows"]] == \
+        [True, True, False, False]

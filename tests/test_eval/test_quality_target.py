@@ -31,8 +31,8 @@ def test_greedy_answers_follow_the_structure(quality_target):
 def test_context_matters_on_the_quality_target(quality_target, tmp_path):
     """Held-out tau of a drafter trained on the target's answers, without context, and trained one position late.
 
-    Measured (2 target seeds x 2 drafter seeds, 16 held-out prompts): normal 2.7-3.2, zeroed fc 1.01-1.06,
-    shifted context 1.02-1.03; this configuration (seeds 0, 0): 3.23, 1.06, 1.03.
+    Measured (2 target seeds x 2 drafter seeds, 16 held-out prompts, 16 words a task): normal 3.8-6.5, zeroed fc
+    1.01-1.04, shifted context 1.01-1.04; this configuration (seeds 0, 0): 3.88, 1.04, 1.04.
     """
     from dflash_ds.tiny.context_check import context_ablation
 
@@ -40,12 +40,12 @@ def test_context_matters_on_the_quality_target(quality_target, tmp_path):
     normal, zero_fc, shifted = (r[k]["tau"] for k in ("normal", "zero_fc", "shifted"))
     pooled = [r[k]["tau_pooled"] for k in ("normal", "zero_fc", "shifted")]
     figures = {"tau": (normal, zero_fc, shifted), "tau_pooled": pooled, "seconds": r["seconds"]}
-    # Each with a margin: the cut is at least 1 - 1.2 / 2.4 = 50%, measured 67-69%.
+    # Each with a margin: the cut is at least 1 - 1.2 / 2.4 = 50%, measured 73-84%.
     assert normal >= 2.4 and pooled[0] >= 2.2, figures
     assert zero_fc <= 1.2 and shifted <= 1.2 and max(pooled[1:]) <= 1.2, figures
     assert max(zero_fc, shifted) <= normal / 2 and max(pooled[1:]) <= pooled[0] / 2, figures
     first = [r[k]["per_position_acceptance"][0] for k in ("normal", "zero_fc", "shifted")]
-    assert first[0] >= 0.35 and max(first[1:]) <= 0.1, first  # measured 0.48, 0.06, 0.02
+    assert first[0] >= 0.35 and max(first[1:]) <= 0.1, first  # measured 0.64, 0.03, 0.03
 
 
 @pytest.fixture(autouse=True)
