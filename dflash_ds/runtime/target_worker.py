@@ -77,6 +77,10 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
     if stopped:
         return EXIT_PREEMPTED  # batches still in flight belong to steps nobody will train
     sender.flush()
+    if watchdog.stop_event.is_set():
+        # Every batch served, but the drafters stop before the last step (this rank's own SIGTERM, or a peer's):
+        # the job did not complete, and this rank says so like the others (a short run's targets get here first).
+        return EXIT_PREEMPTED
     return 0
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+# Building the target (about 70 s idle) and training two drafters: a loaded 2-core machine needs more than 300 s.
+pytestmark = pytest.mark.timeout(900)
+
 
 def test_greedy_answers_follow_the_structure(quality_target):
     from transformers import AutoTokenizer
