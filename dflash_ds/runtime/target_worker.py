@@ -77,11 +77,16 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
     if stopped:
         return EXIT_PREEMPTED  # batches still in flight belong to steps nobody will train
     sender.flush()
-    if watchdog.stop_event.is_set():
-        # Every batch served, but the drafters stop before the last step (this rank's own SIGTERM, or a peer's):
-        # the job did not complete, and this rank says so like the others (a short run's targets get here first).
-        return EXIT_PREEMPTED
-    return 0
+    # Every batch served. A short run's targets get here before the drafters finish: wait for their verdict, so
+    # that a run they stopped early (a SIGTERM anywhere, after this rank's last batch) ends 75 here too, as on
+    # every other rank. Rank 0 waits for every rank at shutdown anyway.
+    deadline = time.monotonic() + ctx.timeout_s
+    drafters_done = [f"dflash/done/{r}" for r in layout.drafter_ranks]
+    while time.monotonic() < deadline and not watchdog.store.check(drafters_done):
+        if watchdog.store.check([STOP_STEP_KEY]):
+            return EXIT_PREEMPTED
+        time.sleep(0.1)
+    return EXIT_PREEMPTED if watchdog.store.check([STOP_STEP_KEY]) else 0
 
 
 def _my_batches(ctx: RoleContext, data: BatchStream, start_step: int, cursor: Cursor, stop_step: int,
