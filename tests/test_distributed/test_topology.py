@@ -55,6 +55,12 @@ def test_per_node_layout_last_local_ranks_are_targets() -> None:
      "--targets-per-node 1 needs the number of ranks per node"),
     (dict(world_size=8, num_target_ranks=3, nproc_per_node=4, targets_per_node=1),
      "--num-target-ranks 3 disagrees with --targets-per-node 1 x 2 nodes = 2"),
+    (dict(world_size=4, num_target_ranks=3, target_parallel=2),
+     "topology.target_parallel 2 does not divide the 3 target ranks [1, 2, 3]"),
+    (dict(world_size=6, num_target_ranks=4, nproc_per_node=3, target_parallel=2),
+     "target replica [2, 3] (topology.target_parallel 2) spans two nodes of 3 ranks"),
+    (dict(world_size=8, num_target_ranks=None, nproc_per_node=4, targets_per_node=1, target_parallel=2),
+     "target replica [3, 7] (topology.target_parallel 2) is not 2 consecutive ranks"),
 ])
 def test_layout_errors_name_the_numbers(kwargs: dict, message: str) -> None:
     with pytest.raises(DFlashError) as info:
@@ -102,20 +108,6 @@ def test_target_replicas_route_like_targets_and_send_from_their_first_rank() -> 
     per_node = make_layout(8, None, nproc_per_node=4, targets_per_node=2, target_parallel=2)
     assert per_node.replicas == [[2, 3], [6, 7]] and per_node.node_local
     assert [per_node.target_rank_for(0, d) for d in range(4)] == [2, 2, 6, 6]  # each node's drafters, its replica
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=4, num_target_ranks=3, target_parallel=2),
-     "topology.target_parallel 2 does not divide the 3 target ranks [1, 2, 3]"),
-    (dict(world_size=6, num_target_ranks=4, nproc_per_node=3, target_parallel=2),
-     "target replica [2, 3] (topology.target_parallel 2) spans two nodes of 3 ranks"),
-    (dict(world_size=8, num_target_ranks=None, nproc_per_node=4, targets_per_node=1, target_parallel=2),
-     "target replica [3, 7] (topology.target_parallel 2) is not 2 consecutive ranks"),
-])
-def test_replica_errors_name_the_ranks(kwargs: dict, message: str) -> None:
-    with pytest.raises(DFlashError) as info:
-        make_layout(**kwargs)
-    assert message in str(info.value)
 
 
 def test_colocated_with_a_sharded_target_is_one_clear_error() -> None:
