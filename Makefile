@@ -38,7 +38,7 @@ demo: install
 
 test: install serve-env
 	PATH="$(abspath $(VENV))/bin:$$PATH" DFLASH_VLLM_PYTHON="$(abspath $(SERVE_VENV))/bin/python" \
-	    DFLASH_REQUIRE_VLLM=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	    DFLASH_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=40 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(SERVE_VENV) demo_out .pytest_cache

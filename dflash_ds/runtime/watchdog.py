@@ -145,6 +145,15 @@ class Watchdog:
         self.stop_event.set()
         self._wake.set()
 
+    def stop_requested(self) -> bool:
+        """Whether a job-wide stop was requested: this rank's event, or the key another rank published since the
+        thread's last beat (one store check, a loopback round trip: the drafters ask once a micro-batch, so a
+        target's SIGTERM reaches their agreement within a micro-batch, not a beat interval later; seen on a slow
+        machine: a short run's drafters finished every step inside the second the key waited for a beat)."""
+        if not self.stop_event.is_set() and self._safe_check(STOP_KEY):
+            self.stop_event.set()
+        return self.stop_event.is_set()
+
     def stop_reason(self) -> str:
         """Why the run stops, without blocking: the job-wide reason once published, else this rank's signal.
 

@@ -31,6 +31,17 @@ def test_stop_reason_before_and_after_the_reason_is_published():
     assert wd.stop_reason() == "SIGINT on rank 3"  # the job-wide reason wins once published
 
 
+def test_a_stop_another_rank_published_is_seen_without_waiting_for_a_beat():
+    """The drafters ask `stop_requested` once a micro-batch: it must see the key at once, not a beat later (a short
+    run's drafters once finished every step inside the second a target's SIGTERM waited for their next beat)."""
+    store = _store()
+    wd = Watchdog(store, 1, 2, lambda r: f"rank {r}", heartbeat_timeout_s=60, interval_s=3600)  # no beat comes
+    assert not wd.stop_requested() and not wd.stop_event.is_set()
+    store.set(STOP_KEY, "SIGTERM on rank 2")
+    assert wd.stop_requested() and wd.stop_event.is_set()
+    assert wd.stop_reason() == "SIGTERM on rank 2"
+
+
 def test_thread_publishes_the_local_signal():
     store = _store()
     wd = Watchdog(store, 0, 1, lambda r: f"rank {r}", heartbeat_timeout_s=60, interval_s=0.05)
