@@ -6,6 +6,8 @@ final hidden state against an unsharded load on the same batch), and every rank 
 
 import json
 import sys
+import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,12 +19,37 @@ def local_numel(model) -> int:
     return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
 
 
+class MapWatch:
+    """Whether this process ever maps a file of the target folder while loading (/proc/self/maps every ms).
+
+    transformers' own loader memory-maps the safetensors from open to close of the load; the sharded load must
+    read its slices with pread and map nothing (a mapped file's read-around pages count in the rank's RSS)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.seen, self._stop = folder, False, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and not self.seen:
+            with open("/proc/self/maps") as f:
+                self.seen = any(self.folder in line for line in f)
+            self._stop.wait(0.001)
+
+    def stop(self) -> bool:
+        self._stop.set()
+        self._thread.join()
+        return self.seen
+
+
 def main() -> None:
     path, out = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    watch = MapWatch(str(Path(path).resolve()))
     sharded = load_target(path, tp_size=world)
+    mapped = watch.stop()
     ids = torch.randint(5, 500, (2, 40), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, 30:] = 0  # a padded row, as batches have
@@ -30,6 +57,8 @@ def main() -> None:
     ctx, last = capture_hidden(sharded, ids, mask, layers)
     counts = [None] * world
     dist.all_gather_object(counts, local_numel(sharded))
+    maps = [None] * world
+    dist.all_gather_object(maps, mapped)
     if dist.get_rank() == 0:
         whole = load_target(path)
         ref_ctx, ref_last = capture_hidden(whole, ids, mask, layers)
@@ -38,7 +67,7 @@ def main() -> None:
                    "last_hidden": (last - ref_last)[keep].abs().max().item(),
                    "scale": ref_ctx[keep].abs().max().item(),
                    "plain_tensors": type(ctx) is torch.Tensor and type(last) is torch.Tensor,
-                   "local_params": counts, "whole_params": local_numel(whole),
+                   "local_params": counts, "mapped_target_file": maps, "whole_params": local_numel(whole),
                    "expert_shapes": {n: [list(p.shape), list((p.to_local() if hasattr(p, "to_local") else p).shape)]
                                      for n, p in sharded.named_parameters() if "layers.0.mlp.experts" in n}},
                   open(out, "w"))

@@ -45,6 +45,7 @@ def test_sharded_capture_equals_the_whole_target(family, held, tmp_path):
     got = json.loads(out.read_text())
     assert got["plain_tensors"] and got["scale"] > 0.05, got  # not all zeros: a real comparison
     assert got["context"] < 1e-5 and got["last_hidden"] < 1e-5, got
+    assert got["mapped_target_file"] == [False, False], got  # slices read with pread, no file mapped
     # Each rank: its half of the split matrices plus what stays whole (norms, router; gpt-oss's attention).
     for n in got["local_params"]:
         assert 0.45 * got["whole_params"] < n < held * got["whole_params"], got
