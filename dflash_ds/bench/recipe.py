@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +243,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of each training rank and of the eval "
                         "(default 1: on a shared CPU, more threads than free cores make small matmuls spin, measured "
                         "80x slower decoding under load)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained and evaluated at once (default 1); each "
+                        "takes --threads cores per rank while training and --threads while evaluating, so on a "
+                        "machine of C free cores use jobs x ranks x threads <= C")
     parser.add_argument("--num-prompts", type=int, default=16, help="held-out prompts evaluated (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt (default 96)")
     parser.add_argument("--out", default="bench_out/recipe", help="runs, results and the plot (default bench_out/recipe)")
@@ -260,15 +264,19 @@ def run(args: argparse.Namespace) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         raise DFlashError(f"--seeds {args.seeds!r}: expected comma-separated integers") from None
-    if not seeds or args.steps < 1 or args.ranks < 1:
-        raise DFlashError("--seeds needs at least one seed; --steps and --ranks must be >= 1")
+    if not seeds or args.steps < 1 or args.ranks < 1 or args.jobs < 1:
+        raise DFlashError("--seeds needs at least one seed; --steps, --ranks and --jobs must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.eval_data, args.target, args.num_prompts)
     target = load_target(args.target)
     t0 = time.perf_counter()
-    results = [run_one(args, r, seed, target, prompts) for r in recipes for seed in seeds]
+    pairs = [(r, seed) for r in recipes for seed in seeds]
+    # Runs are independent (each trains in its own process; the evaluations only read the shared target):
+    # --jobs of them at once, results in table order whatever order they finish in.
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda pair: run_one(args, *pair, target, prompts), pairs))
     rows = summarize(recipes, results)
     summary = {"recipes": rows, "runs": results, "seeds": seeds, "steps": args.steps, "num_prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "wall_s": round(time.perf_counter() - t0, 1)}

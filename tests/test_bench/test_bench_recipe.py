@@ -38,7 +38,7 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
             "--eval-data", str(held), "--config", str(REPO / "configs/tiny.yaml"), "--seeds", "3", "--steps", "4",
             "--save-interval", "2", "--num-prompts", "3", "--max-new-tokens", "16", "--out", str(out),
             "--set", "data.token_budget=1024", "--json"]
-    r = bench(args)
+    r = bench([*args, "--jobs", "2"])  # both runs at once; the resume below runs one at a time: the same results
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary == json.loads((out / "summary.json").read_text())
@@ -60,7 +60,7 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
     assert (out / "tau.png").stat().st_size > 1000
 
     # A killed bench: kl_lk's eval never finished. Only that run is redone (its training resumes at its last
-    # checkpoint, which is the end), and the summary is the same.
+    # checkpoint, which is the end), and the summary is the same, --jobs 1 after --jobs 2.
     (out / "kl_lk/seed3/result.json").unlink()
     r = bench(args)
     assert r.returncode == 0, r.stderr[-4000:]
