@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 # requirement would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Two workers (one a core), whole files to a worker: module fixtures are built once, as in one process.
+PYTEST_WORKERS ?= 2
 # The serving engine lives in an environment of its own, as it does for users: vLLM's CPU build pins
 # torch==2.13.0+cpu and transformers<5.20 (the project uses 5.24).
 SERVE_VENV ?= .venv-serve
@@ -38,7 +40,7 @@ demo: install
 
 test: install serve-env
 	PATH="$(abspath $(VENV))/bin:$$PATH" DFLASH_VLLM_PYTHON="$(abspath $(SERVE_VENV))/bin/python" \
-	    DFLASH_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=40 $(PYTEST_ARGS)
+	    DFLASH_REQUIRE_VLLM=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=40 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(SERVE_VENV) demo_out .pytest_cache

@@ -3,25 +3,43 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 
 SHM = Path("/dev/shm")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_leaked_shared_memory() -> Iterator[None]:
-    """The suite must not leave DeepSpeed shared-memory segments behind (tmpfs is RAM: a leak per
-    run once filled this machine's memory and hung CI). Removes any it finds and reports them."""
-    pattern = "deepspeed_allreduce_buffer_*"
-    before = set(SHM.glob(pattern)) if SHM.is_dir() else set()
-    yield
-    leaked = sorted(set(SHM.glob(pattern)) - before) if SHM.is_dir() else []
+SHM_PATTERN = "deepspeed_allreduce_buffer_*"
+_SHM_BEFORE = pytest.StashKey[set]()  # the segments present when the run started
+
+
+def _shm_segments() -> set[Path]:
+    return set(SHM.glob(SHM_PATTERN)) if SHM.is_dir() else set()
+
+
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The suite must not leave DeepSpeed shared-memory segments behind (tmpfs is RAM: a leak per run once filled
+    this machine's memory and hung CI). Checked once for the whole run, by the process that started it: with
+    `make test`'s parallel workers, one worker's live segments are not another's leak."""
+    if not _is_xdist_worker(session.config):
+        session.config.stash[_SHM_BEFORE] = _shm_segments()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove and report any segment the run leaked (after every worker has finished); the run then fails."""
+    if _is_xdist_worker(session.config) or _SHM_BEFORE not in session.config.stash:
+        return
+    leaked = sorted(_shm_segments() - session.config.stash[_SHM_BEFORE])
     for p in leaked:
         p.unlink(missing_ok=True)
     if leaked:
-        pytest.fail(f"{len(leaked)} shared-memory segments leaked into /dev/shm, e.g. {leaked[0].name}")
+        print(f"\nFAILED: {len(leaked)} shared-memory segments leaked into /dev/shm, e.g. {leaked[0].name}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
