@@ -25,6 +25,12 @@ def process_group(cmd: list[str], **kwargs) -> Iterator[subprocess.Popen]:
         proc.wait()
 
 
+def spare_threads() -> int:
+    """Threads a test that trains may use: 2 when it has the machine's 2 cores, 1 under `make test`'s two workers
+    (each has one core: more threads than cores make torch's threads spin against the other worker's)."""
+    return 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
+
 def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """Like subprocess.run(capture_output=True, text=True), but a hang fails the test and leaves no process."""
     with process_group(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as proc:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from proc_utils import spare_threads
+
 # Building the target (about 70 s idle) and training two drafters: a loaded 2-core machine needs more than 300 s.
 pytestmark = pytest.mark.timeout(900)
 
@@ -53,10 +55,10 @@ def test_context_matters_on_the_quality_target(quality_target, tmp_path):
 
 @pytest.fixture(autouse=True)
 def two_threads():
-    # These tests train (a target, two drafters); the conftest's one thread would double their time.
+    # These tests train (a target, two drafters): two threads when the test has both cores to itself.
     import torch
 
     old = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(spare_threads())
     yield
     torch.set_num_threads(old)

@@ -27,7 +27,10 @@ def test_stop_reason_before_and_after_the_reason_is_published():
     t0 = time.monotonic()
     assert wd.stop_reason() == "SIGTERM on rank 0"  # returns at once instead of waiting for the key
     assert time.monotonic() - t0 < 1.0
-    store.set(STOP_KEY, "SIGINT on rank 3")
+    store.set(STOP_KEY, "SIGINT on rank 3")  # no acknowledgement: the watchdog's client sees it moments later
+    deadline = time.monotonic() + 5
+    while wd.stop_reason() != "SIGINT on rank 3" and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert wd.stop_reason() == "SIGINT on rank 3"  # the job-wide reason wins once published
 
 
@@ -37,7 +40,10 @@ def test_a_stop_another_rank_published_is_seen_without_waiting_for_a_beat():
     store = _store()
     wd = Watchdog(store, 1, 2, lambda r: f"rank {r}", heartbeat_timeout_s=60, interval_s=3600)  # no beat comes
     assert not wd.stop_requested() and not wd.stop_event.is_set()
-    store.set(STOP_KEY, "SIGTERM on rank 2")
+    store.set(STOP_KEY, "SIGTERM on rank 2")  # no acknowledgement: another client sees it moments later
+    deadline = time.monotonic() + 5
+    while not wd.stop_requested() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert wd.stop_requested() and wd.stop_event.is_set()
     assert wd.stop_reason() == "SIGTERM on rank 2"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest_runtime import COMMON
-from proc_utils import run_bounded_peak_rss
+from proc_utils import run_bounded_peak_rss, spare_threads
 from runtime_utils import REPO, env_for_children, free_port, make_dataset, read_jsonl, torchrun
 
 QWEN3_VOCAB = 151_936
@@ -76,8 +76,9 @@ def test_real_vocabulary_fits_with_chunks_and_anchor_budget(tiny_target_factory,
             "--train.timeout_s", "300", "--loss.max_anchors_per_batch", "600"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "dflash_ds.train", *args]
-    # Two threads: the target rank is idle once it has sent its batch.
-    r, peaks = run_bounded_peak_rss(cmd, 600, env={**env_for_children(), "OMP_NUM_THREADS": "2"}, cwd=tmp_path)
+    # Two threads when the test has both cores: the target rank is idle once it has sent its batch.
+    r, peaks = run_bounded_peak_rss(cmd, 600, env={**env_for_children(), "OMP_NUM_THREADS": str(spare_threads())},
+                                    cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert len(peaks) >= 3  # the launcher and its two ranks were sampled
     max_rss = max(peaks.values())
