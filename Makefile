@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 # requirement would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
-# Workers (pytest-xdist, whole files to a worker). One by default: the two-worker run (PYTEST_WORKERS=2) had one
+# Workers (pytest-xdist, whole files to a worker); 0 = the suite in one process, the default: the two-worker run (PYTEST_WORKERS=2) had one
 # unexplained failure on its first fresh-clone run; the suite is CPU-bound on 2 cores either way.
-PYTEST_WORKERS ?= 1
+PYTEST_WORKERS ?= 0
 # The serving engine lives in an environment of its own, as it does for users: vLLM's CPU build pins
 # torch==2.13.0+cpu and transformers<5.20 (the project uses 5.24).
 SERVE_VENV ?= .venv-serve
