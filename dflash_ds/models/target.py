@@ -297,7 +297,7 @@ def _tensor_index(path: Path) -> dict[str, Path]:
         raise DFlashError(f"target folder {path} has no model.safetensors(.index.json): only safetensors are loaded")
     from safetensors import safe_open
 
-    with safe_open(str(single), framework="pt") as f:
+    with safe_open(str(single), framework="pt", backend="pread") as f:  # the header only: nothing mapped
         return {k: single for k in f.keys()}
 
 
