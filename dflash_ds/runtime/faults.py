@@ -10,9 +10,11 @@ DFLASH_FAULT_KILL_IN_SAVE  SIGKILL that rank in the middle of the checkpoint of 
 DFLASH_FAULT_BUILD_DELAY_S  that (drafter) rank sleeps this long before building its engine (a slow resume)
 DFLASH_INJECT_NAN_STEPS    comma-separated steps at which the leading drafter's loss (its first
                            micro-batch's) becomes NaN
-DFLASH_EXIT_STATUS_DIR     every rank writes rank{R}.json there, {"rank", "status", "time"}, just before it
-                           exits (time.time()); a rank SIGKILLed by the faults above writes status -9 and the
-                           time of the kill, a hanging rank writes rank{R}.hang as it starts to hang
+DFLASH_EXIT_STATUS_DIR     every rank writes rank{R}.json there, {"rank", "status", "time", "threads"}, just
+                           before it exits (time.time()); a rank SIGKILLed by the faults above writes status -9
+                           and the time of the kill, a hanging rank writes rank{R}.hang as it starts to hang.
+                           "threads": the Python threads other than the caller still running when the rank
+                           leaves through the interpreter's teardown (none are expected: see record_exit)
 """
 
 from __future__ import annotations
@@ -37,19 +39,28 @@ def _rank() -> str | None:
     return os.environ.get("DFLASH_GLOBAL_RANK", os.environ.get("RANK"))
 
 
-def record_exit(status: int) -> None:
-    """Tests: this rank's exit status and the time, as it exits (nothing unless DFLASH_EXIT_STATUS_DIR is set)."""
+def record_exit(status: int, teardown: bool = True) -> None:
+    """Tests: this rank's exit status and the time, as it exits (nothing unless DFLASH_EXIT_STATUS_DIR is set).
+
+    `teardown`: the rank leaves through the interpreter's teardown (not `os._exit`). Then the Python threads still
+    running are listed: a thread inside a store call as the interpreter finalizes is ended by a forced unwind
+    through C++ frames, which aborts the process (seen: ranks that exited 1 reported SIGABRT by torchrun, their
+    watchdogs in `TCPStore::check`). The reliability tests assert the list is empty."""
     folder, rank = os.environ.get("DFLASH_EXIT_STATUS_DIR"), _rank()
     if not folder or rank is None:
         return
+    import threading
+
+    me = threading.current_thread()
+    threads = sorted(t.name for t in threading.enumerate() if t is not me and t.is_alive()) if teardown else []
     path = os.path.join(folder, f"rank{rank}.json")
     with open(path + ".tmp", "w") as f:
-        json.dump({"rank": int(rank), "status": status, "time": time.time()}, f)
+        json.dump({"rank": int(rank), "status": status, "time": time.time(), "threads": threads}, f)
     os.replace(path + ".tmp", path)  # a reader never sees half a file
 
 
 def _kill_self() -> None:
-    record_exit(-int(signal.SIGKILL))
+    record_exit(-int(signal.SIGKILL), teardown=False)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -111,6 +111,9 @@ def run_job(cfg: Config) -> int:
             status = run_drafter(ctx, cfg, data, watchdog, resume, arch, dtype)
     except BaseException as exc:
         _name_lost_peers(watchdog, describe)
+        # The thread must not be inside a store call when the interpreter finalizes: it would be ended by a
+        # forced unwind through C++ frames, and the process aborts (SIGABRT instead of this status; seen on CI).
+        watchdog.close()
         faults.record_exit(exc.exit_code if isinstance(exc, DFlashError) else 1)  # as train.main maps it
         raise
     finally:

@@ -78,8 +78,15 @@ def torchrun(nproc: int, args: list[str], timeout: float = 420, extra: list[str]
 
 
 def exit_statuses(folder: Path) -> dict[int, dict]:
-    """rank -> {"status", "time"} each rank wrote as it exited (DFLASH_EXIT_STATUS_DIR, runtime/faults.py)."""
-    return {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in folder.glob("rank*.json")}
+    """rank -> {"status", "time", "threads"} each rank wrote as it exited (DFLASH_EXIT_STATUS_DIR,
+    runtime/faults.py). Asserts no rank left through the interpreter's teardown with its watchdog thread still
+    running: it calls the store every second, and a thread inside a store call as the interpreter finalizes aborts
+    the process (SIGABRT instead of its status, seen on CI). Threads waiting in Python or in a polled receive
+    (sleeping between polls) leave without harm and are not checked."""
+    got = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in folder.glob("rank*.json")}
+    running = {rank: s["threads"] for rank, s in got.items() if "dflash-watchdog" in s.get("threads", [])}
+    assert not running, f"a watchdog still running at exit: {running}"
+    return got
 
 
 def torchrun_exit_codes(stderr: str) -> dict[int, int]:
