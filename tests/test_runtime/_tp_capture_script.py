@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+import safetensors
 import torch
 import torch.distributed as dist
 
@@ -20,26 +21,46 @@ def local_numel(model) -> int:
 
 
 class MapWatch:
-    """Whether this process ever maps a file of the target folder while loading (/proc/self/maps every ms).
+    """Whether this process maps a file of the target folder while loading, outside safetensors' own open.
 
-    transformers' own loader memory-maps the safetensors from open to close of the load; the sharded load must
-    read its slices with pread and map nothing (a mapped file's read-around pages count in the rank's RSS)."""
+    transformers' own loader memory-maps the safetensors from open to close of the load (a mapped file's
+    read-around pages count in the rank's RSS); the sharded load must read its slices with pread. safetensors
+    (0.8.0) still maps a file for an instant inside `safe_open` itself, to parse the header (it left up to 512 kB
+    resident, then unmapped): /proc/self/maps is polled every ms and a mapping counts only when no `safe_open`
+    call of ours was in progress at any moment of the poll (the wrapper below counts them; transformers imports
+    its own reference, so its mmap loader's mappings always count)."""
 
     def __init__(self, folder: str) -> None:
-        self.folder, self.seen, self._stop = folder, False, threading.Event()
+        self.folder, self.line, self._stop = folder, "", threading.Event()
+        self.opening, self.opens = 0, 0  # safe_open calls in progress, started so far
+        real = safetensors.safe_open
+
+        def counted_open(*args, **kwargs):
+            self.opening += 1
+            self.opens += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.opening -= 1
+
+        safetensors.safe_open = counted_open
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set() and not self.seen:
+        while not self._stop.is_set() and not self.line:
+            before = (self.opening, self.opens)
             with open("/proc/self/maps") as f:
-                self.seen = any(self.folder in line for line in f)
+                hits = [line.strip() for line in f if self.folder in line]
+            if hits and before[0] == 0 and (self.opening, self.opens) == before:
+                self.line = hits[0]
             self._stop.wait(0.001)
 
-    def stop(self) -> bool:
+    def stop(self) -> str | bool:
+        """False, or the first mapping line seen."""
         self._stop.set()
         self._thread.join()
-        return self.seen
+        return self.line or False
 
 
 def main() -> None:
