@@ -15,7 +15,9 @@ table gives per recipe the held-out tau (mean over prompts of each prompt's mean
 and spread over seeds, P(position k accepted), training tokens and wall time, and the difference to the
 first recipe, marked where the seed ranges do not overlap. Runs live in OUT/<recipe>/seed<S>/; a
 finished run leaves result.json and is not run again, an interrupted one resumes from its checkpoint
-(`--resume auto`), so a killed bench continues where it stopped.
+(`--resume auto`), so a killed bench continues where it stopped. Each run folder keeps the settings its
+result depends on (settings.json); a bench that finds a run made under other settings (an edited recipe,
+other steps, data or prompts) stops before anything runs and names what differs, instead of mixing results.
 """
 
 from __future__ import annotations
@@ -133,6 +135,33 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
 _EVAL_LOCK = threading.Lock()
 
 
+def run_settings(args: argparse.Namespace, recipe: dict, seed: int) -> dict[str, Any]:
+    """What one run's result depends on (not --threads, --jobs or --save-interval: resume is exact)."""
+    def where(path: Any) -> str | None:
+        return None if path is None else str(Path(path).resolve())
+
+    return {"target": where(args.target), "data": where(args.data), "config": where(args.config),
+            "set": list(args.set), "recipe": recipe["set"], "seed": seed, "steps": args.steps, "ranks": args.ranks,
+            "eval_data": where(args.eval_data), "num_prompts": args.num_prompts,
+            "max_new_tokens": args.max_new_tokens}
+
+
+def check_settings(run_dir: Path, settings: dict[str, Any]) -> None:
+    """A run folder made under other settings is an error naming each difference (its results would mix in)."""
+    path = run_dir / "settings.json"
+    if not path.is_file():
+        return
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DFlashError(f"{path}: unreadable ({exc}); remove {run_dir} to rerun it") from None
+    diff = [f"{key}: {before.get(key)!r} then, {settings[key]!r} now" for key in settings
+            if before.get(key) != json.loads(json.dumps(settings[key]))]
+    if diff:
+        raise DFlashError(f"{run_dir} was run under other settings ({'; '.join(diff)}): use another --out, "
+                          f"or remove that folder to rerun it")
+
+
 def run_one(args, recipe, seed, target, prompts) -> dict[str, Any]:
     """Train and evaluate one (recipe, seed), or read its result.json if an earlier bench finished it."""
     from dflash_ds.eval.cli import evaluate
@@ -145,6 +174,11 @@ def run_one(args, recipe, seed, target, prompts) -> dict[str, Any]:
         return json.loads(done.read_text())
     print(f"bench recipe: {recipe['name']} seed {seed}: training {args.steps} steps (log {run_dir / 'train.log'})",
           flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    settings = run_dir / "settings.json"
+    if not settings.is_file():
+        settings.with_suffix(".tmp").write_text(json.dumps(run_settings(args, recipe, seed), indent=2) + "\n")
+        os.replace(settings.with_suffix(".tmp"), settings)
     train_wall, export = train_once(args, recipe, seed, run_dir)
     drafter = DFlashDrafter.from_pretrained(export).eval()
     with _EVAL_LOCK:
@@ -275,12 +309,14 @@ def run(args: argparse.Namespace) -> int:
     if not seeds or args.steps < 1 or args.ranks < 1 or args.jobs < 1:
         raise DFlashError("--seeds needs at least one seed; --steps, --ranks and --jobs must be >= 1")
     out = Path(args.out)
+    pairs = [(r, seed) for r in recipes for seed in seeds]
+    for r, seed in pairs:  # every reused run checked before anything runs
+        check_settings(out / r["name"] / f"seed{seed}", run_settings(args, r, seed))
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.eval_data, args.target, args.num_prompts)
     target = load_target(args.target)
     t0 = time.perf_counter()
-    pairs = [(r, seed) for r in recipes for seed in seeds]
     # Runs are independent (each trains in its own process; the evaluations only read the shared target):
     # --jobs of them at once, results in table order whatever order they finish in.
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

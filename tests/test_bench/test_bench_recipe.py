@@ -1,5 +1,6 @@
 """`dflash-ds bench recipe` on 2 recipes x 1 seed x 4 steps: the table's fields, the per-run results, the
-plot, and a killed bench (one result missing) continuing with only what is missing."""
+plot, a killed bench (one result missing) continuing with only what is missing, and an edited recipe stopped
+before it mixes with the runs made before the edit."""
 
 from __future__ import annotations
 
@@ -68,6 +69,14 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
     again = json.loads(r.stdout.strip().splitlines()[-1])
     for a, b in zip(again["runs"], summary["runs"]):
         assert (a["tau"], a["tau_pooled"], a["train_tokens"]) == (b["tau"], b["tau_pooled"], b["train_tokens"])
+
+    # The recipe edited, the same --out: one clear error naming the run and the difference, before anything runs.
+    (tmp_path / "recipes.yaml").write_text(RECIPES.replace("loss.lk_weight: 0.5", "loss.lk_weight: 0.25"))
+    summary_text = (out / "summary.json").read_text()
+    r = bench(args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "kl_lk/seed3 was run under other settings" in r.stderr and "'loss.lk_weight': 0.25" in r.stderr, r.stderr
+    assert "training" not in r.stdout and (out / "summary.json").read_text() == summary_text
 
 
 def test_bench_recipe_rejects_a_bad_recipe_before_running(tiny_target, tmp_path: Path) -> None:
