@@ -233,17 +233,23 @@ def summarize(recipes: list[dict], results: list[dict]) -> list[dict[str, Any]]:
 
 def format_table(rows: list[dict], baseline: str) -> str:
     """The recipe table, one line per recipe."""
-    lines = [f"{'recipe':<16} {'tau':>13} {'pooled':>13} {'vs ' + baseline:>12} {'tokens':>9} {'wall s':>7}  "
-             "P(position k accepted)"]
+    lines = [f"{'recipe':<16} {'tau':>13} {'pooled':>13} {'vs ' + baseline:>12} {'tokens':>9} {'wall s':>7} "
+             f"{'train tau':>9} {'est_tau':>7}  P(position k accepted)"]
     for r in rows:
         mark = " *" if r["beyond_spread"] else ""
         lines.append(f"{r['recipe']:<16} {r['tau_mean']:>6.3f} ±{r['tau_std']:<5.3f} "
                      f"{r['tau_pooled_mean']:>6.3f} ±{r['tau_pooled_std']:<5.3f} {r['vs_baseline']:>+10.3f}{mark:<2} "
-                     f"{r['train_tokens']:>9.0f} {r['train_wall_s']:>7.0f}  "
+                     f"{r['train_tokens']:>9.0f} {r['train_wall_s']:>7.0f} {_figure(r, 'train_tau'):>9} "
+                     f"{_figure(r, 'train_est_tau'):>7}  "
                      + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]))
     lines.append(f"tau: held-out, mean over prompts of each prompt's mean accepted length; ± the standard deviation "
-                 f"over seeds; * = seed ranges do not overlap with {baseline}'s")
+                 f"over seeds; * = seed ranges do not overlap with {baseline}'s; train tau / est_tau: the last "
+                 "training record's uniform argmax tau and greedy-walk estimate (mean over seeds)")
     return "\n".join(lines)
+
+
+def _figure(row: dict, key: str) -> str:
+    return f"{row[key]:.2f}" if key in row else "-"
 
 
 def plot(rows: list[dict], results: list[dict], path: Path) -> None:

@@ -85,3 +85,20 @@ def test_bench_recipe_rejects_a_bad_recipe_before_running(tiny_target, tmp_path:
                "--eval-data", str(tmp_path), "--out", str(tmp_path / "out")])
     assert r.returncode == 2 and "entry 1 (a)" in r.stderr and "kl_wieght" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_table_lines_carry_each_recipes_figures() -> None:
+    from dflash_ds.bench.recipe import format_table
+
+    row = {"recipe": "base", "tau_mean": 2.5, "tau_std": 0.125, "tau_pooled_mean": 2.25, "tau_pooled_std": 0.0625,
+           "vs_baseline": 0.0, "beyond_spread": False, "train_tokens": 1000, "train_wall_s": 12.4,
+           "train_tau": 4.876, "train_est_tau": 3.214, "per_position_acceptance": [0.5, 0.25]}
+    other = {**row, "recipe": "lk", "tau_mean": 1.75, "vs_baseline": -0.75, "beyond_spread": True}
+    del other["train_est_tau"]  # a run whose records had no est_tau
+    header, base, lk, legend = format_table([row, other], "base").splitlines()
+    assert header.split()[:4] == ["recipe", "tau", "pooled", "vs"] and "train tau" in header and "est_tau" in header
+    assert base.split() == ["base", "2.500", "±0.125", "2.250", "±0.062", "+0.000", "1000", "12", "4.88", "3.21",
+                            "0.50", "0.25"]
+    assert lk.split() == ["lk", "1.750", "±0.125", "2.250", "±0.062", "-0.750", "*", "1000", "12", "4.88", "-",
+                          "0.50", "0.25"]
+    assert "seed ranges do not overlap with base's" in legend
