@@ -15,7 +15,10 @@ table gives per recipe the held-out tau (mean over prompts of each prompt's mean
 and spread over seeds, P(position k accepted), training tokens and wall time, and the difference to the
 first recipe, marked where the seed ranges do not overlap. Runs live in OUT/<recipe>/seed<S>/; a
 finished run leaves result.json and is not run again, an interrupted one resumes from its checkpoint
-(`--resume auto`), so a killed bench continues where it stopped. Each run folder keeps the settings its
+(`--resume auto`), so a killed bench continues where it stopped. `--temperature T` > 0 evaluates by
+speculative sampling instead (the same sampling seeds for every run); its results sit beside the greedy
+ones (result_t<T>.json, summary_t<T>.json, tau_t<T>.png), so a second temperature reuses the trained
+runs (trained.json records a finished training). Each run folder keeps the settings its
 result depends on (settings.json); a bench that finds a run made under other settings (an edited recipe,
 other steps, data or prompts) stops before anything runs and names what differs, instead of mixing results.
 """
@@ -103,9 +106,19 @@ def shared_flags(items: list[str]) -> list[str]:
     return flags
 
 
+def suffix(temperature: float) -> str:
+    """"" for greedy evaluation, "_t<T>" for sampling at T: the name part of its result, summary and plot files."""
+    return "" if temperature <= 0 else f"_t{temperature:g}"
+
+
 def train_once(args: argparse.Namespace, recipe: dict, seed: int, run_dir: Path) -> tuple[float, Path]:
     """Train (or resume) one run; its wall seconds and the export of its last checkpoint."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    trained = run_dir / "trained.json"
+    if trained.is_file():  # finished by an earlier bench (e.g. evaluated at another temperature)
+        record = json.loads(trained.read_text())
+        return record["train_wall_s"], run_dir / record["export"]
+    print(f"bench recipe: {recipe['name']} seed {seed}: training {args.steps} steps (log {run_dir / 'train.log'})",
+          flush=True)
     log = run_dir / "train.log"
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline",
            "OMP_NUM_THREADS": str(args.threads)}
@@ -119,7 +132,10 @@ def train_once(args: argparse.Namespace, recipe: dict, seed: int, run_dir: Path)
         raise DFlashError(f"recipe {recipe['name']} seed {seed}: training exited with status {status}; "
                           f"last lines of {log}:\n{tail}")
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return wall, run_dir / "checkpoints" / latest / "export"
+    export = Path("checkpoints") / latest / "export"
+    trained.with_suffix(".tmp").write_text(json.dumps({"train_wall_s": round(wall, 1), "export": str(export)}) + "\n")
+    os.replace(trained.with_suffix(".tmp"), trained)
+    return wall, run_dir / export
 
 
 def train_metrics(run_dir: Path) -> dict[str, Any]:
@@ -163,17 +179,15 @@ def check_settings(run_dir: Path, settings: dict[str, Any]) -> None:
 
 
 def run_one(args, recipe, seed, target, prompts) -> dict[str, Any]:
-    """Train and evaluate one (recipe, seed), or read its result.json if an earlier bench finished it."""
+    """Train and evaluate one (recipe, seed), or read its result file if an earlier bench finished it."""
     from dflash_ds.eval.cli import evaluate
     from dflash_ds.models.drafter import DFlashDrafter
 
     run_dir = Path(args.out) / recipe["name"] / f"seed{seed}"
-    done = run_dir / "result.json"
+    done = run_dir / f"result{suffix(args.temperature)}.json"
     if done.is_file():
         print(f"bench recipe: {recipe['name']} seed {seed}: done before ({done})", flush=True)
         return json.loads(done.read_text())
-    print(f"bench recipe: {recipe['name']} seed {seed}: training {args.steps} steps (log {run_dir / 'train.log'})",
-          flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     settings = run_dir / "settings.json"
     if not settings.is_file():
@@ -183,18 +197,19 @@ def run_one(args, recipe, seed, target, prompts) -> dict[str, Any]:
     drafter = DFlashDrafter.from_pretrained(export).eval()
     with _EVAL_LOCK:
         t0 = time.perf_counter()
-        res = evaluate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, log=lambda _s: None)
+        res = evaluate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       seed=0, log=lambda _s: None)
         eval_wall = time.perf_counter() - t0
     if res["mismatches"]:
         raise DFlashError(f"recipe {recipe['name']} seed {seed}: speculative output differs from greedy decoding")
     result = {"recipe": recipe["name"], "seed": seed, "overrides": recipe["set"], "steps": args.steps,
-              "tau": res["tau"], "tau_pooled": res["tau_pooled"], "decode_steps": res["decode_steps"],
+              "temperature": args.temperature, "tau": res["tau"], "tau_pooled": res["tau_pooled"], "decode_steps": res["decode_steps"],
               "per_position_acceptance": res["per_position_acceptance"], **train_metrics(run_dir),
               "train_wall_s": round(train_wall, 1), "eval_wall_s": round(eval_wall, 1),
               "export": str(export)}
     tmp = done.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, done)  # result.json is whole or absent: a killed bench reruns only this eval
+    os.replace(tmp, done)  # the result file is whole or absent: a killed bench reruns only this eval
     print(f"bench recipe: {recipe['name']} seed {seed}: held-out tau {res['tau']:.3f} (pooled "
           f"{res['tau_pooled']:.3f})", flush=True)
     return result
@@ -231,7 +246,7 @@ def summarize(recipes: list[dict], results: list[dict]) -> list[dict[str, Any]]:
     return rows
 
 
-def format_table(rows: list[dict], baseline: str) -> str:
+def format_table(rows: list[dict], baseline: str, temperature: float = 0.0) -> str:
     """The recipe table, one line per recipe."""
     lines = [f"{'recipe':<16} {'tau':>13} {'pooled':>13} {'vs ' + baseline:>12} {'tokens':>9} {'wall s':>7} "
              f"{'train tau':>9} {'est_tau':>7}  P(position k accepted)"]
@@ -242,7 +257,8 @@ def format_table(rows: list[dict], baseline: str) -> str:
                      f"{r['train_tokens']:>9.0f} {r['train_wall_s']:>7.0f} {_figure(r, 'train_tau'):>9} "
                      f"{_figure(r, 'train_est_tau'):>7}  "
                      + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]))
-    lines.append(f"tau: held-out, mean over prompts of each prompt's mean accepted length; ± the standard deviation "
+    served = "greedy (lossless-checked)" if temperature <= 0 else f"speculative sampling at temperature {temperature:g}"
+    lines.append(f"tau: held-out, {served}, mean over prompts of each prompt's mean accepted length; ± the standard deviation "
                  f"over seeds; * = seed ranges do not overlap with {baseline}'s; train tau / est_tau: the last "
                  "training record's uniform argmax tau and greedy-walk estimate (mean over seeds)")
     return "\n".join(lines)
@@ -252,7 +268,7 @@ def _figure(row: dict, key: str) -> str:
     return f"{row[key]:.2f}" if key in row else "-"
 
 
-def plot(rows: list[dict], results: list[dict], path: Path) -> None:
+def plot(rows: list[dict], results: list[dict], path: Path, temperature: float = 0.0) -> None:
     """tau per recipe: the mean with its spread, and every seed's point."""
     import matplotlib
 
@@ -266,7 +282,7 @@ def plot(rows: list[dict], results: list[dict], path: Path) -> None:
         seeds = [x["tau"] for x in results if x["recipe"] == r["recipe"]]
         ax.plot([i] * len(seeds), seeds, "k.", ms=5)
     ax.set_xticks(list(xs), [r["recipe"] for r in rows], rotation=30, ha="right")
-    ax.set_ylabel("held-out tau")
+    ax.set_ylabel("held-out tau" if temperature <= 0 else f"held-out tau, sampled at T={temperature:g}")
     ax.set_ylim(bottom=1.0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -296,12 +312,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "of C free cores use jobs x ranks x threads <= C")
     parser.add_argument("--num-prompts", type=int, default=16, help="held-out prompts evaluated (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt (default 96)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy evaluation, lossless-checked "
+                        "(default); T > 0 = speculative sampling at T with the same seeds for every run. Results, "
+                        "summary and plot of T > 0 are kept beside the greedy ones (*_t<T>.*), the trained runs "
+                        "are reused")
     parser.add_argument("--out", default="bench_out/recipe", help="runs, results and the plot (default bench_out/recipe)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object (last line)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train and evaluate every (recipe, seed) not done yet; print the table; write summary.json and tau.png."""
+    """Train and evaluate every (recipe, seed) not done yet; print the table; write the summary and the plot."""
     import torch
 
     from dflash_ds.eval.cli import load_prompts
@@ -314,6 +334,8 @@ def run(args: argparse.Namespace) -> int:
         raise DFlashError(f"--seeds {args.seeds!r}: expected comma-separated integers") from None
     if not seeds or args.steps < 1 or args.ranks < 1 or args.jobs < 1:
         raise DFlashError("--seeds needs at least one seed; --steps, --ranks and --jobs must be >= 1")
+    if not args.temperature >= 0:
+        raise DFlashError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
     out = Path(args.out)
     pairs = [(r, seed) for r in recipes for seed in seeds]
     for r, seed in pairs:  # every reused run checked before anything runs
@@ -329,14 +351,16 @@ def run(args: argparse.Namespace) -> int:
         results = list(pool.map(lambda pair: run_one(args, *pair, target, prompts), pairs))
     rows = summarize(recipes, results)
     summary = {"recipes": rows, "runs": results, "seeds": seeds, "steps": args.steps, "num_prompts": len(prompts),
-               "max_new_tokens": args.max_new_tokens, "wall_s": round(time.perf_counter() - t0, 1)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(rows, results, out / "tau.png")
-    table = format_table(rows, recipes[0]["name"])
+               "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+               "wall_s": round(time.perf_counter() - t0, 1)}
+    summary_path, plot_path = out / f"summary{suffix(args.temperature)}.json", out / f"tau{suffix(args.temperature)}.png"
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    plot(rows, results, plot_path, args.temperature)
+    table = format_table(rows, recipes[0]["name"], args.temperature)
     if args.json:
         print(table, file=sys.stderr)
         print(json.dumps(summary))
     else:
         print(table)
-        print(f"bench recipe: summary -> {out / 'summary.json'}, plot -> {out / 'tau.png'}")
+        print(f"bench recipe: summary -> {summary_path}, plot -> {plot_path}")
     return 0

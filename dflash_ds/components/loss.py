@@ -50,7 +50,7 @@ class LossSpec:
     streak_weight: float = 0.0
     labels: str = "data"
     lk: str = ""
-    lk_weight: float = 0.5
+    lk_weight: float = 1.0
     lk_kl_scale: float = 1.0
     lk_kl_decay: float = 1.0
     position_weighting: str = "decay"

@@ -60,15 +60,28 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
     assert "ce_decay" in r.stderr and "vs ce_decay" in r.stderr  # the table
     assert (out / "tau.png").stat().st_size > 1000
 
-    # A killed bench: kl_lk's eval never finished. Only that run is redone (its training resumes at its last
-    # checkpoint, which is the end), and the summary is the same, --jobs 1 after --jobs 2.
+    # A killed bench: kl_lk never recorded its training's end, nor its eval. Only that run is redone (its training
+    # resumes at its last checkpoint, which is the end), and the summary is the same, --jobs 1 after --jobs 2.
+    assert json.loads((out / "kl_lk/seed3/trained.json").read_text())["export"].endswith("export")
     (out / "kl_lk/seed3/result.json").unlink()
+    (out / "kl_lk/seed3/trained.json").unlink()
     r = bench(args)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "ce_decay seed 3: done before" in r.stdout and "kl_lk seed 3: training 4 steps" in r.stdout
     again = json.loads(r.stdout.strip().splitlines()[-1])
     for a, b in zip(again["runs"], summary["runs"]):
         assert (a["tau"], a["tau_pooled"], a["train_tokens"]) == (b["tau"], b["tau_pooled"], b["train_tokens"])
+
+    # Sampling at T=1 on the same runs: no training again, results beside the greedy ones, which stay as they were.
+    r = bench([*args, "--temperature", "1"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "training" not in r.stdout and "speculative sampling at temperature 1" in r.stderr
+    sampled = json.loads(r.stdout.strip().splitlines()[-1])
+    assert sampled == json.loads((out / "summary_t1.json").read_text()) and sampled["temperature"] == 1.0
+    assert (out / "tau_t1.png").stat().st_size > 1000 and json.loads((out / "summary.json").read_text()) == again
+    for a, b in zip(sampled["runs"], again["runs"]):
+        assert a["temperature"] == 1.0 and a["tau"] >= 1.0 and a["export"] == b["export"]
+        assert a["train_wall_s"] == b["train_wall_s"] and a["train_tokens"] == b["train_tokens"]
 
     # The recipe edited, the same --out: one clear error naming the run and the difference, before anything runs.
     (tmp_path / "recipes.yaml").write_text(RECIPES.replace("loss.lk_weight: 0.5", "loss.lk_weight: 0.25"))

@@ -26,7 +26,7 @@ def _softmax(xs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def hand_loss(z, t, data_labels, valid, *, gamma=3.0, kl_weight=0.0, kl_temperature=1.0, streak_weight=0.0,
-              labels="data", lk="", lk_weight=0.5, lk_kl_scale=1.0, lk_kl_decay=1.0, position_weighting="decay",
+              labels="data", lk="", lk_weight=1.0, lk_kl_scale=1.0, lk_kl_decay=1.0, position_weighting="decay",
               dpace_alpha=0.5):
     """The loss of docs/DESIGN.md §3, one scalar at a time."""
     n_blocks, k_pos, vocab = z.shape
@@ -87,10 +87,9 @@ def _small_case(seed: int = 0):
 
 
 HAND = {
-    "lk-log": {"lk": "log", "lk_weight": 1.0},  # LK alone
-    "lk-log-default-mix": {"lk": "log"},
+    "lk-log": {"lk": "log"},
     "lk-log-mixed": {"lk": "log", "lk_weight": 0.4, "kl_weight": 0.3, "kl_temperature": 1.5},
-    "lk-hybrid": {"lk": "hybrid", "lk_weight": 1.0, "lk_kl_scale": 0.8, "lk_kl_decay": 2.0},
+    "lk-hybrid": {"lk": "hybrid", "lk_kl_scale": 0.8, "lk_kl_decay": 2.0},
     "lk-hybrid-mixed": {"lk": "hybrid", "lk_weight": 0.6, "kl_weight": 0.5, "kl_temperature": 0.7},
     "dpace": {"position_weighting": "dpace", "dpace_alpha": 0.4},
     "dpace-streak-kl": {"position_weighting": "dpace", "dpace_alpha": 0.7, "streak_weight": 0.3, "kl_weight": 0.2},
@@ -140,8 +139,7 @@ def test_dpace_weights_by_hand():
 N, K, H, V = 13, 5, 16, 37
 
 KNOBS = {
-    "lk-log": {"lk": "log", "lk_weight": 1.0},  # LK alone
-    "lk-log-default-mix": {"lk": "log"},
+    "lk-log": {"lk": "log"},
     "lk-hybrid": {"lk": "hybrid", "lk_kl_scale": 0.9, "lk_kl_decay": 3.0},
     "lk-hybrid+kl": {"lk": "hybrid", "lk_weight": 0.7, "kl_weight": 0.4, "kl_temperature": 1.7},
     "lk-log+kl+streak": {"lk": "log", "lk_weight": 0.5, "kl_weight": 0.5, "kl_temperature": 0.8, "streak_weight": 0.3},
@@ -310,7 +308,7 @@ def test_host_reads_stay_within_the_bound_with_every_new_term():
 
 def test_config_round_trip_and_overrides(tmp_path):
     default = LossConfig()
-    assert (default.labels, default.lk, default.lk_weight, default.position_weighting) == ("data", "", 0.5, "decay")
+    assert (default.labels, default.lk, default.lk_weight, default.position_weighting) == ("data", "", 1.0, "decay")
     assert (default.lk_kl_scale, default.lk_kl_decay, default.dpace_alpha) == (1.0, 1.0, 0.5)
     assert not default.needs_last_hidden
     f = tmp_path / "run.yaml"
