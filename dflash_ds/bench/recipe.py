@@ -143,7 +143,7 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last = records[-1] if records else {}
     return {"train_tokens": int(sum(r.get("real_tokens", 0) for r in records)),
-            **{f"train_{k}": last[k] for k in ("tau", "est_tau", "accuracy") if k in last}}
+            **{f"train_{k}": last[k] for k in ("tau", "est_tau", "accuracy", "alpha", "alpha_tau") if k in last}}
 
 
 # The evaluations share the target, whose capture hooks are the evaluating session's: one at a time (seen: two
@@ -219,6 +219,10 @@ def _spread(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+# The last training record's figures a row averages over seeds (where every seed's run logged them).
+TRAIN_FIGURES = ("train_tau", "train_est_tau", "train_alpha_tau")
+
+
 def summarize(recipes: list[dict], results: list[dict]) -> list[dict[str, Any]]:
     """Per recipe: mean and spread over seeds, and the difference to the first recipe (the baseline)."""
     rows = []
@@ -234,10 +238,8 @@ def summarize(recipes: list[dict], results: list[dict]) -> list[dict[str, Any]]:
                                                  for k in range(positions)],
                      "train_tokens": statistics.fmean(x["train_tokens"] for x in mine),
                      "train_wall_s": statistics.fmean(x["train_wall_s"] for x in mine),
-                     **({"train_tau": statistics.fmean(x["train_tau"] for x in mine)}
-                        if all("train_tau" in x for x in mine) else {}),
-                     **({"train_est_tau": statistics.fmean(x["train_est_tau"] for x in mine)}
-                        if all("train_est_tau" in x for x in mine) else {})})
+                     **{key: statistics.fmean(x[key] for x in mine) for key in TRAIN_FIGURES
+                        if all(key in x for x in mine)}})
     base = rows[0]
     for row in rows:
         row["vs_baseline"] = row["tau_mean"] - base["tau_mean"]
@@ -248,19 +250,24 @@ def summarize(recipes: list[dict], results: list[dict]) -> list[dict[str, Any]]:
 
 def format_table(rows: list[dict], baseline: str, temperature: float = 0.0) -> str:
     """The recipe table, one line per recipe."""
+    # The training figure that predicts this serving: the greedy walk, or alpha's expected streak for sampling.
+    name = "est_tau" if temperature <= 0 else "alpha_tau"
+    predictor = f"train_{name}"
     lines = [f"{'recipe':<16} {'tau':>13} {'pooled':>13} {'vs ' + baseline:>12} {'tokens':>9} {'wall s':>7} "
-             f"{'train tau':>9} {'est_tau':>7}  P(position k accepted)"]
+             f"{'train tau':>9} {name:>9}  P(position k accepted)"]
     for r in rows:
         mark = " *" if r["beyond_spread"] else ""
         lines.append(f"{r['recipe']:<16} {r['tau_mean']:>6.3f} ±{r['tau_std']:<5.3f} "
                      f"{r['tau_pooled_mean']:>6.3f} ±{r['tau_pooled_std']:<5.3f} {r['vs_baseline']:>+10.3f}{mark:<2} "
                      f"{r['train_tokens']:>9.0f} {r['train_wall_s']:>7.0f} {_figure(r, 'train_tau'):>9} "
-                     f"{_figure(r, 'train_est_tau'):>7}  "
+                     f"{_figure(r, predictor):>9}  "
                      + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]))
-    served = "greedy (lossless-checked)" if temperature <= 0 else f"speculative sampling at temperature {temperature:g}"
-    lines.append(f"tau: held-out, {served}, mean over prompts of each prompt's mean accepted length; ± the standard deviation "
-                 f"over seeds; * = seed ranges do not overlap with {baseline}'s; train tau / est_tau: the last "
-                 "training record's uniform argmax tau and greedy-walk estimate (mean over seeds)")
+    served, estimate = (("greedy (lossless-checked)", "greedy-walk estimate") if temperature <= 0 else
+                        (f"speculative sampling at temperature {temperature:g}", "expected accepted length under "
+                         "sampling, where the loss read the target's distribution"))
+    lines.append(f"tau: held-out, {served}, mean over prompts of each prompt's mean accepted length; ± the standard "
+                 f"deviation over seeds; * = seed ranges do not overlap with {baseline}'s; train tau / {name}: the "
+                 f"last training record's uniform argmax tau and {estimate} (mean over seeds)")
     return "\n".join(lines)
 
 

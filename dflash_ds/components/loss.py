@@ -322,15 +322,21 @@ def metric_sums(terms: LossTerms) -> dict[str, torch.Tensor]:
 def acceptance_sums(terms: LossTerms) -> dict[str, torch.Tensor]:
     """Sum of the acceptance estimate alpha over valid positions, and their count (0, 0 without the target's
     distributions): alpha = sum_v min(p_drafter, p_target), the chance that speculative sampling accepts
-    the drafter's token at T = loss.kl_temperature. Device tensors, no host read."""
+    the drafter's token at T = loss.kl_temperature. And alpha's expected streak summed over blocks:
+    sum_k prod_{j<=k} alpha_j, the expected number of a block's drafts speculative sampling accepts (alpha
+    is 0 at an invalid position, which ends the product). Device tensors, no host read."""
     if terms.alpha is None:
         zero = terms.valid.new_zeros((), dtype=torch.float32)
-        return {"alpha": zero, "alpha_positions": zero.clone()}
-    return {"alpha": terms.alpha.sum().float(), "alpha_positions": terms.valid.sum().float()}
+        return {"alpha": zero, "alpha_positions": zero.clone(), "alpha_streak": zero.clone()}
+    blocks = terms.valid[:, 0]
+    expected = terms.alpha.float().cumprod(dim=-1).sum(dim=-1) * blocks
+    return {"alpha": terms.alpha.sum().float(), "alpha_positions": terms.valid.sum().float(),
+            "alpha_streak": expected.sum()}
 
 
 def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:
-    """accuracy, per-position accuracy, mean streak, tau = 1 + streak, top-k, tree streaks; alpha when summed."""
+    """accuracy, per-position accuracy, mean streak, tau = 1 + streak, top-k, tree streaks; alpha and alpha_tau
+    (1 + alpha's expected streak: tau's form for speculative sampling) when summed."""
     def ratio(a: str, b: str) -> float:
         den = float(sums[b])
         return float(sums[a]) / den if den > 0 else math.nan
@@ -347,5 +353,6 @@ def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float | list[f
         "tree_streak4": ratio("tree_streak4", "blocks"),
         "tree_streak8": ratio("tree_streak8", "blocks"),
         "accuracy_per_position": pos_acc,
-        **({"alpha": ratio("alpha", "alpha_positions")} if float(sums.get("alpha_positions", 0.0)) > 0 else {}),
+        **({"alpha": ratio("alpha", "alpha_positions"), "alpha_tau": 1.0 + ratio("alpha_streak", "blocks")}
+           if float(sums.get("alpha_positions", 0.0)) > 0 else {}),
     }

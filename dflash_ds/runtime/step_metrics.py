@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 # Sums of the loss statistics (components/loss.metric_sums and acceptance_sums + the objective's "anchors").
 LOSS_SUMS = ("valid_positions", "correct", "top4", "top8", "blocks", "streak", "tree_streak4", "tree_streak8",
-             "anchors", "alpha", "alpha_positions")
+             "anchors", "alpha", "alpha_positions", "alpha_streak")
 # Per-step values summed over steps and drafters (divided by their count when logged).
 STEP_SUMS = ("loss", "steps", "real_tokens", "padded_tokens", "num_seqs", "queue_depth", "tgt_batch_per_s",
              "tgt_forward_s", "grad_norm", "lr", "noise_std")
@@ -160,8 +160,9 @@ class WindowTotals:
                 "accuracy", "avg_streak", "tau", "top4_accuracy", "top8_accuracy", "tree_streak4", "tree_streak8")},
             "accuracy_per_position": m["accuracy_per_position"],
             # mean sum_v min(p_drafter, p_target) over label positions: only when the loss read the target's
-            # distribution (loss.kl_weight > 0, loss.lk or loss.labels = target)
-            **({"alpha": m["alpha"]} if "alpha" in m else {}),
+            # distribution (loss.kl_weight > 0, loss.lk or loss.labels = target); alpha_tau: 1 + the expected
+            # accepted drafts of a block under speculative sampling (sum_k prod_{j<=k} alpha_j), uniform anchors
+            **({"alpha": m["alpha"], "alpha_tau": m["alpha_tau"]} if "alpha" in m else {}),
             # greedy decoding walked over the response (components/acceptance.py): est_tau at every record when
             # train.est_tau_rows > 0, val_* on the validation split at an evaluation step
             **self.walks(),

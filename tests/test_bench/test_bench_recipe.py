@@ -79,6 +79,8 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
     sampled = json.loads(r.stdout.strip().splitlines()[-1])
     assert sampled == json.loads((out / "summary_t1.json").read_text()) and sampled["temperature"] == 1.0
     assert (out / "tau_t1.png").stat().st_size > 1000 and json.loads((out / "summary.json").read_text()) == again
+    base_t1, kl_lk_t1 = sampled["recipes"]  # alpha_tau only where the loss read the target's distribution
+    assert "train_alpha_tau" not in base_t1 and 1.0 <= kl_lk_t1["train_alpha_tau"] <= 8.0
     for a, b in zip(sampled["runs"], again["runs"]):
         assert a["temperature"] == 1.0 and a["tau"] >= 1.0 and a["export"] == b["export"]
         assert a["train_wall_s"] == b["train_wall_s"] and a["train_tokens"] == b["train_tokens"]
@@ -114,4 +116,8 @@ def test_table_lines_carry_each_recipes_figures() -> None:
                             "0.50", "0.25"]
     assert lk.split() == ["lk", "1.750", "±0.125", "2.250", "±0.062", "-0.750", "*", "1000", "12", "4.88", "-",
                           "0.50", "0.25"]
-    assert "seed ranges do not overlap with base's" in legend
+    assert "seed ranges do not overlap with base's" in legend and "greedy (lossless-checked)" in legend
+    # Sampled serving: the training column that predicts it is alpha_tau, where the recipe logged it.
+    header, base, lk, legend = format_table([{**row, "train_alpha_tau": 5.678}, other], "base", 1.0).splitlines()
+    assert "alpha_tau" in header and "est_tau" not in header and "temperature 1" in legend
+    assert base.split()[8:10] == ["4.88", "5.68"] and lk.split()[9:11] == ["4.88", "-"]

@@ -203,6 +203,23 @@ def test_target_labels_are_the_target_argmax_and_alpha_is_the_overlap():
     m = metrics_from_sums({**metric_sums(as_target), **sums})
     assert abs(m["alpha"] - (overlap.sum() / valid.sum()).item()) < 1e-6
     assert "alpha" not in metrics_from_sums({**metric_sums(as_data), **acceptance_sums(as_data)})
+    assert "alpha_tau" not in metrics_from_sums({**metric_sums(as_data), **acceptance_sums(as_data)})
+    # alpha_tau by hand: per block whose first position is valid, alpha_1 + alpha_1 alpha_2 + ...
+    per_block = [sum(math.prod(overlap[b, :k + 1].tolist()) for k in range(valid.shape[1]))
+                 for b in range(valid.shape[0]) if valid[b, 0]]
+    assert abs(m["alpha_tau"] - (1 + sum(per_block) / len(per_block))) < 1e-5
+
+
+def test_alpha_tau_by_hand():
+    from dflash_ds.components.loss import LossTerms
+
+    alpha = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.5, 0.5], [0.0, 0.0, 0.0]])
+    valid = torch.tensor([[True, True, False], [True, True, True], [False, False, False]])
+    terms = LossTerms(loss=torch.zeros(()), correct=valid & False, in_top4=valid & False, in_top8=valid & False,
+                      valid=valid, weight_sum=torch.zeros(()), alpha=alpha * valid)
+    m = metrics_from_sums({**metric_sums(terms), **acceptance_sums(terms)})
+    # block 0: 0.5 + 0.25 + 0 (its third position is past the mask); block 1: 1 + 0.5 + 0.25; block 2 has no anchor
+    assert m["alpha_tau"] == pytest.approx(1 + (0.75 + 1.75) / 2) and m["alpha"] == pytest.approx(3.0 / 5)
 
 
 def test_terms_that_need_the_target_are_off_without_it():
@@ -348,7 +365,8 @@ def test_window_record_has_alpha_only_when_measured():
 
     sums = {**{k: 1.0 for k in STEP_SUMS + LOSS_SUMS}, **{k: 0.0 for k in WALK_KEYS}}
     args = (5, 0, 1.0, 1, 1, 1, 10, 0.1)
-    with_alpha = WindowTotals({**sums, "alpha": 3.0, "alpha_positions": 4.0}, 0.0, [1.0], [1.0], [1.0], [0.0])
-    assert with_alpha.record(*args)["alpha"] == 0.75
+    with_alpha = WindowTotals({**sums, "alpha": 3.0, "alpha_positions": 4.0, "alpha_streak": 2.5}, 0.0, [1.0], [1.0],
+                              [1.0], [0.0])
+    assert with_alpha.record(*args)["alpha"] == 0.75 and with_alpha.record(*args)["alpha_tau"] == 3.5  # blocks 1
     without = WindowTotals({**sums, "alpha": 0.0, "alpha_positions": 0.0}, 0.0, [1.0], [1.0], [1.0], [0.0])
     assert "alpha" not in without.record(*args)
