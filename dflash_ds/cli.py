@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from dflash_ds.bench.cli import BENCHMARKS
 from dflash_ds.errors import DFlashError
 
 # name -> (module, one-line help)
@@ -20,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-step": ("dflash_ds.tools.train_step", "run a few single-device training steps of the DFlash core (smoke test)"),
     "prepare": ("dflash_ds.data.prepare", "tokenize conversations with the target's chat template into an Arrow dataset"),
     "regenerate": ("dflash_ds.data.regenerate", "rewrite assistant turns with the target's own answers"),
-    "bench": ("dflash_ds.bench.cli", "benchmarks (attention, batching, comm, memory, pipeline, zero)"),
+    "bench": ("dflash_ds.bench.cli", f"benchmarks ({', '.join(BENCHMARKS)})"),
     "eval": ("dflash_ds.eval.cli", "acceptance length of a drafter by real speculative decoding"),
     "report": ("dflash_ds.tools.report", "PNG plots and a text summary from a run's metrics.jsonl"),
     "check-hostfile": ("dflash_ds.tools.check_hostfile", "validate a deepspeed hostfile (HOST slots=N lines) before launching"),
