@@ -1,8 +1,10 @@
 """`dflash-ds report`: PNG plots and a text summary of a training run's metrics.jsonl.
 
-Writes one PNG per metric found (`<metric>.png`, the metric against step) into `RUN/plots/`, plus
-`summary.txt` with first / last / best values, the step range and tokens/s. matplotlib runs with the
-Agg backend, so no display is needed.
+Writes one PNG per metric found (`<metric>.png`, the metric against step) into `RUN/plots/`, the
+acceptance figures on one plot (`acceptance.png`: training tau, est_tau, val_tau, val_est_tau,
+alpha_tau, whichever the run logged), plus `summary.txt` with first / last / best values (and, for
+the acceptance figures, the mean of the last records), the step range and tokens/s. matplotlib runs
+with the Agg backend, so no display is needed.
 """
 
 from __future__ import annotations
@@ -20,10 +22,24 @@ METRICS: dict[str, tuple[str, str | None]] = {
     "loss": ("training loss", "min"),
     "accuracy": ("accuracy (argmax == label)", "max"),
     "tau": ("training acceptance length tau (1 + mean streak over the batch's blocks)", "max"),
+    "est_tau": ("est_tau: the greedy anchor walk, as decoding visits blocks", "max"),
+    "val_tau": ("val_tau: tau on the validation split", "max"),
+    "val_est_tau": ("val_est_tau: est_tau on the validation split (checkpoints/best)", "max"),
+    "alpha": ("alpha: sum over the vocabulary of min(p_draft, p_target)", "max"),
+    "alpha_tau": ("alpha_tau: expected accepted length, speculative sampling", "max"),
+    "grad_norm": ("gradient norm", None),
+    "lr": ("learning rate", None),
     "tok_per_sec": ("tokens / s", "max"),
     "hs_queue_depth": ("hidden-state queue depth", None),
     "padding_efficiency": ("padding efficiency (real / padded tokens)", "max"),
+    "peak_mem_gb": ("peak device memory of a drafter rank (GB)", None),
 }
+# The acceptance-length figures drawn together on acceptance.png: which one predicts serving is in
+# docs/QUALITY.md (est_tau / val_est_tau for greedy decoding, alpha_tau for sampling; tau overstates).
+ACCEPTANCE = ("tau", "est_tau", "val_tau", "val_est_tau", "alpha_tau")
+LAST_K = 10
+ACCEPTANCE_NOTE = ("served acceptance: est_tau (val_est_tau on held-out rows) predicts eval's greedy tau, alpha_tau "
+                   "the sampled one; tau, the argmax streak at uniform anchors, overstates both (docs/QUALITY.md)")
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:
@@ -85,6 +101,22 @@ def plot_metrics(records: list[dict[str, Any]], out_dir: str | Path) -> list[Pat
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
+    curves = [(key, *_series(records, key)) for key in ACCEPTANCE]
+    curves = [c for c in curves if c[2]]
+    if len(curves) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        for key, steps, values in curves:  # validation figures come every eval_interval steps: markers
+            ax.plot(steps, values, marker="." if len(values) < 50 else None, linewidth=1.2, label=key)
+        ax.set_title("acceptance length: training metrics vs estimates of served tau")
+        ax.set_xlabel("step")
+        ax.set_ylabel("accepted tokens per block")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / "acceptance.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
     return written
 
 
@@ -102,7 +134,11 @@ def summarize(records: list[dict[str, Any]]) -> str:
             line += f"  best {values[i]:.4g} (step {steps[i]:g})"
         else:
             line += f"  mean {sum(values) / len(values):.4g}  max {max(values):.4g}"
+        if key in ACCEPTANCE and len(values) > LAST_K:  # a record's est_tau walks a few rows: read the trend
+            line += f"  mean of last {LAST_K} {sum(values[-LAST_K:]) / LAST_K:.4g}"
         lines.append(line)
+    if any(_series(records, key)[1] for key in ACCEPTANCE[1:]):
+        lines.append(ACCEPTANCE_NOTE)
     _, tps = _series(records, "tok_per_sec")
     if tps:
         lines.append(f"tokens/s: mean {sum(tps) / len(tps):,.0f}, last {tps[-1]:,.0f}")

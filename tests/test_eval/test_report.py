@@ -51,3 +51,36 @@ def test_report_missing_or_empty_metrics_names_the_file(tmp_path, capsys):
     assert main(["report", "--run", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "metrics.jsonl") in err and "no metric records" in err
+
+
+def test_report_draws_the_acceptance_figures_together(tmp_path):
+    from PIL import Image
+
+    recs = _records()
+    for i, r in enumerate(recs):
+        r["est_tau"] = 1.0 + 0.05 * i
+        r["alpha_tau"] = 1.5 + 0.01 * i
+        if i % 5 == 4:  # validation every 5th record; its best is at step 150
+            r["val_est_tau"] = {4: 1.2, 9: 1.4, 14: 1.9, 19: 1.7}[i]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["report", "--run", str(tmp_path)]) == 0
+    png = tmp_path / "plots" / "acceptance.png"
+    with Image.open(png) as img:
+        raw = img.convert("RGB").tobytes()
+    pixels = [c for c in zip(raw[0::3], raw[1::3], raw[2::3]) if max(c) - min(c) > 60]  # coloured: not text, grid
+    cycle = {"tau": (31, 119, 180), "est_tau": (255, 127, 14), "val_est_tau": (44, 160, 44), "alpha_tau": (214, 39, 40)}
+    nearest = [min(cycle, key=lambda k: sum((a - b) ** 2 for a, b in zip(c, cycle[k]))) for c in pixels]
+    assert all(nearest.count(k) > 50 for k in cycle), {k: nearest.count(k) for k in cycle}  # four curves drawn
+    summary = (tmp_path / "plots" / "summary.txt").read_text()
+    assert "val_est_tau          first 1.2 (step 50)  last 1.7 (step 200)  best 1.9 (step 150)" in summary
+    last10 = sum(1.0 + 0.05 * i for i in range(10, 20)) / 10  # 1.725
+    assert f"est_tau              first 1 (step 10)  last 1.95 (step 200)  best 1.95 (step 200)  mean of last 10 " \
+           f"{last10:.4g}" in summary
+    assert "est_tau (val_est_tau on held-out rows) predicts" in summary
+
+
+def test_report_without_estimates_draws_no_acceptance_plot(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    assert main(["report", "--run", str(tmp_path)]) == 0
+    assert not (tmp_path / "plots" / "acceptance.png").exists()
+    assert "predicts" not in (tmp_path / "plots" / "summary.txt").read_text()
