@@ -243,7 +243,7 @@ class Config:
     target: str = ""
     """Local HF folder of the frozen target model."""
     drafter: str = ""
-    """Optional exported drafter folder to start from."""
+    """Optional exported drafter folder to start from; its config.json fixes the shape (model.* set otherwise: an error)."""
     model: DrafterConfig = field(default_factory=DrafterConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

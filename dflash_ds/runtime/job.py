@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_ds.config import Config
+from dflash_ds.config import Config, DrafterConfig
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter_arch import DrafterArch, read_drafter_arch
 from dflash_ds.models.from_target import drafter_arch_from_target
@@ -21,6 +21,7 @@ def resolve_arch(cfg: Config) -> DrafterArch:
         tgt = drafter_arch_from_target(cfg.target, num_layers=arch.num_hidden_layers, block_size=arch.block_size,
                                        mask_token_id=arch.mask_token_id, target_layer_ids=arch.target_layer_ids)
         check_arch_matches_target(arch, tgt, cfg.drafter, cfg.target)
+        check_model_matches_drafter(cfg, arch)
         return arch
     return drafter_arch_from_target(cfg.target, num_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
                                     mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids,
@@ -33,6 +34,25 @@ def check_arch_matches_target(arch: DrafterArch, tgt: DrafterArch, drafter_dir, 
         a, b = getattr(arch, name), getattr(tgt, name)
         if a != b:
             raise DFlashError(f"drafter {drafter_dir} has {name} = {a} but target {target_dir} has {b}")
+
+
+# model.* field -> the DrafterArch attribute that --drafter's config.json fixes
+MODEL_FIELDS = {"num_layers": "num_hidden_layers", "block_size": "block_size", "mask_token_id": "mask_token_id",
+                "target_layer_ids": "target_layer_ids", "layer_types": "layer_types", "sliding_window": "sliding_window"}
+
+
+def check_model_matches_drafter(cfg: Config, arch: DrafterArch) -> None:
+    """A model.* shape field set (away from its default) to another value than --drafter's -> one clear error.
+
+    --drafter's config.json fixes the shape; a config or flag that asks for another one would otherwise be
+    ignored without a word (a 5-layer config training a 2-layer drafter)."""
+    defaults = DrafterConfig()
+    for name, attr in MODEL_FIELDS.items():
+        asked, default, has = getattr(cfg.model, name), getattr(defaults, name), getattr(arch, attr)
+        if asked not in (default, None, []) and asked != has:  # None / [] (layer_types): not asked
+            raise DFlashError(f"model.{name} = {asked} but --drafter {cfg.drafter} has {attr} = {has}: the "
+                              f"drafter's config.json fixes the shape; drop model.{name} or start from a drafter "
+                              "of that shape (dflash-ds init-drafter)")
 
 
 def torch_dtype(cfg: Config, cuda: bool) -> torch.dtype:

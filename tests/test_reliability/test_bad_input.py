@@ -393,3 +393,23 @@ def test_resume_from_a_partial_or_unreadable_checkpoint(tmp_path):
     (torn / "trainer_state.json").write_text('{"step": 2')
     with pytest.raises(DFlashError, match=f"^{torn / 'trainer_state.json'}: unreadable trainer state"):
         ckpt.read_state(ckpt.resolve_resume(str(torn), run))
+
+
+def test_model_fields_that_contradict_the_drafter(tiny_target, tmp_path):
+    """--drafter's config.json fixes the shape: a model.* field set to another value is an error, not ignored."""
+    from dflash_ds import cli
+    from dflash_ds.runtime.job import resolve_arch
+
+    drafter = tmp_path / "drafter"
+    assert cli.main(["init-drafter", "--target", str(tiny_target), "--out", str(drafter), "--num-layers", "2",
+                     "--block-size", "8"]) == 0
+    base = {"target": str(tiny_target), "drafter": str(drafter)}
+    arch = resolve_arch(load_config(TINY, base))  # tiny.yaml asks for 2 layers of block 8: the drafter's shape
+    assert (arch.num_hidden_layers, arch.block_size) == (2, 8)
+    assert resolve_arch(load_config(None, base)).num_hidden_layers == 2  # defaults: nothing asked
+    for model, message in (({"num_layers": 3}, "model.num_layers = 3 but --drafter .* has num_hidden_layers = 2"),
+                           ({"block_size": 4}, "model.block_size = 4 but --drafter .* has block_size = 8"),
+                           ({"target_layer_ids": [0, 2]}, r"model.target_layer_ids = \[0, 2\] but --drafter .* has "
+                                                          r"target_layer_ids = \[1, 2\]")):
+        with pytest.raises(DFlashError, match=message):
+            resolve_arch(load_config(TINY, dict(base, model=model)))
