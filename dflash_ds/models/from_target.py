@@ -39,11 +39,20 @@ def pick_mask_token_id(target_dir: str | Path, vocab_size: int) -> int:
                       f"pass --mask-token-id")
 
 
+# The draft layers' own widths, each the target's unless set (config model.*, init-drafter flags).
+SHAPE_OVERRIDES = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+
+
 def drafter_arch_from_target(target_dir: str | Path, *, num_layers: int = 5, block_size: int = 16,
                              mask_token_id: int | None = None, target_layer_ids: list[int] | None = None,
                              layer_types: list[str] | None = None,
-                             sliding_window: int | None = None) -> DrafterArch:
+                             sliding_window: int | None = None, **shape: int | None) -> DrafterArch:
     """Width, heads, vocab and RoPE from the target; target_layer_ids by the default rule (docs/DESIGN.md §2).
+
+    `shape` may set any of SHAPE_OVERRIDES (None = the target's): the heads, head width and MLP width
+    of the draft layers need not be the target's (z-lab's Qwen3.6-27B drafter: 32 / 8 heads of 128 on a
+    target of 24 / 4 heads of 256). The hidden size is the target's: the drafter reads its hidden states
+    and shares its embedding and LM head.
 
     Reads config.json and the tokenizer only (no weights), so it works on a config-only folder
     when mask_token_id is given.
@@ -69,14 +78,25 @@ def drafter_arch_from_target(target_dir: str | Path, *, num_layers: int = 5, blo
     # a hybrid target's partial rotary factor and multimodal RoPE sections are not the drafter's.
     rope = {k: v for k, v in rope.items() if k != "partial_rotary_factor" and not k.startswith("mrope")}
     rope.setdefault("rope_theta", float(cfg.get("rope_theta", 10000.0)))
-    heads = int(cfg["num_attention_heads"])
+    unknown = sorted(set(shape) - set(SHAPE_OVERRIDES))
+    if unknown:
+        raise TypeError(f"drafter_arch_from_target: unknown shape fields {unknown}")
+    target_heads = int(cfg["num_attention_heads"])
+    dims = {"num_attention_heads": target_heads,
+            "num_key_value_heads": int(cfg.get("num_key_value_heads") or target_heads),
+            "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // target_heads),
+            "intermediate_size": int(cfg.get("intermediate_size") or 4 * cfg["hidden_size"])}
+    for name, value in shape.items():
+        if value is not None:
+            if value < 1:
+                raise DFlashError(f"model.{name} = {value}: must be >= 1")
+            dims[name] = int(value)
+    if dims["num_attention_heads"] % dims["num_key_value_heads"]:
+        raise DFlashError(f"model.num_key_value_heads = {dims['num_key_value_heads']} does not divide "
+                          f"model.num_attention_heads = {dims['num_attention_heads']} (grouped-query attention)")
     try:
         return DrafterArch(
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg.get("intermediate_size", 4 * cfg["hidden_size"])),
-            num_hidden_layers=num_layers, num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads), vocab_size=vocab,
+            hidden_size=int(cfg["hidden_size"]), num_hidden_layers=num_layers, **dims, vocab_size=vocab,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)), rope_parameters=rope,
             block_size=block_size, num_target_layers=n_target, mask_token_id=int(mask_token_id),

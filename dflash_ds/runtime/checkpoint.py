@@ -213,6 +213,13 @@ def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, 
     return final
 
 
+# The drafter's shape as a checkpoint records it; a resume must match every one (runtime/resume.py).
+# Checkpoints written before the head and MLP widths were recorded lack those keys: not checked there.
+ARCH_KEYS = ("block_size", "target_layer_ids", "num_hidden_layers", "hidden_size", "vocab_size", "mask_token_id",
+             "layer_types", "sliding_window", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "intermediate_size")
+
+
 def trainer_state(cfg: Config, arch, num_drafters: int, global_batch: int, zero_stage: int, dtype, step: int,
                   cursor: Cursor, val: dict | None = None, best: dict | None = None) -> dict[str, Any]:
     """trainer_state.json: where the run is, how it trains (resharding reads this) and the drafter shape;
@@ -223,10 +230,7 @@ def trainer_state(cfg: Config, arch, num_drafters: int, global_batch: int, zero_
             "colocated": bool(cfg.topology.colocate),
             "global_batch": global_batch, "zero_stage": zero_stage,
             "dtype": str(dtype).removeprefix("torch."),
-            "arch": {"block_size": arch.block_size, "target_layer_ids": arch.target_layer_ids,
-                     "num_hidden_layers": arch.num_hidden_layers, "hidden_size": arch.hidden_size,
-                     "vocab_size": arch.vocab_size, "mask_token_id": arch.mask_token_id,
-                     "layer_types": arch.layer_types, "sliding_window": arch.sliding_window},
+            "arch": {key: getattr(arch, key) for key in ARCH_KEYS},
             "rng": "per-batch generators seeded by (seed, global batch id): nothing else to restore",
             "config": scrub_secrets(to_dict(cfg))}
 

@@ -11,7 +11,7 @@ import torch
 from dflash_ds.config import Config, DrafterConfig
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter_arch import DrafterArch, read_drafter_arch
-from dflash_ds.models.from_target import drafter_arch_from_target
+from dflash_ds.models.from_target import SHAPE_OVERRIDES, drafter_arch_from_target
 
 
 def resolve_arch(cfg: Config) -> DrafterArch:
@@ -25,7 +25,8 @@ def resolve_arch(cfg: Config) -> DrafterArch:
         return arch
     return drafter_arch_from_target(cfg.target, num_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
                                     mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids,
-                                    layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window)
+                                    layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window,
+                                    **{name: getattr(cfg.model, name) for name in SHAPE_OVERRIDES})
 
 
 def check_arch_matches_target(arch: DrafterArch, tgt: DrafterArch, drafter_dir, target_dir) -> None:
@@ -38,7 +39,8 @@ def check_arch_matches_target(arch: DrafterArch, tgt: DrafterArch, drafter_dir, 
 
 # model.* field -> the DrafterArch attribute that --drafter's config.json fixes
 MODEL_FIELDS = {"num_layers": "num_hidden_layers", "block_size": "block_size", "mask_token_id": "mask_token_id",
-                "target_layer_ids": "target_layer_ids", "layer_types": "layer_types", "sliding_window": "sliding_window"}
+                "target_layer_ids": "target_layer_ids", "layer_types": "layer_types", "sliding_window": "sliding_window",
+                **{name: name for name in SHAPE_OVERRIDES}}
 
 
 def check_model_matches_drafter(cfg: Config, arch: DrafterArch) -> None:

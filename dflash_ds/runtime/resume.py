@@ -125,8 +125,7 @@ def best_so_far(state: dict[str, Any], output_dir: str | Path) -> dict | None:
 def check_resume_state(state: dict, arch, path: Path) -> None:
     """A checkpoint whose drafter shape, block size or target layers differ from the run -> clear error."""
     saved = state.get("arch", {})
-    for key in ("block_size", "target_layer_ids", "num_hidden_layers", "hidden_size", "vocab_size", "mask_token_id",
-                "layer_types", "sliding_window"):
+    for key in ckpt.ARCH_KEYS:
         if key in saved and saved[key] != getattr(arch, key):
             raise DFlashError(f"checkpoint {path} has {key} = {saved[key]} but this run has {getattr(arch, key)}")
 

@@ -9,21 +9,23 @@ from pathlib import Path
 
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter import DFlashDrafter
-from dflash_ds.models.from_target import drafter_arch_from_target, target_dtype
+from dflash_ds.models.from_target import SHAPE_OVERRIDES, drafter_arch_from_target, target_dtype
 
 
 def init_drafter(target_dir: str | Path, out_dir: str | Path, *, num_layers: int = 5, block_size: int = 16,
                  mask_token_id: int | None = None, seed: int = 0, force: bool = False,
-                 layer_types: list[str] | None = None, sliding_window: int | None = None) -> DFlashDrafter:
+                 layer_types: list[str] | None = None, sliding_window: int | None = None,
+                 **shape: int | None) -> DFlashDrafter:
     """Build, seed-init and save a drafter for `target_dir` into `out_dir` (atomically), in the target's dtype.
 
     The export's dtype is what SGLang / vLLM run under --dtype auto, so a bf16 target's drafter
-    says bfloat16 (a float32 config would be served as float16 by SGLang).
+    says bfloat16 (a float32 config would be served as float16 by SGLang). `shape`: the heads, head
+    width and MLP width when not the target's (models/from_target.SHAPE_OVERRIDES).
     """
     out = Path(out_dir)
     arch = drafter_arch_from_target(target_dir, num_layers=num_layers, block_size=block_size,
                                     mask_token_id=mask_token_id, layer_types=layer_types,
-                                    sliding_window=sliding_window)
+                                    sliding_window=sliding_window, **shape)
     if out.exists() and any(out.iterdir()) and not force:
         raise DFlashError(f"output folder {out} is not empty (use --force to overwrite)")
     model = DFlashDrafter(arch)
@@ -54,6 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: all full_attention)")
     p.add_argument("--sliding-window", type=int, default=None,
                    help="window of the sliding_attention layers in positions, the query included")
+    p.add_argument("--num-attention-heads", type=int, default=None,
+                   help="query heads per draft layer (default: the target's; z-lab's Qwen3.6-27B drafter: 32)")
+    p.add_argument("--num-key-value-heads", type=int, default=None,
+                   help="key/value heads per draft layer, dividing the query heads (default: the target's)")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="width of one attention head (default: the target's; z-lab's Qwen3.6-27B drafter: 128)")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="MLP width of each draft layer (default: the target's)")
     p.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
 
@@ -62,10 +72,12 @@ def run(args: argparse.Namespace) -> int:
     types = [t.strip() for t in args.layer_types.split(",") if t.strip()] or None
     model = init_drafter(args.target, args.out, num_layers=args.num_layers, block_size=args.block_size,
                          mask_token_id=args.mask_token_id, seed=args.seed, force=args.force,
-                         layer_types=types, sliding_window=args.sliding_window)
+                         layer_types=types, sliding_window=args.sliding_window,
+                         **{name: getattr(args, name) for name in SHAPE_OVERRIDES})
     n = sum(p.numel() for p in model.parameters())
     a = model.arch
-    print(f"drafter: {a.num_hidden_layers} layers, hidden {a.hidden_size}, block {a.block_size}, "
+    print(f"drafter: {a.num_hidden_layers} layers, hidden {a.hidden_size}, heads {a.num_attention_heads} / "
+          f"{a.num_key_value_heads} of {a.head_dim}, MLP {a.intermediate_size}, block {a.block_size}, "
           f"target layers {a.target_layer_ids}, mask token {a.mask_token_id}, {n / 1e6:.2f} M params -> {args.out}")
     if a.has_sliding:
         print(f"layer types {a.layer_types}, sliding window {a.sliding_window}")

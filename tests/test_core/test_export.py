@@ -139,3 +139,48 @@ def test_mask_token_found_by_name(tmp_path, monkeypatch, name):
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tok())
     assert pick_mask_token_id(tmp_path, vocab_size=3) == 2
+
+
+def test_heads_and_widths_of_its_own(tiny_target, tmp_path):
+    """Heads, head width and MLP width may differ from the target's (z-lab's Qwen3.6-27B drafter: 32 / 8 heads of
+    128 on a target of 24 / 4 heads of 256); the config, the tensors and a reload say so."""
+    r = cli("init-drafter", "--target", str(tiny_target), "--out", str(tmp_path / "d"), "--num-layers", "2",
+            "--block-size", "8", "--num-attention-heads", "8", "--num-key-value-heads", "2", "--head-dim", "16",
+            "--intermediate-size", "96")
+    assert r.returncode == 0, r.stderr
+    assert "heads 8 / 2 of 16, MLP 96" in r.stdout
+    cfg = json.loads((tmp_path / "d/config.json").read_text())
+    assert [cfg[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")] == \
+        [8, 2, 16, 96]
+    h = cfg["hidden_size"]  # the target's: the drafter reads its hidden states
+    t = load_file(str(tmp_path / "d/model.safetensors"))
+    assert t["layers.0.self_attn.q_proj.weight"].shape == (8 * 16, h)
+    assert t["layers.0.self_attn.k_proj.weight"].shape == (2 * 16, h)
+    assert t["layers.0.self_attn.o_proj.weight"].shape == (h, 8 * 16)
+    assert t["layers.0.self_attn.q_norm.weight"].shape == (16,)
+    assert t["layers.0.mlp.up_proj.weight"].shape == (96, h)
+    assert DFlashDrafter.from_pretrained(tmp_path / "d").arch.head_dim == 16
+    r = cli("init-drafter", "--target", str(tiny_target), "--out", str(tmp_path / "e"), "--num-layers", "2", "--num-attention-heads", "6",
+            "--num-key-value-heads", "4")
+    assert r.returncode == 2 and "model.num_key_value_heads = 4 does not divide model.num_attention_heads = 6" \
+        in r.stderr and not (tmp_path / "e").exists()
+
+
+def test_heads_from_the_config_reach_the_trainer(tiny_target, tmp_path):
+    from dflash_ds.config import load_config
+    from dflash_ds.runtime.job import resolve_arch
+
+    model = {"num_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+             "intermediate_size": 96}
+    arch = resolve_arch(load_config(None, {"target": str(tiny_target), "model": model}))
+    assert (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.intermediate_size) == \
+        (8, 2, 16, 96)
+    tcfg = json.loads((tiny_target / "config.json").read_text())
+    arch = resolve_arch(load_config(None, {"target": str(tiny_target), "model": {"num_layers": 2}}))
+    assert (arch.num_attention_heads, arch.head_dim) == (tcfg["num_attention_heads"], tcfg["head_dim"])
+    init_drafter(tiny_target, tmp_path / "d", num_layers=2, block_size=16)  # the target's heads
+    with pytest.raises(DFlashError, match="model.head_dim = 16 but --drafter .* has head_dim = 32"):
+        resolve_arch(load_config(None, {"target": str(tiny_target), "drafter": str(tmp_path / "d"),
+                                        "model": {"head_dim": 16}}))
+    with pytest.raises(DFlashError, match=r"model.intermediate_size = 0 must be >= 1 \(or null"):
+        load_config(None, {"model": {"intermediate_size": 0}})

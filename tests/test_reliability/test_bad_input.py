@@ -357,7 +357,8 @@ def fake_checkpoint(folder: Path, arch: dict, complete: bool = True) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("key, saved", [("block_size", 16), ("target_layer_ids", [0, 3]), ("num_hidden_layers", 5)])
+@pytest.mark.parametrize("key, saved", [("block_size", 16), ("target_layer_ids", [0, 3]), ("num_hidden_layers", 5),
+                                        ("head_dim", 64)])
 def test_resume_checkpoint_that_differs_from_the_config(tiny_target, tmp_path, key, saved):
     from dflash_ds.runtime import checkpoint as ckpt
     from dflash_ds.runtime.resume import check_resume_state as _check_resume_state

@@ -60,6 +60,18 @@ def conversations(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def served_drafter(eos_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An export trained briefly (60 AdamW steps of the real objective) on the target's own greedy answers."""
+    return train_served_drafter(eos_target, tmp_path_factory.mktemp("serving") / "drafter")
+
+
+@pytest.fixture(scope="session")
+def own_heads_drafter(eos_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """As served_drafter, with heads, head width and MLP width of its own (the target: 4 / 2 heads of 32, MLP
+    256), as z-lab's Qwen3.6-27B drafter has 32 / 8 heads of 128 on a target of 24 / 4 heads of 256."""
+    return train_served_drafter(eos_target, tmp_path_factory.mktemp("serving") / "own_heads",
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=64, intermediate_size=192)
+
+
+def train_served_drafter(eos_target: Path, out: Path, **shape: int) -> Path:
     import torch
     from transformers import AutoTokenizer
 
@@ -70,9 +82,8 @@ def served_drafter(eos_target: Path, tmp_path_factory: pytest.TempPathFactory) -
     from dflash_ds.tiny.corpus import tiny_prompts
     from dflash_ds.tools.init_drafter import init_drafter
 
-    out = tmp_path_factory.mktemp("serving") / "drafter"
     target = load_target(eos_target)
-    drafter = init_drafter(eos_target, out, num_layers=2, block_size=8, seed=1)
+    drafter = init_drafter(eos_target, out, num_layers=2, block_size=8, seed=1, **shape)
     tok = AutoTokenizer.from_pretrained(str(eos_target))
     seqs = []
     for row in tiny_prompts(16, seed=5):

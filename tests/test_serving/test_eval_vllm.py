@@ -1,5 +1,6 @@
 """eval --engine vllm: the export served as vLLM's DFlash drafter is lossless, and vLLM's acceptance length
-equals dflash-ds eval's tau_pooled on the same prompts (within 1%), for a full and an all-sliding layout."""
+equals dflash-ds eval's tau_pooled on the same prompts (within 1%), for a full and an all-sliding layout
+(the sliding one on a drafter whose heads, head width and MLP width are not the target's)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,14 @@ def held_out(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("layout", ["full", "sliding"])
-def test_served_acceptance_equals_eval_and_is_lossless(vllm_python, eos_target, served_drafter, held_out, tmp_path,
-                                                      layout, capsys):
+def test_served_acceptance_equals_eval_and_is_lossless(vllm_python, eos_target, served_drafter, own_heads_drafter,
+                                                      held_out, tmp_path, layout, capsys):
     drafter = served_drafter if layout == "full" else \
-        with_layers(served_drafter, tmp_path / "swa", ["sliding_attention"] * 2, window=12)
+        with_layers(own_heads_drafter, tmp_path / "swa", ["sliding_attention"] * 2, window=12)
+    if layout == "sliding":
+        cfg = json.loads((drafter / "config.json").read_text())
+        shape = [cfg[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")]
+        assert shape == [2, 1, 64, 192]  # the target's: 4, 2, 32, 256 (vLLM's CPU attention has no head_dim 16)
     report = tmp_path / "eval.json"
     assert main(["eval", "--engine", "vllm", "--target", str(eos_target), "--drafter", str(drafter), "--data",
                  str(held_out), "--num-prompts", "12", "--max-new-tokens", "64", "--json", str(report),

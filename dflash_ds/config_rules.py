@@ -1,0 +1,139 @@
+"""The rules every run configuration is checked against (config.load_config runs `validate`).
+
+Each field's rule is one line of `_RULES` (the text is what the user reads); the rules that relate
+fields (layer types and layer count, a validation split and its interval, the topology's modes) are
+the functions below. Nothing here imports dflash_ds.config (no cycle).
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from dflash_ds.errors import DFlashError
+
+Config = DrafterConfig = Any  # dflash_ds.config's classes; importing them would make an import cycle
+
+
+# (dotted field, rule text, predicate). The rule text is what the user reads.
+_RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
+    ("model.num_layers", "must be >= 1", lambda v: v >= 1),
+    ("model.block_size", "must be >= 2 (the anchor plus at least one predicted token)", lambda v: v >= 2),
+    ("model.mask_token_id", "must be >= 0", lambda v: v is None or v >= 0),
+    ("model.target_layer_ids", "must be a non-empty list of layer ids >= 0",
+     lambda v: v is None or (len(v) > 0 and all(i >= 0 for i in v))),
+    ("model.layer_types", "entries must be full_attention or sliding_attention",
+     lambda v: not v or all(t in ("full_attention", "sliding_attention") for t in v)),
+    ("model.sliding_window", "must be >= 1", lambda v: v is None or v >= 1),
+    *((f"model.{name}", "must be >= 1 (or null: the target's)", lambda v: v is None or v >= 1)
+      for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")),
+    ("model.attention_backend", "must be auto, dense or flex", lambda v: v in ("auto", "dense", "flex")),
+    ("loss.gamma", "must be > 0", lambda v: v > 0),
+    ("loss.num_anchors", "must be >= 1", lambda v: v >= 1),
+    ("loss.max_anchors_per_batch", "must be >= 0 (0 = no cap)", lambda v: v >= 0),
+    ("loss.chunk_blocks", "must be >= 1", lambda v: v >= 1),
+    ("loss.kl_weight", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("loss.kl_temperature", "must be > 0", lambda v: v > 0),
+    ("loss.streak_weight", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("loss.labels", "must be data or target", lambda v: v in ("data", "target")),
+    ("loss.lk", 'must be "" (off), log or hybrid', lambda v: v in ("", "log", "hybrid")),
+    ("loss.lk_weight", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("loss.lk_kl_scale", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("loss.lk_kl_decay", "must be >= 0", lambda v: v >= 0),
+    ("loss.position_weighting", "must be decay or dpace", lambda v: v in ("decay", "dpace")),
+    ("loss.dpace_alpha", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("optim.lr", "must be > 0", lambda v: v > 0),
+    ("optim.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("optim.warmup_steps", "must be >= 0", lambda v: v >= 0),
+    ("optim.weight_decay", "must be >= 0", lambda v: v >= 0),
+    ("optim.beta1", "must be in [0, 1)", lambda v: 0 <= v < 1),
+    ("optim.beta2", "must be in [0, 1)", lambda v: 0 <= v < 1),
+    ("optim.grad_clip", "must be >= 0", lambda v: v >= 0),
+    ("noise.max_std", "must be >= 0", lambda v: v >= 0),
+    ("noise.min_std", "must be >= 0", lambda v: v >= 0),
+    ("noise.warmup_steps", "must be >= 0", lambda v: v >= 0),
+    ("data.max_length", "must be >= 2", lambda v: v >= 2),
+    ("data.token_budget", "must be >= 1", lambda v: v >= 1),
+    ("data.num_buckets", "must be >= 1", lambda v: v >= 1),
+    ("data.prefetch", "must be >= 1", lambda v: v >= 1),
+    ("data.val_fraction", "must be in [0, 1)", lambda v: 0 <= v < 1),
+    ("train.max_steps", "must be >= 1", lambda v: v >= 1),
+    ("train.log_interval", "must be >= 1", lambda v: v >= 1),
+    ("train.save_interval", "must be >= 1", lambda v: v >= 1),
+    ("train.keep_last", "must be >= 1", lambda v: v >= 1),
+    ("train.global_batch", "must be >= 0 (0 = the checkpoint's, else one per drafter rank)", lambda v: v >= 0),
+    ("train.launcher_grace_s", "must be > 0", lambda v: v > 0),
+    ("train.zero_stage", "must be 0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
+    ("train.dtype", "must be auto, bf16 or fp32", lambda v: v in ("auto", "bf16", "fp32")),
+    ("train.target_attention", "must be auto, sdpa, eager, flash_attention_2, flash_attention_3 or flex_attention",
+     lambda v: v in ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")),
+    ("train.timeout_s", "must be > 0", lambda v: v > 0),
+    ("train.stop_at", "must be >= 0", lambda v: v >= 0),
+    ("train.startup_timeout_s", "must be > 0", lambda v: v > 0),
+    ("train.bridge_timeout_s", "must be > 0", lambda v: v > 0),
+    ("train.heartbeat_timeout_s", "must be > 0", lambda v: v > 0),
+    ("train.max_bad_steps", "must be >= 1", lambda v: v >= 1),
+    ("train.est_tau_rows", "must be >= 0 (0 = off)", lambda v: v >= 0),
+    ("train.eval_interval", "must be >= 0 (0 = never)", lambda v: v >= 0),
+    ("train.eval_batches", "must be >= 0 (0 = the whole split)", lambda v: v >= 0),
+    ("topology.num_target_ranks", "must be >= 1", lambda v: v >= 1),
+    ("topology.targets_per_node", "must be >= 0", lambda v: v >= 0),
+    ("topology.target_parallel", "must be >= 1", lambda v: v >= 1),
+]
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> Config:
+    """Check every field's rule; raise DFlashError naming the first field that breaks one."""
+    for dotted, rule, ok in _RULES:
+        value = _get(cfg, dotted)
+        if not ok(value):
+            raise DFlashError(f"config: {dotted} = {value!r} {rule}")
+    _validate_layer_types(cfg.model)
+    if cfg.noise.min_std > cfg.noise.max_std:
+        raise DFlashError(
+            f"config: noise.min_std = {cfg.noise.min_std} must be <= noise.max_std = {cfg.noise.max_std}")
+    if cfg.data.max_length > cfg.data.token_budget:
+        raise DFlashError(
+            f"config: data.max_length = {cfg.data.max_length} must be <= data.token_budget = "
+            f"{cfg.data.token_budget} (one longest sequence must fit a micro-batch)")
+    _validate_validation(cfg)
+    t = cfg.topology
+    if t.colocate and t.targets_per_node:
+        raise DFlashError(f"config: topology.colocate = true runs the target on every rank: topology.targets_per_node "
+                          f"= {t.targets_per_node} cannot be combined with it")
+    if t.colocate and t.target_parallel > 1:
+        raise DFlashError(f"config: topology.target_parallel = {t.target_parallel} shards the target over target ranks; "
+                          "colocated mode (topology.colocate = true) loads the whole target on every rank and cannot "
+                          "shard it: use target ranks (--num-target-ranks) for a target larger than one GPU")
+    if t.colocate_overlap and not t.colocate:
+        raise DFlashError("config: topology.colocate_overlap = true needs topology.colocate = true (--colocate)")
+    return cfg
+
+
+def _validate_validation(cfg: Config) -> None:
+    """One validation split at most, and an evaluation interval only with one."""
+    d = cfg.data
+    if d.val_fraction > 0 and d.val_path:
+        raise DFlashError(f"config: data.val_fraction = {d.val_fraction} and data.val_path = {d.val_path!r}: "
+                          f"choose one validation split")
+    if cfg.train.eval_interval and not (d.val_fraction > 0 or d.val_path):
+        raise DFlashError(f"config: train.eval_interval = {cfg.train.eval_interval} needs a validation split "
+                          f"(data.val_fraction or data.val_path)")
+
+
+def _validate_layer_types(m: DrafterConfig) -> None:
+    """model.layer_types: one entry per draft layer; sliding layers need model.sliding_window."""
+    if not m.layer_types:
+        return
+    if len(m.layer_types) != m.num_layers:
+        raise DFlashError(f"config: model.layer_types has {len(m.layer_types)} entries but model.num_layers = "
+                          f"{m.num_layers} (one per draft layer)")
+    if "sliding_attention" in m.layer_types and m.sliding_window is None:
+        raise DFlashError("config: model.layer_types has sliding_attention layers: set model.sliding_window")
