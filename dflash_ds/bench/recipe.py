@@ -16,9 +16,11 @@ and spread over seeds, P(position k accepted), training tokens and wall time, an
 first recipe, marked where the seed ranges do not overlap. Runs live in OUT/<recipe>/seed<S>/; a
 finished run leaves result.json and is not run again, an interrupted one resumes from its checkpoint
 (`--resume auto`), so a killed bench continues where it stopped. `--temperature T` > 0 evaluates by
-speculative sampling instead (the same sampling seeds for every run); its results sit beside the greedy
-ones (result_t<T>.json, summary_t<T>.json, tau_t<T>.png), so a second temperature reuses the trained
-runs (trained.json records a finished training). Each run folder keeps the settings its
+speculative sampling instead (the same sampling seeds for every run), drafting the drafter's argmax as
+serving engines do by default (`--draft-sample greedy`) or sampling the draft (`probabilistic`); its
+results sit beside the greedy ones (result_t<T>.json, or result_t<T>_prob.json for sampled drafts; the
+summary and plot likewise), so another temperature reuses the trained runs (trained.json records a
+finished training). Each run folder keeps the settings its
 result depends on (settings.json); a bench that finds a run made under other settings (an edited recipe,
 other steps, data or prompts) stops before anything runs and names what differs, instead of mixing results.
 """
@@ -106,9 +108,19 @@ def shared_flags(items: list[str]) -> list[str]:
     return flags
 
 
-def suffix(temperature: float) -> str:
-    """"" for greedy evaluation, "_t<T>" for sampling at T: the name part of its result, summary and plot files."""
-    return "" if temperature <= 0 else f"_t{temperature:g}"
+def suffix(temperature: float, draft_sample: str = "greedy") -> str:
+    """"" for greedy evaluation, "_t<T>" for sampling at T ("_t<T>_prob" with sampled drafts): the name part of
+    its result, summary and plot files."""
+    if temperature <= 0:
+        return ""
+    return f"_t{temperature:g}" + ("_prob" if draft_sample == "probabilistic" else "")
+
+
+def result_mode(result: dict) -> tuple[float, str | None]:
+    """(temperature, draft sampling) a result file was evaluated with; files from before the draft rule was
+    recorded sampled their drafts (the only rule then)."""
+    t = float(result.get("temperature", 0.0))
+    return t, (result.get("draft_sample", "probabilistic") if t > 0 else None)
 
 
 def train_once(args: argparse.Namespace, recipe: dict, seed: int, run_dir: Path) -> tuple[float, Path]:
@@ -143,7 +155,8 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last = records[-1] if records else {}
     return {"train_tokens": int(sum(r.get("real_tokens", 0) for r in records)),
-            **{f"train_{k}": last[k] for k in ("tau", "est_tau", "accuracy", "alpha", "alpha_tau") if k in last}}
+            **{f"train_{k}": last[k] for k in ("tau", "est_tau", "accuracy", "alpha", "alpha_tau", "argmax_alpha",
+                                                  "argmax_alpha_tau") if k in last}}
 
 
 # The evaluations share the target, whose capture hooks are the evaluating session's: one at a time (seen: two
@@ -184,10 +197,15 @@ def run_one(args, recipe, seed, target, prompts) -> dict[str, Any]:
     from dflash_ds.models.drafter import DFlashDrafter
 
     run_dir = Path(args.out) / recipe["name"] / f"seed{seed}"
-    done = run_dir / f"result{suffix(args.temperature)}.json"
+    done = run_dir / f"result{suffix(args.temperature, args.draft_sample)}.json"
+    mode = (float(args.temperature), args.draft_sample if args.temperature > 0 else None)
     if done.is_file():
-        print(f"bench recipe: {recipe['name']} seed {seed}: done before ({done})", flush=True)
-        return json.loads(done.read_text())
+        earlier = json.loads(done.read_text())
+        if result_mode(earlier) == mode:
+            print(f"bench recipe: {recipe['name']} seed {seed}: done before ({done})", flush=True)
+            return earlier
+        print(f"bench recipe: {recipe['name']} seed {seed}: {done} was evaluated with {result_mode(earlier)}, not "
+              f"{mode}: evaluating again", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     settings = run_dir / "settings.json"
     if not settings.is_file():
@@ -198,12 +216,13 @@ def run_one(args, recipe, seed, target, prompts) -> dict[str, Any]:
     with _EVAL_LOCK:
         t0 = time.perf_counter()
         res = evaluate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       seed=0, log=lambda _s: None)
+                       seed=0, log=lambda _s: None, draft_sample=args.draft_sample)
         eval_wall = time.perf_counter() - t0
     if res["mismatches"]:
         raise DFlashError(f"recipe {recipe['name']} seed {seed}: speculative output differs from greedy decoding")
     result = {"recipe": recipe["name"], "seed": seed, "overrides": recipe["set"], "steps": args.steps,
-              "temperature": args.temperature, "tau": res["tau"], "tau_pooled": res["tau_pooled"], "decode_steps": res["decode_steps"],
+              "temperature": args.temperature, **({"draft_sample": args.draft_sample} if args.temperature > 0 else {}),
+              "tau": res["tau"], "tau_pooled": res["tau_pooled"], "decode_steps": res["decode_steps"],
               "per_position_acceptance": res["per_position_acceptance"], **train_metrics(run_dir),
               "train_wall_s": round(train_wall, 1), "eval_wall_s": round(eval_wall, 1),
               "export": str(export)}
@@ -220,7 +239,7 @@ def _spread(values: list[float]) -> float:
 
 
 # The last training record's figures a row averages over seeds (where every seed's run logged them).
-TRAIN_FIGURES = ("train_tau", "train_est_tau", "train_alpha_tau")
+TRAIN_FIGURES = ("train_tau", "train_est_tau", "train_alpha_tau", "train_argmax_alpha_tau")
 
 
 def summarize(recipes: list[dict], results: list[dict]) -> list[dict[str, Any]]:
@@ -248,10 +267,10 @@ def summarize(recipes: list[dict], results: list[dict]) -> list[dict[str, Any]]:
     return rows
 
 
-def format_table(rows: list[dict], baseline: str, temperature: float = 0.0) -> str:
+def format_table(rows: list[dict], baseline: str, temperature: float = 0.0, draft_sample: str = "greedy") -> str:
     """The recipe table, one line per recipe."""
     # The training figure that predicts this serving: the greedy walk, or alpha's expected streak for sampling.
-    name = "est_tau" if temperature <= 0 else "alpha_tau"
+    name = "est_tau" if temperature <= 0 else "argmax_alpha_tau" if draft_sample == "greedy" else "alpha_tau"
     predictor = f"train_{name}"
     lines = [f"{'recipe':<16} {'tau':>13} {'pooled':>13} {'vs ' + baseline:>12} {'tokens':>9} {'wall s':>7} "
              f"{'train tau':>9} {name:>9}  P(position k accepted)"]
@@ -263,8 +282,9 @@ def format_table(rows: list[dict], baseline: str, temperature: float = 0.0) -> s
                      f"{_figure(r, predictor):>9}  "
                      + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]))
     served, estimate = (("greedy (lossless-checked)", "greedy-walk estimate") if temperature <= 0 else
-                        (f"speculative sampling at temperature {temperature:g}", "expected accepted length under "
-                         "sampling, where the loss read the target's distribution"))
+                        (f"speculative sampling at temperature {temperature:g} ({draft_sample} drafts)",
+                         f"expected accepted length under {draft_sample} drafts, where the loss read the target's "
+                         "distribution"))
     lines.append(f"tau: held-out, {served}, mean over prompts of each prompt's mean accepted length; ± the standard "
                  f"deviation over seeds; * = seed ranges do not overlap with {baseline}'s; train tau / {name}: the "
                  f"last training record's uniform argmax tau and {estimate} (mean over seeds)")
@@ -323,6 +343,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default); T > 0 = speculative sampling at T with the same seeds for every run. Results, "
                         "summary and plot of T > 0 are kept beside the greedy ones (*_t<T>.*), the trained runs "
                         "are reused")
+    parser.add_argument("--draft-sample", choices=["greedy", "probabilistic"], default="greedy", help="with "
+                        "--temperature > 0: greedy (default) drafts the argmax, as vLLM and SGLang serve by default; "
+                        "probabilistic samples the draft (vLLM's draft_sample_method probabilistic)")
     parser.add_argument("--out", default="bench_out/recipe", help="runs, results and the plot (default bench_out/recipe)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object (last line)")
 
@@ -359,11 +382,12 @@ def run(args: argparse.Namespace) -> int:
     rows = summarize(recipes, results)
     summary = {"recipes": rows, "runs": results, "seeds": seeds, "steps": args.steps, "num_prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-               "wall_s": round(time.perf_counter() - t0, 1)}
-    summary_path, plot_path = out / f"summary{suffix(args.temperature)}.json", out / f"tau{suffix(args.temperature)}.png"
+               **({"draft_sample": args.draft_sample} if args.temperature > 0 else {}), "wall_s": round(time.perf_counter() - t0, 1)}
+    name = suffix(args.temperature, args.draft_sample)
+    summary_path, plot_path = out / f"summary{name}.json", out / f"tau{name}.png"
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     plot(rows, results, plot_path, args.temperature)
-    table = format_table(rows, recipes[0]["name"], args.temperature)
+    table = format_table(rows, recipes[0]["name"], args.temperature, args.draft_sample)
     if args.json:
         print(table, file=sys.stderr)
         print(json.dumps(summary))

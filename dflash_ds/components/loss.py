@@ -38,6 +38,9 @@ class LossTerms:
     valid: torch.Tensor  # [N, K] bool
     weight_sum: torch.Tensor  # scalar: sum of weights over valid positions
     alpha: torch.Tensor | None = None  # [N, K] float: sum_v min(p_d, p_t) where valid, else 0; None: no target
+    # [N, K] float: p_t(argmax p_d) where valid, else 0 (None: no target): the chance that sampling at T accepts
+    # the drafter's argmax, which is how vLLM and SGLang draft by default
+    argmax_alpha: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ def _loss_parts(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                 target_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """Unnormalised DFlash loss of some blocks by autograd: (sum of weight * term, sum of weight, statistics).
 
-    Statistics: (correct, top4, top8, alpha). Every block's weights depend on that block alone, so
+    Statistics: (correct, top4, top8, alpha, argmax_alpha). Every block's weights depend on that block alone, so
     blocks can be split into chunks and the parts summed: the loss is the sum of the numerators over
     the sum of the weights. Callers pass `target_logits` only when `spec.needs_target`.
     """
@@ -112,6 +115,7 @@ def _loss_parts(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
     label_logp = torch.gather(logp, -1, safe_labels[..., None]).squeeze(-1)
     term = -label_logp
     alpha = torch.zeros_like(label_logp).detach()
+    argmax_alpha = alpha
     if target_logits is not None:
         t = spec.kl_temperature
         log_pd = F.log_softmax(logits / t, dim=-1)
@@ -123,11 +127,13 @@ def _loss_parts(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
         if spec.lk:
             term = (1.0 - spec.lk_weight) * term + spec.lk_weight * lk_terms(spec, acc, kl)[0]
         alpha = acc.detach()
+        argmax_alpha = log_pt.detach().exp().gather(-1, logits.detach().argmax(-1, keepdim=True)).squeeze(-1)
     weight = _weights(label_logp.exp(), valid, spec)
     with torch.no_grad():
         top8 = logits.topk(min(8, v), dim=-1).indices
         hit = top8 == safe_labels[..., None]
-        stats = (hit[..., 0] & valid, hit[..., :4].any(-1) & valid, hit.any(-1) & valid, alpha * valid)
+        stats = (hit[..., 0] & valid, hit[..., :4].any(-1) & valid, hit.any(-1) & valid, alpha * valid,
+                 argmax_alpha * valid)
     return (weight * term).sum(), weight.sum().detach(), stats
 
 
@@ -152,9 +158,11 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
     spec = LossSpec(gamma, **knobs)
     if target_logits is None or not spec.needs_target:
         spec, target_logits = spec.without_target(), None
-    num, weight_sum, (correct, in_top4, in_top8, alpha) = _loss_parts(logits, labels, valid, spec, target_logits)
+    num, weight_sum, (correct, in_top4, in_top8, alpha, argmax_alpha) = _loss_parts(logits, labels, valid, spec,
+                                                                                     target_logits)
+    has = target_logits is not None
     return LossTerms(num / weight_sum.clamp(min=1e-12), correct, in_top4, in_top8, valid, weight_sum,
-                     alpha if target_logits is not None else None)
+                     alpha if has else None, argmax_alpha if has else None)
 
 
 def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, spec: LossSpec,
@@ -180,11 +188,13 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torc
         top8 = z.topk(min(8, v), dim=-1).indices
         hit = top8 == y
         stats = [hit[..., 0] & valid, hit[..., :4].any(-1) & valid, hit.any(-1) & valid]
+        top1 = top8[..., :1]
         del top8, hit
         lse = torch.logsumexp(z, dim=-1, keepdim=True)
         label_logp = (z.gather(-1, y) - lse).squeeze(-1)
         weight = _weights(label_logp.exp(), valid, spec)
         term, alpha = -label_logp, torch.zeros_like(label_logp)
+        argmax_alpha = alpha
         kl_w = spec.kl_weight if target_logits is not None else 0.0
         lk_w = spec.lk_weight if target_logits is not None and spec.lk else 0.0
         c_kl = c_alpha = None
@@ -195,6 +205,7 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torc
             p_d = z / t
             p_d -= torch.logsumexp(p_d, dim=-1, keepdim=True)  # log p_d, exponentiated below
             p_t = scratch.exp()
+            argmax_alpha = p_t.gather(-1, top1).squeeze(-1)
             kl = scratch.sub_(p_d).mul_(p_t).sum(-1)  # scratch is free again
             p_d.exp_()
             alpha = torch.minimum(p_d, p_t, out=scratch).sum(-1)
@@ -207,7 +218,7 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torc
                 c_alpha = lk_w / t * d_alpha * weight
                 if spec.lk == "hybrid":
                     c_kl = (0.0 if c_kl is None else c_kl) + lk_w / t * d_kl * weight
-        stats.append(alpha * valid)
+        stats += [alpha * valid, argmax_alpha * valid]
         num = (weight * term).sum()
         dz = None
         if need_grad:
@@ -243,7 +254,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad = torch.zeros_like(hidden) if need_grad else None
         num = torch.zeros((), dtype=torch.float32, device=hidden.device)
         weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        stats: list[list[torch.Tensor]] = [[], [], [], []]  # correct, top4, top8, alpha
+        stats: list[list[torch.Tensor]] = [[], [], [], [], []]  # correct, top4, top8, alpha, argmax_alpha
         for lo in range(0, n, chunk):
             hi = min(lo + chunk, n)
             with torch.enable_grad():
@@ -289,10 +300,11 @@ def chunked_dflash_loss(hidden: torch.Tensor, head, labels: torch.Tensor, valid:
     if target_hidden is None or not spec.needs_target:
         spec, target_hidden = spec.without_target(), None
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    num, weight_sum, correct, in_top4, in_top8, alpha = _ChunkedHeadLoss.apply(
+    num, weight_sum, correct, in_top4, in_top8, alpha, argmax_alpha = _ChunkedHeadLoss.apply(
         hidden, labels, valid, target_hidden, head, spec, chunk_blocks, need_grad)
+    has = target_hidden is not None
     return LossTerms(num / weight_sum.clamp(min=1e-12), correct, in_top4, in_top8, valid, weight_sum,
-                     alpha if target_hidden is not None else None)
+                     alpha if has else None, argmax_alpha if has else None)
 
 
 def leading_run(hits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -319,19 +331,27 @@ def metric_sums(terms: LossTerms) -> dict[str, torch.Tensor]:
     }
 
 
+# What acceptance_sums returns (runtime/step_metrics sums them over a record's window).
+ACCEPTANCE_SUMS = ("alpha", "alpha_positions", "alpha_streak", "argmax_alpha", "argmax_alpha_streak")
+
+
 def acceptance_sums(terms: LossTerms) -> dict[str, torch.Tensor]:
     """Sum of the acceptance estimate alpha over valid positions, and their count (0, 0 without the target's
     distributions): alpha = sum_v min(p_drafter, p_target), the chance that speculative sampling accepts
-    the drafter's token at T = loss.kl_temperature. And alpha's expected streak summed over blocks:
-    sum_k prod_{j<=k} alpha_j, the expected number of a block's drafts speculative sampling accepts (alpha
-    is 0 at an invalid position, which ends the product). Device tensors, no host read."""
+    a draft sampled from the drafter at T = loss.kl_temperature. And alpha's expected streak summed over
+    blocks: sum_k prod_{j<=k} alpha_j, the expected number of a block's drafts speculative sampling accepts
+    (alpha is 0 at an invalid position, which ends the product). The same two for the drafter's argmax
+    drafted (argmax_alpha = p_target(argmax p_drafter): how vLLM and SGLang draft by default). Device
+    tensors, no host read."""
     if terms.alpha is None:
         zero = terms.valid.new_zeros((), dtype=torch.float32)
-        return {"alpha": zero, "alpha_positions": zero.clone(), "alpha_streak": zero.clone()}
+        return {key: zero.clone() for key in ACCEPTANCE_SUMS}
     blocks = terms.valid[:, 0]
-    expected = terms.alpha.float().cumprod(dim=-1).sum(dim=-1) * blocks
-    return {"alpha": terms.alpha.sum().float(), "alpha_positions": terms.valid.sum().float(),
-            "alpha_streak": expected.sum()}
+    out = {"alpha_positions": terms.valid.sum().float()}
+    for name, rate in (("alpha", terms.alpha), ("argmax_alpha", terms.argmax_alpha)):
+        out[name] = rate.sum().float()
+        out[f"{name}_streak"] = (rate.float().cumprod(dim=-1).sum(dim=-1) * blocks).sum()
+    return out
 
 
 def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:
@@ -353,6 +373,8 @@ def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float | list[f
         "tree_streak4": ratio("tree_streak4", "blocks"),
         "tree_streak8": ratio("tree_streak8", "blocks"),
         "accuracy_per_position": pos_acc,
-        **({"alpha": ratio("alpha", "alpha_positions"), "alpha_tau": 1.0 + ratio("alpha_streak", "blocks")}
+        **({"alpha": ratio("alpha", "alpha_positions"), "alpha_tau": 1.0 + ratio("alpha_streak", "blocks"),
+            "argmax_alpha": ratio("argmax_alpha", "alpha_positions"),
+            "argmax_alpha_tau": 1.0 + ratio("argmax_alpha_streak", "blocks")}
            if float(sums.get("alpha_positions", 0.0)) > 0 else {}),
     }

@@ -19,8 +19,8 @@ from typing import Sequence
 import torch
 
 from dflash_ds.errors import DFlashError
-from dflash_ds.eval.speculative import (SpecOutput, check_drafter_matches_target, eos_token_ids, first_mismatch,
-                                        greedy_generate, speculative_generate, summarize)
+from dflash_ds.eval.speculative import (DRAFT_SAMPLES, SpecOutput, check_drafter_matches_target, eos_token_ids,
+                                        first_mismatch, greedy_generate, speculative_generate, summarize)
 
 
 def load_prompts(data: str | Path, target_dir: str | Path, num_prompts: int) -> list[list[int]]:
@@ -89,7 +89,7 @@ def parse_budgets(text: str) -> list[int]:
 
 
 def evaluate(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-             tree_budgets: Sequence[int] = (), seed: int = 0, log=print) -> dict:
+             tree_budgets: Sequence[int] = (), seed: int = 0, log=print, draft_sample: str = "greedy") -> dict:
     """Run every prompt through greedy, single-path and tree decoding; return the results dict."""
     eos = eos_token_ids(target)
     block = drafter.arch.block_size
@@ -102,7 +102,8 @@ def evaluate(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, 
             budget = None if name == "chain" else int(name[4:])
             gen = torch.Generator().manual_seed(seed + i)  # the same prompt samples the same way across runs
             out = speculative_generate(target, prompt, drafter=drafter, max_new_tokens=max_new_tokens, eos_ids=eos,
-                                       temperature=temperature, tree_budget=budget, generator=gen)
+                                       temperature=temperature, tree_budget=budget, generator=gen,
+                                       draft_sample=draft_sample)
             runs[name].append(out)
             at = None if reference is None else first_mismatch(out.tokens, reference)
             if at is not None:
@@ -114,6 +115,7 @@ def evaluate(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, 
             f"({time.perf_counter() - t0:.1f}s)")
     results = {"num_prompts": len(prompts), "block_size": block, "max_new_tokens": max_new_tokens,
                "temperature": temperature, "lossless_checked": temperature <= 0,
+               **({"draft_sample": draft_sample} if temperature > 0 else {}),
                **summarize(runs["chain"], block),
                "tree": {str(b): summarize(runs[f"tree{b}"], block) for b in tree_budgets},
                "mismatches": mismatches}
@@ -144,6 +146,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, checked lossless against plain "
                         "greedy decoding; > 0 = speculative sampling (no tree, no lossless check)")
+    parser.add_argument("--draft-sample", choices=DRAFT_SAMPLES, default="greedy", help="with --temperature > 0: "
+                        "greedy (default) drafts the drafter's argmax, accepted with the target's probability of it, "
+                        "as vLLM (draft_sample_method greedy, its default) and SGLang serve; probabilistic samples "
+                        "the draft and accepts with min(1, p/q) (vLLM's draft_sample_method probabilistic)")
     parser.add_argument("--tree-budget", default="", help="comma-separated draft-node budgets for tree drafting, "
                         "e.g. 16,64,256 (default: single path only)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
@@ -172,12 +178,12 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature < 0:
         raise DFlashError(f"--temperature {args.temperature}: must be >= 0")
     budgets = parse_budgets(args.tree_budget)
-    if args.engine == "vllm" and (args.temperature > 0 or budgets):
-        raise DFlashError("--engine vllm measures greedy single-path acceptance: no --temperature, no --tree-budget")
+    if args.engine == "vllm" and budgets:
+        raise DFlashError("--engine vllm measures single-path acceptance: no --tree-budget")
     if args.engine == "vllm":
         from dflash_ds.eval.served import serving_env
 
-        serving_env(args.drafter)  # a layout vLLM cannot serve here fails before any model loads
+        serving_env(args.drafter, args.temperature)  # what vLLM cannot serve here fails before any model loads
     if budgets and args.temperature > 0:
         raise DFlashError("--tree-budget needs --temperature 0 (tree verification accepts greedy matches only)")
     check_drafter_matches_target(read_drafter_arch(args.drafter), read_target_config(args.target),
@@ -192,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"eval: {len(prompts)} prompts, block {drafter.arch.block_size}, max {args.max_new_tokens} new tokens, "
           f"temperature {args.temperature}, tree budgets {budgets or 'none'}", flush=True)
     results = evaluate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       tree_budgets=budgets, seed=args.seed, log=lambda s: print(s, flush=True))
+                       tree_budgets=budgets, seed=args.seed, log=lambda s: print(s, flush=True),
+                       draft_sample=args.draft_sample)
     results.update({"target": str(args.target), "drafter": str(args.drafter), "data": str(args.data)})
     print(format_table(results))
     if args.engine == "vllm":
@@ -203,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
                              concurrency=args.concurrency, python=args.vllm_python,
                              memory_fraction=args.vllm_memory_fraction, max_model_len=args.vllm_max_model_len,
                              startup_timeout_s=args.vllm_startup_timeout, log_dir=args.vllm_log,
-                             extra_args=args.vllm_arg)
+                             extra_args=args.vllm_arg, temperature=args.temperature, seed=args.seed,
+                             draft_sample=args.draft_sample)
         results["vllm"] = served
         print(format_comparison(results, served))
     if args.json:

@@ -13,13 +13,19 @@ One decode step, at block start `s` (the target's KV cache holds positions < s):
 The last step may run past max_new_tokens or an eos: its accepted length is counted in full (as the
 reference does) and only the returned tokens are cut.
 
-Temperature > 0 uses standard speculative sampling: draft x_k ~ q_k = softmax(draft_logits_k / T), accepted
-with probability min(1, p_k(x_k) / q_k(x_k)); on rejection the token is drawn from norm(max(p_k - q_k, 0)),
-and after a fully accepted block the bonus is drawn from p. The output is then distributed exactly as
-sampling from the target. (A drafter's block positions are drafted independently of each other, so q_k
-is the distribution x_k was drawn from whatever the earlier draft tokens were: the rule applies as is.)
-A draft function that returns token ids is a one-hot q, and the rule reduces to the reference's
-"accept while the target's own sample equals the draft".
+Temperature > 0 uses speculative sampling: draft x_k from q_k, accepted with probability
+min(1, p_k(x_k) / q_k(x_k)); on rejection the token is drawn from norm(max(p_k - q_k, 0)), and after a
+fully accepted block the bonus is drawn from p. The output is then distributed exactly as sampling from
+the target, whatever q is. Two drafts (`draft_sample`):
+- "greedy" (the default): x_k = argmax of the drafter and q_k one-hot on it, so x_k is accepted with
+  probability p_k(x_k). This is how the serving engines run a DFlash drafter by default (vLLM's
+  `draft_sample_method` "greedy"; SGLang's target-only verification), so it is what served sampling sees.
+- "probabilistic": x_k ~ q_k = softmax(draft_logits_k / T), accepted with min(1, p/q): the textbook rule
+  (vLLM's `draft_sample_method` "probabilistic"). Its acceptance rate is alpha = sum min(p, q), what the
+  LK losses train.
+(A drafter's block positions are drafted independently of each other, so q_k is the distribution x_k was
+drawn from whatever the earlier draft tokens were: the rule applies as is.) A draft function that returns
+token ids is a one-hot q either way: "accept while the target's own sample equals the draft".
 
 Target features are read with forward hooks on the decoder layers, exactly as training captures them
 (`models.target.capture_hidden`): HF's `hidden_states[-1]` is the *normed* final state, not the output of
@@ -227,6 +233,10 @@ def drafter_draft_fn(drafter: DFlashDrafter, target: nn.Module) -> DraftFn:
     return draft
 
 
+# How a sampled draft is drawn (temperature > 0): the argmax, as vLLM and SGLang serve by default, or a sample.
+DRAFT_SAMPLES = ("greedy", "probabilistic")
+
+
 def _as_logits(draft: torch.Tensor, vocab: int) -> torch.Tensor:
     # Token ids from an oracle become one-hot "logits" (0 on the token, -inf elsewhere): argmax and
     # top-k pick the token, and softmax is a one-hot q for speculative sampling.
@@ -248,14 +258,25 @@ def _accept_sampled(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen: tor
     return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=gen))
 
 
-def _verify_chain(tgt: TargetSession, anchor: int, draft_logits: torch.Tensor, start: int, temperature: float,
-                  gen: torch.Generator | None) -> tuple[list[int], int, torch.Tensor | None]:
-    """Draft a chain, verify it in one forward, roll the cache back: (accepted tokens, bonus, their features)."""
+def draw_draft(draft_logits: torch.Tensor, temperature: float, draft_sample: str,
+               gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+    """The chain's draft tokens and the distribution q they were drawn from (None at temperature 0)."""
     if temperature <= 0:
+        return draft_logits.argmax(-1).tolist(), None
+    if draft_sample == "greedy":  # the argmax as a one-hot q: accepted with probability p(x)
         draft = draft_logits.argmax(-1).tolist()
-    else:
-        q = torch.softmax(draft_logits / temperature, dim=-1)
-        draft = torch.multinomial(q, 1, generator=gen).view(-1).tolist()
+        q = torch.zeros_like(draft_logits)
+        q[torch.arange(len(draft)), draft] = 1.0
+        return draft, q
+    q = torch.softmax(draft_logits / temperature, dim=-1)
+    return torch.multinomial(q, 1, generator=gen).view(-1).tolist(), q
+
+
+def _verify_chain(tgt: TargetSession, anchor: int, draft_logits: torch.Tensor, start: int, temperature: float,
+                  gen: torch.Generator | None,
+                  draft_sample: str = "greedy") -> tuple[list[int], int, torch.Tensor | None]:
+    """Draft a chain, verify it in one forward, roll the cache back: (accepted tokens, bonus, their features)."""
+    draft, q = draw_draft(draft_logits, temperature, draft_sample, gen)
     ids = [anchor] + draft
     snap = None if tgt.croppable else tgt.snapshot()
     logits, feats = tgt.forward(ids, torch.arange(start, start + len(ids)))
@@ -285,8 +306,11 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
                          layer_ids: list[int] | None = None, mask_token_id: int | None = None,
                          max_new_tokens: int = 128, eos_ids: Iterable[int] = (), temperature: float = 0.0,
                          tree_budget: int | None = None, tree_top_k: int | None = None,
-                         generator: torch.Generator | None = None) -> SpecOutput:
+                         generator: torch.Generator | None = None, draft_sample: str = "greedy") -> SpecOutput:
     """Speculative decoding of one prompt; a tree_budget switches to tree drafting (temperature 0 only).
+
+    `draft_sample` (temperature > 0): "greedy" drafts the argmax, as serving engines do by default, or
+    "probabilistic" samples the draft from the drafter's distribution (module docstring).
 
     Block size, target layers and MASK id come from the drafter unless given; `draft_fn` replaces the
     drafter's drafting step (oracles in tests), `drafter` alone builds the real one.
@@ -301,6 +325,8 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
         raise ValueError("speculative_generate needs a drafter, or a draft_fn and a block_size")
     if tree_budget is not None and temperature > 0:
         raise DFlashError("tree drafting is evaluated at temperature 0 only")
+    if draft_sample not in DRAFT_SAMPLES:
+        raise DFlashError(f"draft sampling {draft_sample!r}: expected one of {', '.join(DRAFT_SAMPLES)}")
     if not prompt_ids:
         raise DFlashError("empty prompt: speculative decoding needs at least one prompt token")
     eos, vocab = set(eos_ids), int(target.config.vocab_size)
@@ -317,7 +343,8 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
             if draft_logits.shape[0] != block_size - 1:
                 raise ValueError(f"draft_fn returned {draft_logits.shape[0]} positions, expected {block_size - 1}")
             if tree_budget is None:
-                accepted, bonus, new_ctx = _verify_chain(tgt, anchor, draft_logits, start, temperature, generator)
+                accepted, bonus, new_ctx = _verify_chain(tgt, anchor, draft_logits, start, temperature, generator,
+                                                         draft_sample)
             else:
                 accepted, bonus, new_ctx = verify_tree(tgt, anchor, draft_logits, start, tree_budget, tree_top_k)
             out.target_forwards += 1 + tgt.replays

@@ -62,7 +62,7 @@ class VLLMServer:
                  python: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
                  memory_fraction: float | None = None, seed: int = 0, log_path: str | Path | None = None,
                  startup_timeout_s: float = 600.0, extra_args: list[str] | tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, draft_sample: str = "greedy") -> None:
         self.python = vllm_python(python)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -82,6 +82,8 @@ class VLLMServer:
             self.cmd += ["--max-model-len", str(max_model_len)]
         if drafter is not None:
             spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
+            if draft_sample != "greedy":  # greedy: vLLM's default draft_sample_method
+                spec["draft_sample_method"] = draft_sample
             self.cmd += ["--speculative-config", json.dumps(spec)]
         self.cmd += list(extra_args)
         self.proc: subprocess.Popen | None = None

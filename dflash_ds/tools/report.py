@@ -26,7 +26,9 @@ METRICS: dict[str, tuple[str, str | None]] = {
     "val_tau": ("val_tau: tau on the validation split", "max"),
     "val_est_tau": ("val_est_tau: est_tau on the validation split (checkpoints/best)", "max"),
     "alpha": ("alpha: sum over the vocabulary of min(p_draft, p_target)", "max"),
-    "alpha_tau": ("alpha_tau: expected accepted length, speculative sampling", "max"),
+    "alpha_tau": ("alpha_tau: expected accepted length, sampling with sampled drafts", "max"),
+    "argmax_alpha": ("argmax_alpha: p_target(the drafter's argmax)", "max"),
+    "argmax_alpha_tau": ("argmax_alpha_tau: expected accepted length, sampling with argmax drafts", "max"),
     "grad_norm": ("gradient norm", None),
     "lr": ("learning rate", None),
     "tok_per_sec": ("tokens / s", "max"),
@@ -35,11 +37,13 @@ METRICS: dict[str, tuple[str, str | None]] = {
     "peak_mem_gb": ("peak device memory of a drafter rank (GB)", None),
 }
 # The acceptance-length figures drawn together on acceptance.png: which one predicts serving is in
-# docs/QUALITY.md (est_tau / val_est_tau for greedy decoding, alpha_tau for sampling; tau overstates).
-ACCEPTANCE = ("tau", "est_tau", "val_tau", "val_est_tau", "alpha_tau")
+# docs/QUALITY.md (est_tau / val_est_tau for greedy decoding; for sampling argmax_alpha_tau with argmax drafts,
+# the serving engines' default, alpha_tau with sampled drafts; tau overstates).
+ACCEPTANCE = ("tau", "est_tau", "val_tau", "val_est_tau", "alpha_tau", "argmax_alpha_tau")
 LAST_K = 10
-ACCEPTANCE_NOTE = ("served acceptance: est_tau (val_est_tau on held-out rows) predicts eval's greedy tau, alpha_tau "
-                   "the sampled one; tau, the argmax streak at uniform anchors, overstates both (docs/QUALITY.md)")
+ACCEPTANCE_NOTE = ("served acceptance: est_tau (val_est_tau on held-out rows) predicts eval's greedy tau, "
+                   "argmax_alpha_tau the sampled one with argmax drafts (vLLM's and SGLang's default), alpha_tau with "
+                   "sampled drafts; tau, the argmax streak at uniform anchors, overstates them (docs/QUALITY.md)")
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], int]:

@@ -81,9 +81,22 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
     assert (out / "tau_t1.png").stat().st_size > 1000 and json.loads((out / "summary.json").read_text()) == again
     base_t1, kl_lk_t1 = sampled["recipes"]  # alpha_tau only where the loss read the target's distribution
     assert "train_alpha_tau" not in base_t1 and 1.0 <= kl_lk_t1["train_alpha_tau"] <= 8.0
+    assert 1.0 <= kl_lk_t1["train_argmax_alpha_tau"] <= 8.0  # and for the argmax drafted, the engines' default
     for a, b in zip(sampled["runs"], again["runs"]):
         assert a["temperature"] == 1.0 and a["tau"] >= 1.0 and a["export"] == b["export"]
         assert a["train_wall_s"] == b["train_wall_s"] and a["train_tokens"] == b["train_tokens"]
+        assert a["draft_sample"] == "greedy"  # the engines' default draft rule
+    # A result file from before the draft rule was recorded sampled its drafts: not reused for greedy drafts.
+    old = json.loads((out / "kl_lk/seed3/result_t1.json").read_text())
+    del old["draft_sample"]
+    (out / "kl_lk/seed3/result_t1.json").write_text(json.dumps(old))
+    r = bench([*args, "--temperature", "1"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "ce_decay seed 3: done before" in r.stdout and "training" not in r.stdout
+    assert "kl_lk seed 3: " + str(out / "kl_lk/seed3/result_t1.json") + " was evaluated with (1.0, 'probabilistic'), " \
+        "not (1.0, 'greedy'): evaluating again" in r.stdout
+    resampled = json.loads(r.stdout.strip().splitlines()[-1])
+    assert resampled["runs"] == sampled["runs"] and resampled["recipes"] == sampled["recipes"]  # seeded: the same
 
     # The recipe edited, the same --out: one clear error naming the run and the difference, before anything runs.
     (tmp_path / "recipes.yaml").write_text(RECIPES.replace("loss.lk_weight: 0.5", "loss.lk_weight: 0.25"))
@@ -102,6 +115,16 @@ def test_bench_recipe_rejects_a_bad_recipe_before_running(tiny_target, tmp_path:
     assert not (tmp_path / "out").exists()
 
 
+def test_file_names_and_modes_of_sampled_evaluations() -> None:
+    from dflash_ds.bench.recipe import result_mode, suffix
+
+    assert [suffix(0.0), suffix(1.0), suffix(0.7, "probabilistic"), suffix(0.0, "probabilistic")] == \
+        ["", "_t1", "_t0.7_prob", ""]
+    assert result_mode({"temperature": 0.0}) == (0.0, None)
+    assert result_mode({"temperature": 1.0}) == (1.0, "probabilistic")  # written before the rule was recorded
+    assert result_mode({"temperature": 1.0, "draft_sample": "greedy"}) == (1.0, "greedy")
+
+
 def test_table_lines_carry_each_recipes_figures() -> None:
     from dflash_ds.bench.recipe import format_table
 
@@ -117,7 +140,12 @@ def test_table_lines_carry_each_recipes_figures() -> None:
     assert lk.split() == ["lk", "1.750", "±0.125", "2.250", "±0.062", "-0.750", "*", "1000", "12", "4.88", "-",
                           "0.50", "0.25"]
     assert "seed ranges do not overlap with base's" in legend and "greedy (lossless-checked)" in legend
-    # Sampled serving: the training column that predicts it is alpha_tau, where the recipe logged it.
-    header, base, lk, legend = format_table([{**row, "train_alpha_tau": 5.678}, other], "base", 1.0).splitlines()
-    assert "alpha_tau" in header and "est_tau" not in header and "temperature 1" in legend
-    assert base.split()[8:10] == ["4.88", "5.68"] and lk.split()[9:11] == ["4.88", "-"]
+    # Sampled serving: the training column that predicts it is argmax_alpha_tau for argmax drafts (the engines'
+    # default), alpha_tau for sampled ones, where the recipe logged it.
+    row = {**row, "train_alpha_tau": 5.678, "train_argmax_alpha_tau": 4.321}
+    header, base, lk, legend = format_table([row, other], "base", 1.0).splitlines()
+    assert "argmax_alpha_tau" in header and "est_tau" not in header and "temperature 1 (greedy drafts)" in legend
+    assert base.split()[8:10] == ["4.88", "4.32"] and lk.split()[9:11] == ["4.88", "-"]
+    header, base, lk, legend = format_table([row, other], "base", 1.0, "probabilistic").splitlines()
+    assert " alpha_tau" in header and "argmax" not in header and "(probabilistic drafts)" in legend
+    assert base.split()[8:10] == ["4.88", "5.68"]

@@ -185,6 +185,7 @@ def test_chunked_equals_whole(knobs, chunk):
         assert chunked.alpha is None and not {"lk", "kl_weight", "labels"} & set(kw)
     else:
         assert torch.allclose(chunked.alpha, whole.alpha, atol=1e-6)
+        assert torch.allclose(chunked.argmax_alpha, whole.argmax_alpha, atol=1e-6)
     assert torch.allclose(chunked.weight_sum, whole.weight_sum, atol=1e-5)
 
 
@@ -208,6 +209,13 @@ def test_target_labels_are_the_target_argmax_and_alpha_is_the_overlap():
     per_block = [sum(math.prod(overlap[b, :k + 1].tolist()) for k in range(valid.shape[1]))
                  for b in range(valid.shape[0]) if valid[b, 0]]
     assert abs(m["alpha_tau"] - (1 + sum(per_block) / len(per_block))) < 1e-5
+    # argmax_alpha: the target's probability of the drafter's argmax, what an engine drafting the argmax accepts
+    picked = t_logits.softmax(-1).gather(-1, head(hidden).argmax(-1, keepdim=True)).squeeze(-1) * valid
+    assert torch.allclose(as_target.argmax_alpha, picked, atol=1e-6)
+    per_block = [sum(math.prod(picked[b, :k + 1].tolist()) for k in range(valid.shape[1]))
+                 for b in range(valid.shape[0]) if valid[b, 0]]
+    assert abs(m["argmax_alpha"] - (picked.sum() / valid.sum()).item()) < 1e-6
+    assert abs(m["argmax_alpha_tau"] - (1 + sum(per_block) / len(per_block))) < 1e-5
 
 
 def test_alpha_tau_by_hand():
@@ -216,10 +224,13 @@ def test_alpha_tau_by_hand():
     alpha = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.5, 0.5], [0.0, 0.0, 0.0]])
     valid = torch.tensor([[True, True, False], [True, True, True], [False, False, False]])
     terms = LossTerms(loss=torch.zeros(()), correct=valid & False, in_top4=valid & False, in_top8=valid & False,
-                      valid=valid, weight_sum=torch.zeros(()), alpha=alpha * valid)
+                      valid=valid, weight_sum=torch.zeros(()), alpha=alpha * valid, argmax_alpha=alpha * valid / 2)
     m = metrics_from_sums({**metric_sums(terms), **acceptance_sums(terms)})
     # block 0: 0.5 + 0.25 + 0 (its third position is past the mask); block 1: 1 + 0.5 + 0.25; block 2 has no anchor
     assert m["alpha_tau"] == pytest.approx(1 + (0.75 + 1.75) / 2) and m["alpha"] == pytest.approx(3.0 / 5)
+    # halved rates: block 0: 0.25 + 0.0625; block 1: 0.5 + 0.125 + 0.03125
+    assert m["argmax_alpha_tau"] == pytest.approx(1 + (0.3125 + 0.65625) / 2) and m["argmax_alpha"] == \
+        pytest.approx(1.5 / 5)
 
 
 def test_terms_that_need_the_target_are_off_without_it():
@@ -365,8 +376,9 @@ def test_window_record_has_alpha_only_when_measured():
 
     sums = {**{k: 1.0 for k in STEP_SUMS + LOSS_SUMS}, **{k: 0.0 for k in WALK_KEYS}}
     args = (5, 0, 1.0, 1, 1, 1, 10, 0.1)
-    with_alpha = WindowTotals({**sums, "alpha": 3.0, "alpha_positions": 4.0, "alpha_streak": 2.5}, 0.0, [1.0], [1.0],
-                              [1.0], [0.0])
-    assert with_alpha.record(*args)["alpha"] == 0.75 and with_alpha.record(*args)["alpha_tau"] == 3.5  # blocks 1
+    with_alpha = WindowTotals({**sums, "alpha": 3.0, "alpha_positions": 4.0, "alpha_streak": 2.5, "argmax_alpha": 2.0,
+                               "argmax_alpha_streak": 1.5}, 0.0, [1.0], [1.0], [1.0], [0.0])
+    rec = with_alpha.record(*args)
+    assert (rec["alpha"], rec["alpha_tau"], rec["argmax_alpha"], rec["argmax_alpha_tau"]) == (0.75, 3.5, 0.5, 2.5)
     without = WindowTotals({**sums, "alpha": 0.0, "alpha_positions": 0.0}, 0.0, [1.0], [1.0], [1.0], [0.0])
     assert "alpha" not in without.record(*args)

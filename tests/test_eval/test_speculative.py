@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dflash_ds.cli import main
-from dflash_ds.eval.speculative import (SpecOutput, _accept_sampled, eos_token_ids, first_mismatch, greedy_generate,
-                                        speculative_generate, summarize)
+from dflash_ds.eval.speculative import (SpecOutput, _accept_sampled, draw_draft, eos_token_ids, first_mismatch,
+                                        greedy_generate, speculative_generate, summarize)
 
 BS = 8  # drafter block size, as the random_drafter fixture (conftest.py)
 
@@ -104,6 +104,25 @@ def test_speculative_sampling_keeps_the_target_distribution():
     assert torch.allclose(counts / n, p[0], atol=0.02)
 
 
+@pytest.mark.parametrize("draft_sample", ["greedy", "probabilistic"])
+def test_both_draft_rules_sample_the_target(draft_sample):
+    """A draft drawn either way (the argmax as a one-hot q, as serving engines draft, or a sample of q) leaves
+    the output distributed as the target's p; the greedy draft is accepted with probability p(argmax), the
+    sampled one with sum min(p, q) (alpha)."""
+    gen = torch.Generator().manual_seed(1)
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.1, 0.2]]))  # argmax 1, where p is 0.3
+    counts, accepted_n, n = torch.zeros(4), 0, 6000
+    for _ in range(n):
+        draft, q = draw_draft(logits, 1.0, draft_sample, gen)
+        accepted, nxt = _accept_sampled(draft, q, p, gen)
+        accepted_n += accepted
+        counts[draft[0] if accepted else nxt] += 1
+    assert torch.allclose(counts / n, p[0], atol=0.02)
+    rate = 0.3 if draft_sample == "greedy" else float(torch.minimum(p[0], logits.exp()[0]).sum())  # 0.45
+    assert abs(accepted_n / n - rate) < 0.02, (accepted_n / n, rate)
+
+
 def test_temperature_sampling_runs(target, prompts, random_drafter):
     eos = eos_token_ids(target)
     runs = [speculative_generate(target, prompts[0], drafter=random_drafter, max_new_tokens=12, eos_ids=eos,
@@ -189,3 +208,6 @@ def test_lossless_mismatch_names_the_prompt(tiny_target, random_drafter, tmp_pat
     assert [m["prompt"] for m in json.loads((tmp_path / "r.json").read_text())["mismatches"]] == [1]
     assert main(args + ["--temperature", "0.5", "--tree-budget", "8"]) == 2
     assert "--tree-budget needs --temperature 0" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # vLLM's CPU build samples wrongly under speculative decoding (eval/served.py)
+        assert main(args + ["--temperature", "1", "--engine", "vllm"]) == 2
+        assert "does not sample losslessly" in capsys.readouterr().err
