@@ -81,8 +81,9 @@ class LossConfig:
     """LK loss on the acceptance rate alpha = sum min(p_drafter, p_target): "" (off), log (-log alpha) or hybrid."""
     lk_weight: float = 1.0
     """Mix of the LK loss with the CE/KL term when lk is set: (1 - w) base + w LK (1 = LK alone, the paper's). LK
-    alone trains the whole distribution: on the demo's uncertain target it gained 1.3 tau served with sampling at
-    T=1 and lost 0.7 served greedily; 0.5 was level with CE greedily (docs/QUALITY.md)."""
+    alone trains the whole distribution: on the demo's uncertain target it gained 1.3 tau served with sampled
+    drafts at T=1 (vLLM's non-default draft_sample_method probabilistic) and lost 0.7 served greedily; 0.5 was
+    level with CE greedily (docs/QUALITY.md)."""
     lk_kl_scale: float = 1.0
     """Hybrid LK: scale c of the KL share w = c * exp(-d * alpha) (the rest, 1 - w, on 1 - alpha)."""
     lk_kl_decay: float = 1.0
