@@ -1,8 +1,10 @@
 """Host-device synchronisations on the hot path, counted on the CPU with a TorchFunctionMode (a GPU proxy).
 
 Each of these makes the host wait for the GPU when the tensor lives there: `.item()`, `.cpu()`, `.tolist()`,
-`float()`/`int()`/`bool()` of a tensor, `nonzero`, boolean-mask indexing, and a host -> device copy that is
-not `non_blocking`. Per drafter micro-step the trainer did 25 of them (objective 13, bookkeeping 12), then 11
+`float()`/`int()`/`bool()` of a tensor, `torch.equal`, the value-shaped outputs (`nonzero`, one-argument
+`torch.where`, `masked_select`, `unique`, boolean-mask indexing), a host -> device copy that is not
+`non_blocking` (`.to`, `copy_`, `torch.tensor(..., device=...)`), and an explicit barrier (the accelerator's
+`synchronize`, DeepSpeed's included). The counter is tests/sync_count.py. Per drafter micro-step the trainer did 25 of them (objective 13, bookkeeping 12), then 11
 (anchor sampling's per-row host loop alone 8), now 4, of which on a GPU 2 are real: anchor sampling's one
 read of its output width (components/loss.sample_anchors: the largest per-row quota, which a shape-only
 width would double the drafter's work to avoid) and the loss's `.item()` that the drafters' skip/stop
@@ -11,11 +13,9 @@ agreement needs. The other 2 move RoPE frequencies to the device they are alread
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from dflash_ds.components.loss import sample_anchors
 from dflash_ds.components.objective import TargetStates
@@ -25,38 +25,9 @@ from dflash_ds.distributed.wire import build_payload, payload_specs
 from dflash_ds.models.drafter import DFlashDrafter, DrafterArch
 from dflash_ds.runtime.engine import DrafterTrainModule
 from dflash_ds.runtime.step_metrics import MetricWindow
+from sync_count import SyncCount
 
-READS = {"item", "cpu", "tolist", "nonzero", "__bool__", "__float__", "__int__", "__index__", "numpy"}
-
-
-class SyncCount(TorchFunctionMode):
-    """Counts calls that synchronise with the device when their tensor is on a GPU."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: collections.Counter = collections.Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
-        if name in READS:
-            self.calls[name] += 1
-        elif name == "__getitem__" and len(args) > 1 and isinstance(args[1], torch.Tensor) \
-                and args[1].dtype == torch.bool:
-            self.calls["bool-index"] += 1
-        elif name in ("to", "copy_") and not kwargs.get("non_blocking", False) and self._moves_host_data(args, kwargs):
-            self.calls[f"blocking {name}"] += 1
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def _moves_host_data(args, kwargs) -> bool:
-        # A `to` with an explicit device, or a `copy_` from another tensor: on a GPU run a host <-> device copy
-        # (the CPU cannot tell the devices apart, so every such call without non_blocking counts).
-        if not args or not isinstance(args[0], torch.Tensor):
-            return False
-        if len(args) > 1 and isinstance(args[1], torch.Tensor):  # copy_(src) / to(other_tensor)
-            return True
-        return any(isinstance(t, (str, torch.device)) for t in (*args[1:], kwargs.get("device")))
+__all__ = ["ARCH", "SyncCount"]  # test_lk_dpace counts with both
 
 
 ARCH = DrafterArch(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
@@ -94,6 +65,30 @@ def test_a_micro_step_reads_the_device_at_most_a_stated_number_of_times() -> Non
     assert "bool-index" not in model_side and "__float__" not in model_side, model_side
     # sample_anchors: 1 read (its output width); RoPE's .to(x.device): 2. It was 10 with the host loop.
     assert model_side == {"item": 1, "blocking to": 2}, model_side
+
+
+def test_the_counter_catches_every_kind_of_host_wait() -> None:
+    """Each call below blocks the host on a GPU tensor; the counter names each one (the value-dependent shapes,
+    the host-data factories onto a device, and the explicit barriers, DeepSpeed's accelerator included)."""
+    from deepspeed.accelerator import get_accelerator
+
+    x = torch.arange(6)
+    cases = {
+        "masked_select": lambda: torch.masked_select(x, x > 2),
+        "unique": lambda: x.unique(),
+        "where": lambda: torch.where(x > 2),
+        "equal": lambda: torch.equal(x, x),
+        "blocking tensor": lambda: torch.tensor([1, 2], device=x.device),
+        "synchronize": lambda: get_accelerator().synchronize(),
+    }
+    for name, call in cases.items():
+        with SyncCount() as counted:
+            call()
+        assert counted.calls == {name: 1}, (name, counted.calls)
+    with SyncCount() as counted:  # their non-blocking forms are not counted
+        torch.where(x > 2, x, 0), torch.tensor([1, 2]), x.masked_fill(x > 2, 0)
+    assert not counted.calls, counted.calls
+    assert "synchronize" not in vars(get_accelerator())  # the patch is undone on exit
 
 
 def test_anchor_sampling_reads_the_device_once() -> None:
