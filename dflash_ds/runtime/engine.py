@@ -65,6 +65,11 @@ def load_ds_config(path: Path, cfg: Config, bf16: bool, accumulation: int = 1,
     ds.setdefault("checkpoint", {})["tag_validation"] = "Ignore"
     ds["checkpoint"]["load_universal"] = bool(load_universal)  # resharded: runtime/resume.py
     ds.setdefault("steps_per_print", 10**9)
+    # DeepSpeed's throughput timer (on and synchronized by default) calls the accelerator's synchronize() in
+    # engine.forward and engine.step from its third step on when no dataloader is passed, as here: two full
+    # device barriers per micro-step, which wait for every bridge receive posted ahead and, colocated, for the
+    # next batch's target forward, so the overlap would gain nothing. The trainer times its steps itself.
+    ds["timers"] = {**ds.get("timers", {}), "throughput": {"enabled": False, "synchronized": False}}
     return ds
 
 
