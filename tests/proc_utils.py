@@ -6,23 +6,104 @@ import contextlib
 import os
 import signal
 import subprocess
+import uuid
 from collections.abc import Iterator
+
+
+TREE_MARK = "DFLASH_TEST_TREE"  # an environment variable every descendant inherits (the tree's mark)
 
 
 @contextlib.contextmanager
 def process_group(cmd: list[str], **kwargs) -> Iterator[subprocess.Popen]:
-    """Popen in a new session, and SIGKILL its whole process group on the way out.
+    """Popen in a new session, and SIGKILL its whole process tree on the way out (`kill_tree`).
 
-    A launcher's ranks are its children: killing only the launcher (subprocess.run on a timeout,
-    or pytest-timeout interrupting the test) would leave them running after the test.
+    A launcher's ranks are its descendants but not in its process group: torchrun (torch >= 2.13) starts each
+    rank in a session of its own, so a group kill of the launcher misses them and a hung job's ranks would keep
+    the cores busy for the rest of the suite. The tree is marked through the environment, so a rank whose
+    launcher already died (re-parented to init, off the /proc tree) is found too.
     """
-    proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
+    mark = uuid.uuid4().hex
+    env = {**(kwargs.pop("env", None) or os.environ), TREE_MARK: mark}
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env, **kwargs)
+    proc.tree_mark = mark  # type: ignore[attr-defined]
     try:
         yield proc
     finally:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every pid below `pid` in the /proc parent tree (children, their children, ...)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            ppid = _ppid(int(entry))
+            if ppid is not None:
+                parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def marked(mark: str) -> list[int]:
+    """The live pids whose environment carries TREE_MARK=mark (a zombie's environment reads empty)."""
+    needle = f"{TREE_MARK}={mark}".encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL `proc` and every descendant, however it was started (new sessions included); returns the pids killed.
+
+    The tree is collected before anything is killed (a killed parent's children move to init and drop off the
+    walk), then rescanned, by the walk and by the environment mark, until a scan finds nothing new alive: a
+    process forked between the scan and the kill is caught by the next scan.
+    """
+    mark = getattr(proc, "tree_mark", None)
+    killed: set[int] = set()
+    for _ in range(50):
+        found = set(descendants(proc.pid)) | (set(marked(mark)) if mark else set())
+        if proc.returncode is None:
+            found.add(proc.pid)
+        fresh = {pid for pid in found - killed if alive(pid)}
+        if not fresh:
+            break
+        for pid in fresh:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        killed |= fresh
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever else joined the launcher's group
+    return sorted(killed)
+
+
+def alive(pid: int) -> bool:
+    """A process that still runs (a zombie waiting for its reaper has finished)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def spare_threads() -> int:
@@ -37,7 +118,7 @@ def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.Complete
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc)
             out, err = proc.communicate()
             raise AssertionError(f"{' '.join(cmd[:6])} ... timed out after {timeout}s\nstdout:\n{out[-4000:]}\n"
                                  f"stderr:\n{err[-6000:]}") from None
@@ -46,17 +127,7 @@ def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.Complete
 
 def children(pid: int) -> list[int]:
     """The pids whose parent is `pid`."""
-    out: list[int] = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.append(int(entry))
-    return out
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and _ppid(int(e)) == pid]
 
 
 def _peak_rss_kib(pid: int) -> int:
@@ -80,7 +151,7 @@ def run_bounded_peak_rss(cmd: list[str], timeout: float, poll_s: float = 0.3,
             deadline = time.monotonic() + timeout
             while proc.poll() is None:
                 if time.monotonic() > deadline:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    kill_tree(proc)
                     proc.wait()
                     out.seek(0), err.seek(0)
                     raise AssertionError(f"{' '.join(cmd[:6])} ... timed out after {timeout}s\n"
