@@ -199,12 +199,24 @@ class TrainConfig:
     stop_at: int = 0
     """If > 0: stop at this step with a checkpoint, keeping max_steps' schedules (staged runs)."""
     est_tau_rows: int = 4
-    """Rows of each drafter's last micro-batch that est_tau (greedy decoding walked over the response, the
-    acceptance length serving sees) is measured on when a metric record is written (0 = off). One no-grad
-    forward with a block at every response position: about 51 GFLOP per response token at Qwen3-8B scale
-    (H 4096, block 16, V 151,936: 31 in the 5 layers, 18.7 in the LM head, ~1.3 in attention), so 4 rows
-    of 1,500 response tokens cost ~0.3 PFLOP (under a second on one H100) per record and at most a
-    token_budget of blocks (16,384: 0.84 PFLOP); blocks run loss.max_anchors_per_batch at a time."""
+    """Rows of each drafter's first micro-batch walked for est_tau (greedy decoding walked over the response,
+    the acceptance length greedy serving sees) every est_tau_interval steps, before that batch trains
+    (0 = off). One no-grad forward with a block at every response position: about 51 GFLOP per response
+    token at Qwen3-8B shapes (H 4096, 5 drafter layers, block 16, V 151,936: 30.9 in the layers, 18.7 in
+    the LM head, ~1.3 in attention), 76 TFLOP for a row of 1,500 response tokens. A micro-step of a
+    16k-token budget trains max_anchors_per_batch 2,048 blocks forward and backward: 3 x 2,048 x 51 GFLOP
+    = 313 TFLOP (379 with activation checkpointing). 4 rows every 25 steps: 306 / (25 x 313) = 3.9% of
+    a drafter's training work at one micro-step a step (3.2% with checkpointing; 1,900-token responses
+    5.0% / 4.1%; fewer with accumulation). Measured on the demo: docs/QUALITY.md."""
+    est_tau_interval: int = 25
+    """Steps between est_tau walks (at each step whose number is a multiple); records in between carry the
+    pooled figure of the last walks (est_tau_window)."""
+    est_tau_window: int = 64
+    """Rows over all drafters a record's est_tau pools: the last ceil(64 / (est_tau_rows x drafters)) walks
+    (8 on 2 drafters, 2 on 8). One response's acceptance varies by about half its mean (measured on the
+    demo), so 64 rows put the figure within ~6% (one standard error) and a new walk moves it by a fraction;
+    the figure lags the drafter by about half the walks it pools. A resumed run reads its walks back from
+    records/walks{d}.jsonl."""
     eval_interval: int = 0
     """Steps between evaluations on the validation split (data.val_fraction or data.val_path; 0 = never):
     val_est_tau and val_tau in that step's record, the best val_est_tau kept as checkpoints/best."""

@@ -74,6 +74,8 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("train.heartbeat_timeout_s", "must be > 0", lambda v: v > 0),
     ("train.max_bad_steps", "must be >= 1", lambda v: v >= 1),
     ("train.est_tau_rows", "must be >= 0 (0 = off)", lambda v: v >= 0),
+    ("train.est_tau_interval", "must be >= 1", lambda v: v >= 1),
+    ("train.est_tau_window", "must be >= 1", lambda v: v >= 1),
     ("train.eval_interval", "must be >= 0 (0 = never)", lambda v: v >= 0),
     ("train.eval_batches", "must be >= 0 (0 = the whole split)", lambda v: v >= 0),
     ("topology.num_target_ranks", "must be >= 1", lambda v: v >= 1),

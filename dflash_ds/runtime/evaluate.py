@@ -1,13 +1,19 @@
-"""est_tau on the drafter ranks: at each metric record, and on the validation split at each evaluation.
+"""est_tau on the drafter ranks: every `train.est_tau_interval` steps, and on the validation split at each evaluation.
 
 `estimate` runs components/acceptance on one batch through the DeepSpeed engine (its forward, so
 ZeRO-3 gathers and releases the drafter's weights as in training), no-grad, the drafter in eval
-mode, no noise, after the step's update: nothing of it reaches a gradient. The blocks run
+mode, no noise: nothing of it reaches a gradient. The blocks run
 `loss.max_anchors_per_batch` at a time; under ZeRO-3 every drafter must run the same number of
 forwards, so the drafters agree on the most any of them needs (one small all-reduce) and the
-others run idle ones (a single padding block). It happens only when a record is written
-(`train.log_interval`, an evaluation step, the last step) or on validation batches: the micro-steps
-in between read the device no more than before (tests/test_core/test_host_syncs.py).
+others run idle ones (a single padding block). It happens only at a walk step (`walks_at`) or on
+validation batches: the micro-steps in between read the device no more than before
+(tests/test_core/test_host_syncs.py).
+
+At a walk step the walk reads `train.est_tau_rows` rows of the step's first micro-batch, spread over
+it (`walk_rows`: a batch is sorted by length, so its first rows are its shortest), before that batch
+trains: walked right after an update on the same rows, the figure read 19% above served acceptance
+on the demo (docs/QUALITY.md). A record's est_tau pools the last walks that hold `train.est_tau_window`
+rows over the drafters (`pooled_walks`, runtime/step_metrics.WalkHistory).
 
 `validate` takes this drafter's validation batches of an evaluation step from its batch source,
 where the stream put them (after the step's training micro-steps, data/stream.py), and sums their
@@ -33,12 +39,35 @@ if TYPE_CHECKING:
 DEFAULT_MAX_BLOCKS = 2048  # blocks per forward when loss.max_anchors_per_batch is 0 (no cap)
 
 
+def walks_at(cfg: Config, step: int) -> bool:
+    """Whether step `step` (0-based) walks est_tau: every `train.est_tau_interval` steps, counted as records are
+    (the step that completes `done = step + 1`), never with `train.est_tau_rows` 0. The same on every drafter."""
+    return cfg.train.est_tau_rows > 0 and (step + 1) % cfg.train.est_tau_interval == 0
+
+
+def pooled_walks(cfg: Config, num_drafters: int) -> int:
+    """Walks a record's est_tau pools: the fewest whose rows over the drafters reach `train.est_tau_window`
+    (e.g. 64 rows of 4 per drafter: 8 walks on 2 drafters, 2 on 8)."""
+    per_walk = max(1, cfg.train.est_tau_rows * num_drafters)
+    return max(1, -(-cfg.train.est_tau_window // per_walk))
+
+
+def walk_rows(n: int, rows: int) -> list[int]:
+    """`rows` row indices spread evenly over a batch of `n` (the middle of each of `rows` equal parts); 0 or
+    rows >= n: all of them."""
+    if rows <= 0 or rows >= n:
+        return list(range(n))
+    return [(2 * i + 1) * n // (2 * rows) for i in range(rows)]
+
+
 def estimate(engine, tensors: dict, cfg: Config, dtype: torch.dtype, rows: int = 0) -> dict[str, float]:
-    """Walk sums (components/acceptance.WALK_SUMS) of a batch's first `rows` rows (0: all of them).
+    """Walk sums (components/acceptance.WALK_SUMS) of `rows` rows of a batch spread over it (0: all of them).
 
     Collective over the drafters (the forward count); `engine` is the DeepSpeed engine or the bare module.
     """
-    keep = slice(0, rows or tensors["input_ids"].shape[0])
+    n = tensors["input_ids"].shape[0]
+    picked = walk_rows(n, rows)
+    keep = slice(None) if len(picked) == n else picked  # every row: views, no copy
     last = tensors.get("last_hidden")
     states = TargetStates(tensors["input_ids"][keep], tensors["loss_mask"][keep], tensors["lengths"][keep],
                           tensors["context"][keep].to(dtype), None if last is None else last[keep])

@@ -25,7 +25,7 @@ from dflash_ds.components.schedules import noise_std_at
 from dflash_ds.config import Config, LossConfig
 from dflash_ds.data.batching import Cursor
 from dflash_ds.runtime import faults
-from dflash_ds.runtime.evaluate import estimate
+from dflash_ds.runtime.evaluate import estimate, pooled_walks, walks_at
 
 if TYPE_CHECKING:
     from dflash_ds.data.stream import BatchStream
@@ -60,7 +60,8 @@ class StepResult(NamedTuple):
     noise: float
     bad: bool  # a micro-batch was dropped, or the gradient norm is not finite
     stopping: bool  # the drafters agreed to stop after this step
-    est: dict | None = None  # walk sums of est_tau on the last micro-batch (runtime/evaluate.py), at a record
+    est: dict | None = None  # walk sums of est_tau on the first micro-batch (runtime/evaluate.py), at a walk step
+    est_walks: int = 0  # walks a record's est_tau pools (evaluate.pooled_walks; step_metrics.WalkHistory)
 
     @property
     def cursor(self) -> Cursor:
@@ -148,8 +149,8 @@ def optimizer_step(engine, source: BatchSource, data: BatchStream, cfg: Config, 
                    records: Callable[[bool], bool] = lambda stopping: False) -> StepResult:
     """This drafter's optimizer step `step`: its A micro-batches from `source`, in the order of the batch stream.
 
-    `records(stopping)` says whether a metric record follows the step: est_tau is then measured on the
-    last micro-batch (`train.est_tau_rows` of its rows), after the update, before its tensors go back.
+    At a walk step (`evaluate.walks_at`) est_tau is measured on `train.est_tau_rows` rows of the first
+    micro-batch before it trains. `records(stopping)` (whether a metric record follows) is not read here.
     """
     acc, n_d = data.accumulation, data.num_drafters
     lr, noise = engine.get_lr()[0], noise_at(cfg, step)
@@ -160,12 +161,12 @@ def optimizer_step(engine, source: BatchSource, data: BatchStream, cfg: Config, 
         if batch.batch_id != expected:
             raise RuntimeError(f"drafter {drafter} expected global batch {expected} at step {step}, "
                                f"got {batch.batch_id}")
+        if m == 0 and walks_at(cfg, step):  # the same steps on every drafter (the walk is collective)
+            est = estimate(engine, batch.tensors, cfg, dtype, rows=cfg.train.est_tau_rows)
         result, stop_now = train_micro(engine, batch, m, cfg, dtype, noise, acc, stop_requested(),
                                        poison=functools.partial(faults.poison_loss, step, m, drafter == 0))
         stopping = stopping or stop_now
-        if m == acc - 1 and cfg.train.est_tau_rows and records(stopping):  # the same on every drafter
-            est = estimate(engine, batch.tensors, cfg, dtype, rows=cfg.train.est_tau_rows)
         source.release(batch.tensors)  # nothing below reads the batch's tensors
         micro.append(result)
     grad_norm, bad = step_grad_norm(engine, micro, acc)
-    return StepResult(micro, grad_norm, lr, noise, bad, stopping, est)
+    return StepResult(micro, grad_norm, lr, noise, bad, stopping, est, pooled_walks(cfg, n_d))

@@ -4,6 +4,12 @@ Every drafter adds its steps into the same named fields; `reduce` packs them in 
 (identical on every rank), does one all_reduce, and unpacks: no metric is addressed by its
 position in a vector. `StepLog` writes records/drafter{d}.jsonl and closes each window (the
 leader's monitor writes the reduced record to metrics.jsonl and W&B).
+
+est_tau is not a window sum: walks are few (`train.est_tau_rows` rows every `train.est_tau_interval`
+steps, to keep their cost a few % of training) and one response's acceptance varies by half its mean,
+so a record pools the last walks that hold `train.est_tau_window` rows over the drafters (`WalkHistory`).
+Each walk is written to records/walks{d}.jsonl, from which a resumed run reads them back: its records
+carry the figures of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ class MetricWindow:
         self.buckets[int(meta["bucket"])] += 1
 
     def add_walk(self, kind: str, sums: dict[str, float] | None) -> None:
-        """Walk sums of est_tau ("est", at a record) or of the validation batches ("val"), already on the host."""
+        """Walk sums of est_tau ("est", the pooled walks) or of the validation batches ("val"), on the host."""
         for key, value in (sums or {}).items():
             self.sums[f"{kind}_{key}"] += value
 
@@ -125,6 +131,40 @@ class MetricWindow:
         return WindowTotals(sums=dict(zip(names, v[:i])), skipped_total=v[i], buckets=v[i + 1:i + 1 + nb],
                             pos_correct=v[i + 1 + nb:i + 1 + nb + k], pos_valid=v[i + 1 + nb + k:i + 1 + nb + 2 * k],
                             peak_mem_bytes=v[i + 1 + nb + 2 * k:i + 1 + nb + 2 * k + d])
+
+
+class WalkHistory:
+    """One drafter's est_tau walks (walk sums by the step they completed with); a record pools the last `keep`."""
+
+    def __init__(self, walks: dict[int, dict[str, float]] | None = None) -> None:
+        self.walks = dict(walks or {})
+        self.keep = 0  # walks a record pools, as the steps' results carry it (0: every walk)
+
+    def add(self, done: int, sums: dict[str, float] | None, keep: int) -> None:
+        """The walk of the step that completed `done` (None: no walk there); only the last `keep` are kept."""
+        self.keep = keep
+        if sums:
+            self.walks[done] = {k: float(sums[k]) for k in WALK_SUMS}
+        if keep:
+            self.walks = {s: self.walks[s] for s in sorted(self.walks)[-keep:]}
+
+    def pooled(self, done: int) -> dict[str, float] | None:
+        """Sums of the last `keep` walks up to step `done`, or None without one."""
+        steps = [s for s in sorted(self.walks) if s <= done]
+        inside = [self.walks[s] for s in (steps[-self.keep:] if self.keep else steps)]
+        return {k: sum(w[k] for w in inside) for k in WALK_SUMS} if inside else None
+
+    @classmethod
+    def read(cls, path: Path, start_step: int) -> "WalkHistory":
+        """The walks a run resumed at `start_step` had made (path's lines up to that step; a later line for
+        the same step replaces an earlier one: a step redone after a resume walks the same weights)."""
+        walks = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                rec = json.loads(line) if line.strip() else None
+                if rec and rec["step"] <= start_step:
+                    walks[int(rec["step"])] = {k: float(rec[k]) for k in WALK_SUMS}
+        return cls(walks)
 
 
 @dataclass
@@ -198,6 +238,8 @@ class StepLog:
         records = out / "records"
         records.mkdir(parents=True, exist_ok=True)
         self.file = (records / f"drafter{d}.jsonl").open("a")
+        self.walks = WalkHistory.read(records / f"walks{d}.jsonl", start_step)
+        self.walk_file = (records / f"walks{d}.jsonl").open("a")
         self.window = MetricWindow(len(data.boundaries), block_size - 1, layout.num_drafters, d)
         self.device, self.monitor, self.max_steps, self.start_step = ctx.device, monitor, max_steps, start_step
         self.global_batch, self.num_drafters = data.global_batch, layout.num_drafters
@@ -215,14 +257,18 @@ class StepLog:
                                         "loss": r.loss, "skipped": r.skipped,
                                         "target_rank": int(r.meta["target_rank"])}) + "\n")
             self.window.add_step(r.loss, r.sums, r.meta, r.depth, result.grad_norm, result.lr, result.noise)
-        self.window.add_walk("est", result.est)
         self.file.flush()
+        self.walks.add(step + 1, result.est, result.est_walks)
+        if result.est:
+            self.walk_file.write(json.dumps({"step": step + 1, **result.est}) + "\n")
+            self.walk_file.flush()
 
     def close_window(self, done: int, epoch: int) -> WindowTotals:
         """Reduce the window over the drafters (collective); the leader logs it as step `done`; start the next.
 
         Returns the totals, the same on every drafter (what they decide on together, e.g. a best checkpoint)."""
         self.window.peak_mem_bytes = peak_memory_bytes(self.device)
+        self.window.add_walk("est", self.walks.pooled(done))  # every drafter walks the same steps
         totals = self.window.reduce()  # host tensors: the role group carries them on GPU too (cpu:gloo)
         now = time.perf_counter()
         if self.monitor is not None:
@@ -239,7 +285,8 @@ class StepLog:
         return totals
 
     def close(self) -> None:
-        """Close the records file and the leader's monitor."""
+        """Close the records files and the leader's monitor."""
         self.file.close()
+        self.walk_file.close()
         if self.monitor is not None:
             self.monitor.close()

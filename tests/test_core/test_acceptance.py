@@ -3,10 +3,13 @@
 A hand-built prediction table gives a known walk, est_tau and pooled value, where the uniform tau of
 the same table differs; on greedy text of the tiny target a drafter fitted to it gives the same
 per-step accepted lengths as a plain loop over single blocks (`forward_infer`, one block at a time)
-and as real speculative decoding (eval/speculative.py) of the same prompts.
+and as real speculative decoding (eval/speculative.py) of the same prompts. The trainer's cadence: which
+steps walk and which rows, and a record's figure pooled over the walks of its window, by hand.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -79,6 +82,53 @@ def test_responses_walk_apart_and_est_tau_is_a_mean_over_responses() -> None:
     assert m["est_tau"] == pytest.approx((6 / 2 + 3 / 3) / 2)  # 2.0: per-response means 3 and 1
     assert m["est_tau_pooled"] == pytest.approx(9 / 5)
     assert "tau" not in m  # the training tau of a record comes from the loss statistics, not from here
+
+
+def test_walk_cadence_and_rows_by_hand() -> None:
+    """Walks at the steps completing a multiple of est_tau_interval, none with est_tau_rows 0; rows from the middle
+    of equal parts of the (length-sorted) batch, not its shortest first rows."""
+    from dflash_ds.config import Config
+    from dflash_ds.runtime.evaluate import walk_rows, walks_at
+
+    cfg = Config()
+    cfg.train.est_tau_rows, cfg.train.est_tau_interval = 4, 25
+    assert [s for s in range(100) if walks_at(cfg, s)] == [24, 49, 74, 99]  # records call them 25, 50, ...
+    cfg.train.est_tau_rows = 0
+    assert not any(walks_at(cfg, s) for s in range(100))
+    assert walk_rows(10, 2) == [2, 7] and walk_rows(9, 3) == [1, 4, 7] and walk_rows(3, 1) == [1]
+    assert walk_rows(3, 5) == [0, 1, 2] and walk_rows(4, 0) == [0, 1, 2, 3]
+
+
+def test_a_record_pools_the_walks_of_its_window_by_hand(tmp_path) -> None:
+    """Fixed walk sums at steps 20, 40, 60, a window of 8 rows of 2 per drafter on 2 drafters: 2 walks, so the
+    record at 60 pools 40 and 60 only; a run resumed at 40 reads its walks back (a later line for a step
+    replaces an earlier one)."""
+    from dflash_ds.config import Config
+    from dflash_ds.runtime.evaluate import pooled_walks
+    from dflash_ds.runtime.step_metrics import WalkHistory
+
+    cfg = Config()
+    cfg.train.est_tau_rows, cfg.train.est_tau_window = 2, 8
+    keep = pooled_walks(cfg, 2)
+    assert keep == 2 and pooled_walks(cfg, 3) == 2 and pooled_walks(cfg, 8) == 1  # ceil(8 / 6) = 2
+    table = {"tokens": 12.0, "steps": 4.0, "tau_sum": 3.0, "responses": 1.0, "streak": 25.0, "blocks": 9.0}
+    weak = {"tokens": 10.0, "steps": 10.0, "tau_sum": 2.0, "responses": 2.0, "streak": 0.0, "blocks": 5.0}
+    strong = {"tokens": 30.0, "steps": 6.0, "tau_sum": 15.0, "responses": 3.0, "streak": 9.0, "blocks": 3.0}
+    history = WalkHistory()
+    assert history.pooled(10) is None  # before the first walk a record carries no est_tau
+    for done, sums in ((20, weak), (40, table), (60, strong)):
+        history.add(done - 1, None, keep)  # a step without a walk between
+        history.add(done, sums, keep)
+    figures = walk_metrics(history.pooled(60), "")
+    assert figures["est_tau"] == pytest.approx((3.0 + 15.0) / (1 + 3))  # 4.5: per-response means, 40 and 60
+    assert figures["est_tau_pooled"] == pytest.approx((12 + 30) / (4 + 6))  # 4.2
+    assert walk_metrics(history.pooled(59), "")["est_tau"] == pytest.approx(3.0)  # up to 59: 40 only (20 dropped)
+    path = tmp_path / "walks0.jsonl"
+    lines = [{"step": 20, **weak}, {"step": 40, **weak}, {"step": 60, **table}, {"step": 40, **table}]
+    path.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    resumed = WalkHistory.read(path, 40)  # 60 was walked after the checkpoint at 40: not read
+    resumed.add(60, strong, keep)
+    assert resumed.pooled(60) == history.pooled(60)
 
 
 def greedy_rows(target, prompts, new_tokens):
@@ -175,7 +225,8 @@ def test_est_tau_of_a_real_drafter_equals_single_blocks_and_speculative_decoding
     assert sums["responses"] == 3 and sums["steps"] == sum(len(w) for w in reference)
     assert sums["tokens"] == sum(sum(w) for w in reference)
     assert sums["tau_sum"] == pytest.approx(sum(per_row))
-    assert estimate(module, tensors, cfg, torch.float32, rows=1)["tau_sum"] == pytest.approx(per_row[0])
+    # one row of three: the middle one (walk_rows)
+    assert estimate(module, tensors, cfg, torch.float32, rows=1)["tau_sum"] == pytest.approx(per_row[1])
     # Served: the same drafter decoding the same prompts against the target. Every step but the last matches
     # (the walk stops at the response's end; decoding counts the last step's acceptance in full).
     served = [speculative_generate(target, p, drafter=module.drafter, max_new_tokens=40,

@@ -4,9 +4,10 @@ The stream: held-out rows never trained on, the same split on every call, valida
 after the training ones of each evaluation step with ids that name their drafter, the same after
 a resume; a separate validation folder. The checkpoint folder: keep-K rotation spares `best`, and a
 resume remembers the better of the checkpoint's best and `best`'s own figures. End to end: 1 target
-+ 2 drafters under ZeRO-3 (several forwards per estimate: the drafters agree on their count) log
-est_tau in every record and val_* at the evaluation steps, keep the best checkpoint through keep-K
-rotation, and a colocated resume does not replace a better best with a worse one.
++ 2 drafters under ZeRO-3 (several forwards per estimate: the drafters agree on their count) walk at the
+est_tau_interval steps only, log est_tau pooled over the walks of the window in every record and val_* at
+the evaluation steps, keep the best checkpoint through keep-K rotation, and a colocated resume reads the
+walks back and does not replace a better best with a worse one.
 """
 
 from __future__ import annotations
@@ -130,7 +131,22 @@ def run_args(setup, out, *extra):
     target, data = setup
     return [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(out), "--zero-stage", "3",
             "--data.val_fraction", "0.1", "--train.eval_interval", "4", "--train.save_interval", "6",
-            "--train.keep_last", "1", "--loss.max_anchors_per_batch", "24", *extra]
+            "--train.keep_last", "1", "--loss.max_anchors_per_batch", "24", "--train.est_tau_interval", "3",
+            "--train.est_tau_window", "16", *extra]
+
+
+def pooled_walks(out, done: int) -> dict[str, float]:
+    """est_tau and est_tau_pooled of the last 2 walks up to step `done` (est_tau_window 16 rows = 2 walks of 4 rows
+    on 2 drafters) over both drafters, from their files (the last line of a step: a resumed run appends)."""
+    from dflash_ds.components.acceptance import WALK_SUMS, walk_metrics
+
+    sums = dict.fromkeys(WALK_SUMS, 0.0)
+    for d in (0, 1):
+        walks = {rec["step"]: rec for rec in read_jsonl(out / "records" / f"walks{d}.jsonl")}
+        for step in sorted(s for s in walks if s <= done)[-2:]:
+            for key in WALK_SUMS:
+                sums[key] += walks[step][key]
+    return walk_metrics(sums, "")
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +161,13 @@ def validated(setup, tmp_path_factory):
 def test_records_carry_est_tau_and_val_figures_at_evaluations(validated) -> None:
     records = read_jsonl(validated / "metrics.jsonl")
     assert [rec["step"] for rec in records] == [4, 5, 8, 10, 12]
+    for d in (0, 1):  # est_tau_interval 3: the walks, and only they
+        assert [w["step"] for w in read_jsonl(validated / "records" / f"walks{d}.jsonl")] == [3, 6, 9, 12]
     for rec in records:
         assert 1.0 <= rec["est_tau"] <= 8.0 and 1.0 <= rec["est_tau_pooled"] <= 8.0, rec
+        want = pooled_walks(validated, rec["step"])  # e.g. step 10: the walks at 6 and 9
+        assert rec["est_tau"] == pytest.approx(want["est_tau"]), rec["step"]
+        assert rec["est_tau_pooled"] == pytest.approx(want["est_tau_pooled"]), rec["step"]
         has_val = rec["step"] % 4 == 0
         assert {"val_est_tau", "val_est_tau_pooled", "val_tau"} <= rec.keys() if has_val else "val_tau" not in rec
     logged = wandb_history_keys(next(validated.glob("wandb/offline-run-*/run-*.wandb")))
@@ -190,6 +211,9 @@ def test_a_resume_keeps_a_better_best_through_rotation(setup, validated, tmp_pat
     records = read_jsonl(run / "metrics.jsonl")
     assert [rec["step"] for rec in records] == [4, 5, 8, 10, 12, 15, 16, 20]
     assert all("val_est_tau" in rec for rec in records if rec["step"] in (16, 20))
+    # Step 15's record pools the walks at 12 (the first run's, read back) and 15 (the resumed run's).
+    assert [w["step"] for w in read_jsonl(run / "records" / "walks0.jsonl")] == [3, 6, 9, 12, 15, 18]
+    assert records[5]["est_tau"] == pytest.approx(pooled_walks(run, 15)["est_tau"])
     assert ckpt.find_best(run) == run / "checkpoints" / best.name
     final = ckpt.read_state(run / "checkpoints" / "step_00000020")
     assert final["best"] == {"step": state["step"], "val_est_tau": 99.0}
