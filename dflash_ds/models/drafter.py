@@ -137,14 +137,25 @@ class DFlashDrafter(nn.Module):
     """The drafter: fc + hidden_norm over concatenated target layers, decoder layers, final norm.
 
     The token embedding and the LM head are the target's (frozen) and are passed in, not owned.
+    `DFlashDrafter(arch)` builds the class of `arch.kind` (a DFlash2 arch: models/dflash2.DFlash2Drafter),
+    so every caller that builds or loads a drafter gets the right one without asking for it.
     """
+
+    layer_cls: type = DrafterLayer
+
+    def __new__(cls, arch: DrafterArch | None = None, *args, **kwargs):
+        if cls is DFlashDrafter and arch is not None and arch.dflash2 is not None:
+            from dflash_ds.models.dflash2 import DFlash2Drafter  # imports this module: resolved at call time
+
+            cls = DFlash2Drafter
+        return super().__new__(cls)
 
     def __init__(self, arch: DrafterArch) -> None:
         super().__init__()
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
         self.arch = arch
-        self.layers = nn.ModuleList([DrafterLayer(arch) for _ in range(arch.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.layer_cls(arch) for _ in range(arch.num_hidden_layers)])
         self.fc = nn.Linear(len(arch.target_layer_ids) * arch.hidden_size, arch.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ds.errors import DFlashError, read_json_file
+from dflash_ds.models.dflash2_arch import ARCHITECTURES, DFLASH, DFLASH2, DFlash2Options
 
 SAFETENSORS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -95,9 +96,13 @@ class DrafterArch:
     """Per draft layer "full_attention" or "sliding_attention"; None = all full (normalised to a list)."""
     sliding_window: int | None = None
     """Window of the sliding layers, counting the query itself (HF convention)."""
+    dflash2: DFlash2Options | None = None
+    """The DFlash2 parts (convolutions, candidate selector); None = a DFlash drafter."""
 
     def __post_init__(self) -> None:
         self.layer_types = resolve_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
+        if self.dflash2 is not None:
+            self.dflash2.check(self.hidden_size, self.vocab_size)
         if SLIDING not in self.layer_types:
             self.sliding_window = None  # meaningless without a sliding layer; keeps exports canonical
 
@@ -105,6 +110,11 @@ class DrafterArch:
     def rope_theta(self) -> float:
         """Base of the rotary embedding."""
         return float(self.rope_parameters.get("rope_theta", 10000.0))
+
+    @property
+    def kind(self) -> str:
+        """dflash or dflash2 (models/dflash2_arch.KINDS)."""
+        return DFLASH if self.dflash2 is None else DFLASH2
 
     @property
     def has_sliding(self) -> bool:
@@ -143,6 +153,9 @@ class DrafterArch:
             "sliding_window": self.sliding_window,
             "use_sliding_window": self.has_sliding,
         })
+        if self.dflash2 is not None:  # vLLM reads block_size from dflash_config too (the export's block)
+            cfg["architectures"] = [ARCHITECTURES[DFLASH2]]
+            cfg["dflash_config"].update(block_size=self.block_size, **self.dflash2.to_config())
         rope_type = self.rope_parameters.get("rope_type", "default")
         if rope_type != "default":
             # transformers-4.x loaders (and SGLang's get_rope_config on them) read only rope_scaling.
@@ -176,6 +189,8 @@ class DrafterArch:
                                       or default_target_layer_ids(int(cfg["num_target_layers"]), n_layers)),
                 attention_bias=bool(cfg.get("attention_bias", False)), hidden_act=cfg.get("hidden_act", "silu"),
                 layer_types=cfg.get("layer_types"), sliding_window=None if window is None else int(window),
+                dflash2=(DFlash2Options.from_config(dcfg, where)
+                         if ARCHITECTURES[DFLASH2] in (cfg.get("architectures") or []) else None),
             )
         except KeyError as exc:
             raise DFlashError(f"{where}: missing field {exc.args[0]!r} of a DFlash drafter config") from None

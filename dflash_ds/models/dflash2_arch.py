@@ -1,0 +1,108 @@
+"""The DFlash2 fields of a drafter's shape and of its export's `dflash_config` (docs/DESIGN.md §11).
+
+Names are the serving engines' (vLLM 0.32 `qwen3_dflash2.py` reads them from `dflash_config`). vLLM
+requires `conv_kernel_size`, `conv_group_size`, `selector_rank` and `selector_top_k` (no defaults
+there); `output_multiplier` (1.0), `final_logit_softcapping` (0 = none) and `input_embedding_scale`
+(1.0) are optional. The defaults below are dflash-ds's; why each, at the real shape:
+
+- conv_kernel_size 2: the two-tap convolution of the DFlash2 write-up (position i reads i and i - 1).
+- conv_group_size 64: one dynamic coefficient per 64 channels. kernel_projection is
+  H x (2 * taps * H / group): at Qwen3-8B (H 4096) 4096 x 256 = 1,048,576 per conv, two convs per
+  layer, 5 layers -> 10.5 M parameters (1% of the ~1.05 B drafter). Must divide the hidden size.
+- selector_rank 64: the two codebooks are vocab x rank each: Qwen3-8B 2 x 151,936 x 64 = 19.4 M
+  parameters, Qwen3.6-27B 2 x 248,320 x 64 = 31.8 M (docs/MEMORY.md has the bytes).
+- selector_top_k 8: candidates per draft position; the edge tensor per block is
+  (block - 1) x K x K x rank floats in training (15 x 8 x 8 x 64 = 61,440 per block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from dflash_ds.errors import DFlashError
+
+DFLASH, DFLASH2 = "dflash", "dflash2"
+KINDS = (DFLASH, DFLASH2)
+ARCHITECTURES = {DFLASH: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}
+
+
+@dataclass
+class DFlash2Options:
+    """Shape of the DFlash2 parts: the grouped dynamic convolutions and the candidate selector."""
+
+    conv_kernel_size: int = 2
+    """Taps of each convolution (position i reads i, i-1, ..., never across a block boundary)."""
+    conv_group_size: int = 64
+    """Channels that share one dynamic coefficient (must divide the hidden size)."""
+    selector_rank: int = 64
+    """Rank of the selector's predecessor/successor codebooks (each vocab x rank)."""
+    selector_top_k: int = 8
+    """Candidates per draft position: the target head's top-K of the drafter's hidden state."""
+    output_multiplier: float = 1.0
+    """Scale of the candidates' logits before the soft cap (unary scores)."""
+    final_logit_softcapping: float = 0.0
+    """Unary scores are cap * tanh(logit / cap); 0 = no cap."""
+    input_embedding_scale: float = 1.0
+    """Multiplies the embedded block inputs (written to the export only when not 1)."""
+
+    def check(self, hidden_size: int, vocab_size: int, where: str = "") -> "DFlash2Options":
+        """One clear error naming the field that cannot build a drafter of this width and vocabulary."""
+        where = f"{where}." if where else ""
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if int(getattr(self, name)) < 1:
+                raise DFlashError(f"{where}{name} = {getattr(self, name)}: must be >= 1")
+        if hidden_size % self.conv_group_size:
+            raise DFlashError(f"{where}conv_group_size = {self.conv_group_size} must divide the hidden size "
+                              f"{hidden_size}")
+        if self.selector_top_k > vocab_size:
+            raise DFlashError(f"{where}selector_top_k = {self.selector_top_k} exceeds the vocabulary ({vocab_size})")
+        if self.output_multiplier <= 0:
+            raise DFlashError(f"{where}output_multiplier = {self.output_multiplier}: must be > 0 (vLLM's top-K "
+                              "reduction refuses a non-positive scale)")
+        if self.final_logit_softcapping < 0:
+            raise DFlashError(f"{where}final_logit_softcapping = {self.final_logit_softcapping}: must be >= 0")
+        return self
+
+    def to_config(self) -> dict[str, Any]:
+        """The keys this adds to the export's dflash_config."""
+        out = asdict(self)
+        if out["input_embedding_scale"] == 1.0:
+            del out["input_embedding_scale"]
+        return out
+
+    @classmethod
+    def from_config(cls, dcfg: dict[str, Any], where: str) -> "DFlash2Options":
+        """Read them back from a dflash_config (the four the engines require must be there)."""
+        required = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+        missing = [k for k in required if k not in dcfg]
+        if missing:
+            raise DFlashError(f"{where}: dflash_config of a DFlash2DraftModel lacks {missing}")
+        kw: dict[str, Any] = {k: int(dcfg[k]) for k in required}
+        for f in fields(cls):
+            if f.name not in kw and dcfg.get(f.name) is not None:
+                kw[f.name] = float(dcfg[f.name])
+        return cls(**kw)
+
+    @classmethod
+    def from_model_config(cls, model: Any) -> "DFlash2Options | None":
+        """From a run's `model.*` section: None for kind dflash."""
+        if getattr(model, "kind", DFLASH) != DFLASH2:
+            return None
+        return cls(**{f.name: getattr(model, f.name) for f in fields(cls)})
+
+
+def option_names() -> list[str]:
+    """The DFlash2 field names (config model.*, init-drafter flags, dflash_config keys)."""
+    return [f.name for f in fields(DFlash2Options)]
+
+
+def conv_params(hidden_size: int, num_layers: int, opts: DFlash2Options) -> int:
+    """Parameters of all convolutions: 2 per layer, each base (2, taps, H) + projection H x 2*taps*H/group."""
+    taps, groups = opts.conv_kernel_size, hidden_size // opts.conv_group_size
+    return num_layers * 2 * (2 * taps * hidden_size + hidden_size * 2 * taps * groups)
+
+
+def selector_params(hidden_size: int, vocab_size: int, opts: DFlash2Options) -> int:
+    """Parameters of the selector: two vocab x rank codebooks and the H x rank hidden projection."""
+    return 2 * vocab_size * opts.selector_rank + hidden_size * opts.selector_rank
