@@ -2,10 +2,20 @@
 # The prepared two-GPU check: what a one-GPU machine cannot show. Two NCCL ranks cannot share one GPU
 # ("Duplicate GPU detected"), so the hidden-state bridge (target rank -> drafter rank over NCCL) runs only here.
 #
-#   OUT=gpu_check_2gpu_out bash launch/gpu_check_2gpu.sh      # every step has a timeout: 9 minutes at worst
+#   OUT=gpu_check_2gpu_out bash launch/gpu_check_2gpu.sh      # every step has a timeout: 9.5 minutes at worst
 #   DEVICE=cpu DTYPE=fp32 LAYERS=4 HIDDEN=128 bash launch/gpu_check_2gpu.sh   # the script itself, on a CPU box
 #
-# 1. the machine (nvidia-smi, torch / CUDA / NCCL versions);
+# Time, worst case (a fresh machine, no compile cache; a cold inductor/Triton compile is 40-70 s per flex
+# graph, counted at 70): preflight 20 s, gpu_info 20, bench_comm 45, data 45, warmup 200 (start-up 40,
+# 2 training graphs [2 batch classes, grad] x 70, margin 20), then on the warm cache train_full, train_stop,
+# train_resume 45 each (start-up ~30, 20 tiny steps), compare 10, sigterm 45, sigterm_checked 5,
+# sigterm_resume 45. Sum 570 s = 9.5 min; a rerun on the same machine (cache in bench_out/compile_cache)
+# compiles nothing: ~4 min, 13.5 in all, inside 15 minutes of device time. With gpu_check.sh (700 s, one GPU,
+# its own machine) both scripts' summed worst case is 1270 s = 21.2 min, never spent on one machine.
+#
+# 0. preflight (seconds; the script stops at once if it fails): C compiler, Python.h, /dev/shm, CUDA
+#    available, 2 devices, NCCL (launch/gpu_preflight.py). A CPU torch fails here, naming why.
+# 1. the machine (nvidia-smi, torch / CUDA / NCCL versions); a 2-step warm-up run compiles the graphs;
 # 2. `bench comm` between the two ranks: raw send/recv vs the training exchange, 64 KiB .. 256 MiB;
 # 3. disaggregated training, 1 target rank + 1 drafter rank (NCCL bridge, bf16, flex_attention, DeepSpeed
 #    ZeRO-2 on CUDA): 20 steps uninterrupted; the same run stopped by train.stop_at 10 and resumed: the
@@ -20,6 +30,9 @@ DEVICE="${DEVICE:-cuda}" DTYPE="${DTYPE:-bf16}" LAYERS="${LAYERS:-12}" HIDDEN="$
 rm -rf "$OUT" && mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 WANDB_MODE=offline
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+# One compile cache for every step and for a rerun (outside $OUT, which is cleared): only the first is cold.
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/bench_out/compile_cache/inductor}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/bench_out/compile_cache/triton}"
 failed=0
 : > "$OUT/steps.jsonl"
 
@@ -34,6 +47,8 @@ step() {  # step NAME EXPECTED_EXIT TIMEOUT_S CMD...: run CMD under a timeout, l
 }
 
 if [ "$DEVICE" = cuda ]; then
+    step preflight 0 20 "$PY" launch/gpu_preflight.py --gpus 2
+    if [ "$failed" -ne 0 ]; then echo "gpu_check_2gpu: preflight failed (above): not a machine this check can pass on"; exit 1; fi
     step gpu_info 0 20 bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, \
 torch.cuda.nccl.version(), torch.cuda.device_count())'"
 else
@@ -42,10 +57,12 @@ else
 fi
 
 SIZES=$([ "$DEVICE" = cuda ] && echo "64K,1M,16M,256M" || echo "64K,1M,16M")
-step bench_comm 0 120 torchrun --standalone --nproc_per_node 2 -m dflash_ds bench comm --num-target-ranks 1 \
+# The launcher of this interpreter's torch (a bare `torchrun` may be another environment's).
+RUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node 2)
+step bench_comm 0 45 "${RUN[@]}" -m dflash_ds bench comm --num-target-ranks 1 \
     --sizes "$SIZES" --rounds 1 --json
 
-step data 0 120 bash -c "$PY -m dflash_ds make-tiny-target --out $OUT/target --family qwen3 --layers $LAYERS \
+step data 0 45 bash -c "$PY -m dflash_ds make-tiny-target --out $OUT/target --family qwen3 --layers $LAYERS \
 --hidden $HIDDEN && $PY - $OUT <<'PY'
 import sys
 from pathlib import Path
@@ -57,11 +74,12 @@ PY"
 ARGS=(--config configs/tiny.yaml --target "$OUT/target" --data "$OUT/prepared" --num-target-ranks 1 --no-wandb
       --max-steps 20 --train.save_interval 10 --train.log_interval 5 --data.token_budget 4096
       --data.max_length 512 --model.block_size 16 --train.dtype "$DTYPE")
-TRAIN=(torchrun --standalone --nproc_per_node 2 -m dflash_ds.train "${ARGS[@]}")
-step train_full 0 150 "${TRAIN[@]}" --output-dir "$OUT/full"
-step train_stop 0 150 "${TRAIN[@]}" --output-dir "$OUT/split" --train.stop_at 10
-step train_resume 0 150 "${TRAIN[@]}" --output-dir "$OUT/split" --resume auto
-step compare 0 30 "$PY" -c '
+TRAIN=("${RUN[@]}" -m dflash_ds.train "${ARGS[@]}")
+step warmup 0 200 "${TRAIN[@]}" --output-dir "$OUT/warmup" --max-steps 2
+step train_full 0 45 "${TRAIN[@]}" --output-dir "$OUT/full"
+step train_stop 0 45 "${TRAIN[@]}" --output-dir "$OUT/split" --train.stop_at 10
+step train_resume 0 45 "${TRAIN[@]}" --output-dir "$OUT/split" --resume auto
+step compare 0 10 "$PY" -c '
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
@@ -79,9 +97,9 @@ assert diff < 1e-3, diff
 # SIGTERM to the target rank (global rank 1: drafters first) as it starts step 6: the drafters stop at an agreed
 # step and checkpoint it, the target exits 75 (torchrun itself then reports a failed child: exit 1), and the
 # checkpoint resumes.
-step sigterm 1 150 env DFLASH_FAULT_RANK=1 DFLASH_FAULT_TERM_AT=6 "${TRAIN[@]}" --output-dir "$OUT/term"
-step sigterm_checked 0 10 bash -c "grep -q 'exitcode  : 75' $OUT/sigterm.log && ls -d $OUT/term/checkpoints/step_*"
-step sigterm_resume 0 150 "${TRAIN[@]}" --output-dir "$OUT/term" --resume auto
+step sigterm 1 45 env DFLASH_FAULT_RANK=1 DFLASH_FAULT_TERM_AT=6 "${TRAIN[@]}" --output-dir "$OUT/term"
+step sigterm_checked 0 5 bash -c "grep -q 'exitcode  : 75' $OUT/sigterm.log && ls -d $OUT/term/checkpoints/step_*"
+step sigterm_resume 0 45 "${TRAIN[@]}" --output-dir "$OUT/term" --resume auto
 
 "$PY" - "$OUT" <<'PY'
 import json, sys

@@ -8,6 +8,8 @@
 # --hidden 512), 256 prepared conversations; 1 rank: 10 steps stopped by train.stop_at (checkpoint),
 # resumed to 20; the resumed steps must equal an uninterrupted 20-step run's (bf16 on CUDA: within
 # 1e-3, printed); the export is evaluated (lossless at temperature 0). Prints peak memory and tok/s.
+# WARMUP_ONLY=1: build the target and data, run 2 steps (compiling the run's flex graphs into the cache) and
+# stop; KEEP_DATA=1: reuse the target and data already in $OUT (gpu_check.sh runs both, in that order).
 set -euo pipefail
 # Batch shapes change every step: the caching allocator's fixed-size segments would fragment (docs/MEMORY.md).
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
@@ -16,21 +18,30 @@ OUT="${OUT:-gpu_check_out/colocated}"
 PY="${PYTHON:-python}"
 # On a CPU box, to check the script itself: DEVICE=cpu DTYPE=fp32 LAYERS=4 HIDDEN=128 bash launch/gpu_colocated.sh
 DEVICE="${DEVICE:-cuda}" DTYPE="${DTYPE:-bf16}" LAYERS="${LAYERS:-12}" HIDDEN="${HIDDEN:-512}"
-rm -rf "$OUT" && mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 WANDB_MODE=offline
 
-"$PY" -m dflash_ds make-tiny-target --out "$OUT/target" --family qwen3 --layers "$LAYERS" --hidden "$HIDDEN"
-"$PY" - "$OUT" <<'PY'
+if [ "${KEEP_DATA:-0}" = 1 ] && [ -d "$OUT/prepared" ]; then
+    rm -rf "$OUT/full" "$OUT/split" "$OUT/eval.json"
+else
+    rm -rf "$OUT" && mkdir -p "$OUT"
+    "$PY" -m dflash_ds make-tiny-target --out "$OUT/target" --family qwen3 --layers "$LAYERS" --hidden "$HIDDEN"
+    "$PY" - "$OUT" <<'PY'
 import sys
 from pathlib import Path
 sys.path[:0] = ["tests", "tests/test_runtime"]
 from runtime_utils import make_dataset  # the tests' conversation generator and the real prepare
 make_dataset(Path(sys.argv[1]) / "target", Path(sys.argv[1]) / "prepared", n=256, max_length=512, block_size=16)
 PY
+fi
 ARGS=(--config configs/tiny.yaml --target "$OUT/target" --data "$OUT/prepared" --colocate --no-wandb
       --max-steps 20 --train.save_interval 10 --train.log_interval 5 --data.token_budget 4096
       --data.max_length 512 --model.block_size 16 --train.dtype "$DTYPE")
-run() { torchrun --standalone --nproc_per_node 1 -m dflash_ds.train "${ARGS[@]}" "$@"; }
+# The launcher of this interpreter's torch (a bare `torchrun` may be another environment's).
+run() { "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m dflash_ds.train "${ARGS[@]}" "$@"; }
+if [ "${WARMUP_ONLY:-0}" = 1 ]; then
+    rm -rf "$OUT/warmup" && run --output-dir "$OUT/warmup" --max-steps 2
+    exit 0
+fi
 run --output-dir "$OUT/full"
 run --output-dir "$OUT/split" --train.stop_at 10
 run --output-dir "$OUT/split" --resume auto

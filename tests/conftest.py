@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -40,6 +41,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if leaked:
         print(f"\nFAILED: {len(leaked)} shared-memory segments leaked into /dev/shm, e.g. {leaked[0].name}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+GPU_SKIP_REASON = "needs a CUDA GPU"  # the reason of every skip for want of a GPU (skipif markers in tests/)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """DFLASH_REQUIRE_GPU=1 (the GPU checks, launch/gpu_check.sh): a test skipped for want of a GPU fails, as
+    the serving tests do under DFLASH_REQUIRE_VLLM; otherwise a CPU torch would skip them all and pass."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.skipped and os.environ.get("DFLASH_REQUIRE_GPU") == "1":
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        if GPU_SKIP_REASON in reason:
+            rep.outcome = "failed"
+            rep.longrepr = f"DFLASH_REQUIRE_GPU=1 but skipped: {reason}"
 
 
 @pytest.fixture(scope="session")

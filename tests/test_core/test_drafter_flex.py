@@ -97,7 +97,7 @@ def test_compiled_flex_equals_dense_forward_and_backward_on_gpu_fp32(layer_types
 
 
 @needs_cuda
-def test_compiled_flex_in_bf16_is_as_close_to_fp32_as_dense_bf16():
+def test_compiled_flex_in_bf16_on_gpu_is_as_close_to_fp32_as_dense_bf16():
     """bf16 kernels round differently, so both bf16 paths are judged against the fp32 result."""
     d = make_drafter(16).cuda()
     ctx, emb, anchors = batch(2, 333, 20, 16, device="cuda")
