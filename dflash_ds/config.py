@@ -25,6 +25,7 @@ from dflash_ds.config_parse import (  # noqa: F401
     read_config_file,
 )
 from dflash_ds.config_rules import _RULES, validate  # noqa: F401
+from dflash_ds.models.dflash2_arch import DFlash2Options as _D2  # defaults of the DFlash2 fields (no cycle)
 
 
 @dataclass
@@ -55,6 +56,22 @@ class DrafterConfig:
     """MLP width of each draft layer; null = the target's."""
     attention_backend: str = "auto"
     """Training attention: auto (flex_attention on CUDA, dense mask + SDPA on CPU), dense, or flex (CUDA only)."""
+    kind: str = "dflash"
+    """dflash, or dflash2: DFlash plus grouped convolutions around each sublayer and a candidate selector."""
+    conv_kernel_size: int = _D2.conv_kernel_size
+    """dflash2: taps of each in-block convolution (2: position i reads i and i - 1)."""
+    conv_group_size: int = _D2.conv_group_size
+    """dflash2: channels sharing one dynamic conv coefficient (must divide the hidden size)."""
+    selector_rank: int = _D2.selector_rank
+    """dflash2: rank of the selector codebooks (2 x vocab x rank parameters; docs/MEMORY.md)."""
+    selector_top_k: int = _D2.selector_top_k
+    """dflash2: candidates per draft position (the target head's top-K) that the selector walks over."""
+    output_multiplier: float = _D2.output_multiplier
+    """dflash2: scale of the candidates' logits (unary scores) before the soft cap."""
+    final_logit_softcapping: float = _D2.final_logit_softcapping
+    """dflash2: unary scores are cap * tanh(logit / cap); 0 = no cap."""
+    input_embedding_scale: float = _D2.input_embedding_scale
+    """dflash2: multiplies the embedded block inputs."""
 
 
 @dataclass
@@ -92,6 +109,10 @@ class LossConfig:
     """Position weights: decay (exp(-(k-1)/gamma)) or dpace (D-PACE: from the drafter's own confidence)."""
     dpace_alpha: float = 0.5
     """D-PACE smoothing: confidence q becomes (1 - dpace_alpha) * q + dpace_alpha."""
+    selector_weight: float = 1.0
+    """dflash2: weight of the selector term (K-way CE over the candidates given the gold predecessor)."""
+    selector_detach: bool = False
+    """dflash2: train the selector on detached hidden states (no selector gradient into the backbone)."""
 
     @property
     def needs_last_hidden(self) -> bool:

@@ -28,6 +28,12 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     *((f"model.{name}", "must be >= 1 (or null: the target's)", lambda v: v is None or v >= 1)
       for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")),
     ("model.attention_backend", "must be auto, dense or flex", lambda v: v in ("auto", "dense", "flex")),
+    ("model.kind", "must be dflash or dflash2", lambda v: v in ("dflash", "dflash2")),
+    *((f"model.{name}", "must be >= 1", lambda v: v >= 1)
+      for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
+    ("model.output_multiplier", "must be > 0", lambda v: v > 0),
+    ("model.final_logit_softcapping", "must be >= 0 (0 = no cap)", lambda v: v >= 0),
+    ("model.input_embedding_scale", "must be > 0", lambda v: v > 0),
     ("loss.gamma", "must be > 0", lambda v: v > 0),
     ("loss.num_anchors", "must be >= 1", lambda v: v >= 1),
     ("loss.max_anchors_per_batch", "must be >= 0 (0 = no cap)", lambda v: v >= 0),
@@ -42,6 +48,7 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("loss.lk_kl_decay", "must be >= 0", lambda v: v >= 0),
     ("loss.position_weighting", "must be decay or dpace", lambda v: v in ("decay", "dpace")),
     ("loss.dpace_alpha", "must be in [0, 1]", lambda v: 0 <= v <= 1),
+    ("loss.selector_weight", "must be >= 0", lambda v: v >= 0),
     ("optim.lr", "must be > 0", lambda v: v > 0),
     ("optim.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("optim.warmup_steps", "must be >= 0", lambda v: v >= 0),

@@ -18,7 +18,7 @@ Attention layer types follow the serving engines' DFlash loaders (read in SGLang
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,11 @@ class DrafterArch:
     def kind(self) -> str:
         """dflash or dflash2 (models/dflash2_arch.KINDS)."""
         return DFLASH if self.dflash2 is None else DFLASH2
+
+    @property
+    def dflash2_options(self) -> dict[str, Any] | None:
+        """The DFlash2 options as a plain dict (checkpoints record it); None for DFlash."""
+        return None if self.dflash2 is None else asdict(self.dflash2)
 
     @property
     def has_sliding(self) -> bool:

@@ -10,6 +10,7 @@ import torch
 
 from dflash_ds.config import Config, DrafterConfig
 from dflash_ds.errors import DFlashError
+from dflash_ds.models.dflash2_arch import DFlash2Options
 from dflash_ds.models.drafter_arch import DrafterArch, read_drafter_arch
 from dflash_ds.models.from_target import SHAPE_OVERRIDES, drafter_arch_from_target
 
@@ -26,6 +27,7 @@ def resolve_arch(cfg: Config) -> DrafterArch:
     return drafter_arch_from_target(cfg.target, num_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
                                     mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids,
                                     layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window,
+                                    dflash2=DFlash2Options.from_model_config(cfg.model),
                                     **{name: getattr(cfg.model, name) for name in SHAPE_OVERRIDES})
 
 
@@ -40,7 +42,7 @@ def check_arch_matches_target(arch: DrafterArch, tgt: DrafterArch, drafter_dir, 
 # model.* field -> the DrafterArch attribute that --drafter's config.json fixes
 MODEL_FIELDS = {"num_layers": "num_hidden_layers", "block_size": "block_size", "mask_token_id": "mask_token_id",
                 "target_layer_ids": "target_layer_ids", "layer_types": "layer_types", "sliding_window": "sliding_window",
-                **{name: name for name in SHAPE_OVERRIDES}}
+                **{name: name for name in SHAPE_OVERRIDES}, "kind": "kind"}
 
 
 def check_model_matches_drafter(cfg: Config, arch: DrafterArch) -> None:

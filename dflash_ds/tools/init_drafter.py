@@ -7,7 +7,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dflash_ds.config_parse import class_field_docs
 from dflash_ds.errors import DFlashError
+from dflash_ds.models.dflash2_arch import KINDS, DFlash2Options, option_names
 from dflash_ds.models.drafter import DFlashDrafter
 from dflash_ds.models.from_target import SHAPE_OVERRIDES, drafter_arch_from_target, target_dtype
 
@@ -15,17 +17,18 @@ from dflash_ds.models.from_target import SHAPE_OVERRIDES, drafter_arch_from_targ
 def init_drafter(target_dir: str | Path, out_dir: str | Path, *, num_layers: int = 5, block_size: int = 16,
                  mask_token_id: int | None = None, seed: int = 0, force: bool = False,
                  layer_types: list[str] | None = None, sliding_window: int | None = None,
-                 **shape: int | None) -> DFlashDrafter:
+                 dflash2: DFlash2Options | None = None, **shape: int | None) -> DFlashDrafter:
     """Build, seed-init and save a drafter for `target_dir` into `out_dir` (atomically), in the target's dtype.
 
     The export's dtype is what SGLang / vLLM run under --dtype auto, so a bf16 target's drafter
     says bfloat16 (a float32 config would be served as float16 by SGLang). `shape`: the heads, head
-    width and MLP width when not the target's (models/from_target.SHAPE_OVERRIDES).
+    width and MLP width when not the target's (models/from_target.SHAPE_OVERRIDES). `dflash2`: a DFlash2
+    drafter of those options (None = DFlash).
     """
     out = Path(out_dir)
     arch = drafter_arch_from_target(target_dir, num_layers=num_layers, block_size=block_size,
                                     mask_token_id=mask_token_id, layer_types=layer_types,
-                                    sliding_window=sliding_window, **shape)
+                                    sliding_window=sliding_window, dflash2=dflash2, **shape)
     if out.exists() and any(out.iterdir()) and not force:
         raise DFlashError(f"output folder {out} is not empty (use --force to overwrite)")
     model = DFlashDrafter(arch)
@@ -64,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="width of one attention head (default: the target's; z-lab's Qwen3.6-27B drafter: 128)")
     p.add_argument("--intermediate-size", type=int, default=None,
                    help="MLP width of each draft layer (default: the target's)")
+    p.add_argument("--kind", choices=KINDS, default="dflash",
+                   help="dflash, or dflash2 (grouped convolutions + candidate selector; DFlash2DraftModel export)")
+    defaults, docs = DFlash2Options(), class_field_docs(DFlash2Options)
+    for name in option_names():
+        value = getattr(defaults, name)
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
+                       help=f"dflash2: {docs[name][0].lower()}{docs[name][1:].rstrip('.')} (default {value})")
     p.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
 
@@ -73,12 +83,15 @@ def run(args: argparse.Namespace) -> int:
     model = init_drafter(args.target, args.out, num_layers=args.num_layers, block_size=args.block_size,
                          mask_token_id=args.mask_token_id, seed=args.seed, force=args.force,
                          layer_types=types, sliding_window=args.sliding_window,
+                         dflash2=DFlash2Options.from_model_config(args),
                          **{name: getattr(args, name) for name in SHAPE_OVERRIDES})
     n = sum(p.numel() for p in model.parameters())
     a = model.arch
     print(f"drafter: {a.num_hidden_layers} layers, hidden {a.hidden_size}, heads {a.num_attention_heads} / "
           f"{a.num_key_value_heads} of {a.head_dim}, MLP {a.intermediate_size}, block {a.block_size}, "
           f"target layers {a.target_layer_ids}, mask token {a.mask_token_id}, {n / 1e6:.2f} M params -> {args.out}")
+    if a.dflash2 is not None:
+        print(f"dflash2: {a.dflash2_options}")
     if a.has_sliding:
         print(f"layer types {a.layer_types}, sliding window {a.sliding_window}")
     return 0

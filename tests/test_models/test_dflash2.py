@@ -1,0 +1,113 @@
+"""DFlash2 parts against hand computations: the block-local convolution, the walk, the identity init, the
+export round trip and the errors a user meets (vLLM's own code is compared in test_serving/test_dflash2_vllm.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_ds.errors import DFlashError
+from dflash_ds.models.dflash2 import grouped_conv
+from dflash_ds.models.dflash2_arch import DFlash2Options
+from dflash_ds.models.dflash2_selector import walk
+from dflash_ds.models.drafter import DFlashDrafter, read_drafter_arch
+from dflash_ds.models.from_target import drafter_arch_from_target
+
+OPTS = DFlash2Options(conv_kernel_size=3, conv_group_size=32, selector_rank=8, selector_top_k=4)
+
+
+def test_grouped_conv_matches_hand_loop() -> None:
+    """out[i, c] = sum_t (base[t, c] + delta[i, t, c // group]) x[i - t, c], taps inside i's block only."""
+    gen = torch.Generator().manual_seed(0)
+    block, taps, groups, group = 3, 3, 2, 2
+    x = torch.randn(2, 2 * block, groups * group, generator=gen)
+    delta = torch.randn(2, 2 * block, taps, groups, generator=gen)
+    base = torch.randn(taps, groups * group, generator=gen)
+    want = torch.zeros_like(x)
+    for b in range(2):
+        for i in range(2 * block):
+            for c in range(groups * group):
+                for t in range(taps):
+                    if i % block >= t:  # i - t is in i's block
+                        want[b, i, c] += (base[t, c] + delta[b, i, t, c // group]) * x[b, i - t, c]
+    torch.testing.assert_close(grouped_conv(x, delta, base, block), want, atol=1e-6, rtol=1e-6)
+
+
+def test_walk_follows_previous_choice() -> None:
+    """Greedy: position 0 takes the best of row 0; each later position the best in the row of the previous pick."""
+    cand = torch.tensor([[[10, 11], [20, 21], [30, 31]]])
+    scores = torch.zeros(1, 3, 2, 2)
+    scores[0, 0] = torch.tensor([[0.0, 1.0], [0.0, 1.0]])  # both rows the anchor's: pick index 1 (token 11)
+    scores[0, 1] = torch.tensor([[9.0, 0.0], [0.0, 2.0]])  # row 1 (after 11): index 1, though row 0 has a 9
+    scores[0, 2] = torch.tensor([[0.0, 5.0], [3.0, 0.0]])  # row 1 (after 21): index 0
+    tokens, rows = walk(scores, cand)
+    assert tokens.tolist() == [[11, 21, 30]]
+    assert rows[0, 1].tolist() == [0.0, 2.0]
+    torch.manual_seed(0)
+    sampled, _ = walk(scores * 100, cand, temperature=1.0)  # near-deterministic rows: the same path
+    assert sampled.tolist() == [[11, 21, 30]]
+
+
+def _arch(target: Path, opts: DFlash2Options | None = OPTS, block_size: int = 4):
+    return drafter_arch_from_target(target, num_layers=2, block_size=block_size, dflash2=opts)
+
+
+def test_identity_init_is_the_dflash_backbone_and_train_matches_infer(tiny_target: Path) -> None:
+    d2 = DFlashDrafter(_arch(tiny_target))
+    d2.init_weights(3)
+    d1 = DFlashDrafter(_arch(tiny_target, None))
+    missing, unexpected = d1.load_state_dict(d2.state_dict(), strict=False)
+    assert not missing and all("_conv." in k or "candidate_selector" in k for k in unexpected)
+    h, n = d2.arch.hidden_size, len(d2.arch.target_layer_ids)
+    gen = torch.Generator().manual_seed(4)
+    ctx, emb = torch.randn(1, 12, n * h, generator=gen), torch.randn(1, 2, 4, h, generator=gen)
+    anchors = torch.tensor([[3, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(d2.forward_train(ctx, emb, anchors), d1.forward_train(ctx, emb, anchors))
+        for p in d2.parameters():  # away from the identity: training and the one-block inference still agree
+            if p.dim() == 3:
+                p.normal_(generator=gen)
+        for layer in d2.layers:
+            layer.mlp_conv.kernel_projection.weight.normal_(std=0.2, generator=gen)
+        out = d2.forward_train(ctx, emb, anchors)
+        for j, a in enumerate((3, 7)):
+            torch.testing.assert_close(d2.forward_infer(ctx[:, :a], emb[:, j], a), out[:, j], atol=2e-5, rtol=1e-5)
+
+
+def test_export_round_trip_and_errors(tiny_target: Path, tmp_path: Path) -> None:
+    d2 = DFlashDrafter(_arch(tiny_target))
+    d2.init_weights(0)
+    out = d2.save_pretrained(tmp_path / "e")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    assert {k: cfg["dflash_config"][k] for k in ("block_size", "conv_kernel_size", "conv_group_size",
+                                                 "selector_rank", "selector_top_k")} == {
+        "block_size": 4, "conv_kernel_size": 3, "conv_group_size": 32, "selector_rank": 8, "selector_top_k": 4}
+    back = DFlashDrafter.from_pretrained(out)
+    assert type(back).__name__ == "DFlash2Drafter" and back.arch.dflash2 == OPTS
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in d2.state_dict().items())
+    assert "candidate_selector.predecessor_codebook" in back.state_dict()  # bare tensor, as vLLM loads it
+    del cfg["dflash_config"]["selector_rank"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match="selector_rank"):
+        read_drafter_arch(out)
+    with pytest.raises(DFlashError, match="model.conv_group_size = 48 must divide the hidden size 128"):
+        _arch(tiny_target, DFlash2Options(conv_group_size=48))
+
+
+def test_config_and_resume_refuse_a_kind_change(tiny_target: Path) -> None:
+    from dflash_ds.config import Config, validate
+    from dflash_ds.runtime.checkpoint import ARCH_KEYS
+    from dflash_ds.runtime.resume import check_resume_state
+
+    cfg = Config()
+    cfg.model.kind = "dflash3"
+    with pytest.raises(DFlashError, match="model.kind = 'dflash3' must be dflash or dflash2"):
+        validate(cfg)
+    saved = {"arch": {k: getattr(_arch(tiny_target, None), k) for k in ARCH_KEYS}}
+    assert saved["arch"]["kind"] == "dflash"
+    with pytest.raises(DFlashError, match="has kind = dflash but this run has dflash2"):
+        check_resume_state(saved, _arch(tiny_target), Path("ckpt"))
