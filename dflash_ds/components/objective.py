@@ -9,6 +9,7 @@ from torch import nn
 
 from dflash_ds.components.anchors import block_inputs_and_labels, sample_anchors
 from dflash_ds.components.loss import LossTerms, acceptance_sums, chunked_dflash_loss, loss_knobs, metric_sums
+from dflash_ds.components.selector_loss import SELECTOR_SUMS, selector_loss
 from dflash_ds.config import LossConfig
 from dflash_ds.models.drafter import DFlashDrafter
 
@@ -48,6 +49,7 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
     with torch.no_grad():
         block_embeds = embed(blocks)
     hidden = drafter.forward_train(context, block_embeds.to(context.dtype), anchors)
+    dev = hidden.device
     b, a = anchors.shape
     n = b * a
     target_hidden = None
@@ -63,4 +65,15 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
                                 chunk_blocks=loss_cfg.chunk_blocks, **loss_knobs(loss_cfg))
     sums = {**metric_sums(terms), **acceptance_sums(terms)}
     sums["anchors"] = valid.sum().float()
+    sums.update({k: torch.zeros((), device=dev) for k in SELECTOR_SUMS})
+    selector = getattr(drafter, "candidate_selector", None)  # DFlash2 (models/dflash2.py): the selector term
+    if selector is not None and loss_cfg.selector_weight > 0:
+        o = arch.dflash2
+        sel_loss, sel_sums = selector_loss(
+            hidden[:, :, 1:, :].reshape(n, bs - 1, -1), lm_head, selector, labels.reshape(n, bs - 1),
+            label_valid.reshape(n, bs - 1), blocks[:, :, 0].reshape(n), top_k=o.selector_top_k,
+            output_multiplier=o.output_multiplier, softcap=o.final_logit_softcapping, gamma=loss_cfg.gamma,
+            detach=loss_cfg.selector_detach, chunk_blocks=loss_cfg.chunk_blocks)
+        terms.loss = terms.loss + loss_cfg.selector_weight * sel_loss
+        sums.update(sel_sums)
     return terms, sums

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from dflash_ds.components.acceptance import WALK_SUMS, walk_metrics
 from dflash_ds.components.loss import ACCEPTANCE_SUMS, metrics_from_sums
+from dflash_ds.components.selector_loss import SELECTOR_SUMS, selector_metrics
 from dflash_ds.runtime.memory import compiled_graphs, peak_memory_bytes, reserved_memory_bytes, reset_peak_memory
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 # Sums of the loss statistics (components/loss.metric_sums and acceptance_sums + the objective's "anchors").
 LOSS_SUMS = ("valid_positions", "correct", "top4", "top8", "blocks", "streak", "tree_streak4", "tree_streak8",
-             "anchors", *ACCEPTANCE_SUMS)
+             "anchors", *ACCEPTANCE_SUMS, *SELECTOR_SUMS)
 # Per-step values summed over steps and drafters (divided by their count when logged).
 STEP_SUMS = ("loss", "steps", "real_tokens", "padded_tokens", "num_seqs", "queue_depth", "tgt_batch_per_s",
              "tgt_forward_s", "grad_norm", "lr", "noise_std")
@@ -204,6 +205,9 @@ class WindowTotals:
             # accepted drafts of a block under speculative sampling (sum_k prod_{j<=k} alpha_j), uniform anchors;
             # argmax_alpha(_tau): the same for the drafter's argmax drafted (vLLM's and SGLang's default)
             **({k: m[k] for k in ("alpha", "alpha_tau", "argmax_alpha", "argmax_alpha_tau")} if "alpha" in m else {}),
+            # DFlash2: the selector's accuracy given the gold predecessor beside the unary (top-1) accuracy on the
+            # same positions, how often the top-K holds the gold token, and the selector term
+            **(selector_metrics(s) if s["selector_positions"] > 0 else {}),
             # greedy decoding walked over the response (components/acceptance.py): est_tau at every record when
             # train.est_tau_rows > 0, val_* on the validation split at an evaluation step
             **self.walks(),

@@ -111,3 +111,66 @@ def test_config_and_resume_refuse_a_kind_change(tiny_target: Path) -> None:
     assert saved["arch"]["kind"] == "dflash"
     with pytest.raises(DFlashError, match="has kind = dflash but this run has dflash2"):
         check_resume_state(saved, _arch(tiny_target), Path("ckpt"))
+
+
+def test_selector_loss_by_hand() -> None:
+    """Two positions, K = 2: gold found at slot 1 at position 0; missed (inserted into slot 1) at position 1."""
+    import math
+
+    from dflash_ds.components.selector_loss import selector_loss
+    from dflash_ds.models.dflash2_selector import CandidateSelector
+
+    head_w = torch.tensor([[1.0, 0], [0, 1], [1, 1], [-1, 0], [0, -1]])  # tokens 0..4
+    sel = CandidateSelector(2, 5, 2)
+    with torch.no_grad():
+        sel.hidden_projection.weight.copy_(torch.eye(2))
+        sel.predecessor_codebook.zero_()
+        sel.predecessor_codebook[4] = torch.tensor([0.5, -1])  # the anchor
+        sel.predecessor_codebook[0] = torch.tensor([1.0, 2])  # gold of position 0
+        sel.successor_codebook.copy_(torch.tensor([[0.0, 1], [1, 1], [1, 0], [-1, 1.5], [0, 0]]))
+    hidden = torch.tensor([[[2.0, 1], [-1, 2.5]]], requires_grad=True)
+    labels, valid, anchor = torch.tensor([[0, 3]]), torch.tensor([[True, True]]), torch.tensor([4])
+    loss, stats = selector_loss(hidden, lambda x: x @ head_w.T, sel, labels, valid, anchor, top_k=2, gamma=2.0)
+    # position 0: logits (2, 1, 3, -2, -1): candidates (2, 0), unary (3, 2); pairs <(1, -1), S> = (1, -1)
+    ce0 = math.log(math.exp(4) + math.exp(1)) - 1
+    # position 1: logits (-1, 2.5, 1.5, 1, -2.5): top-2 (1, 2) misses 3 -> (1, 3), unary (2.5, 1);
+    # predecessor 0: (1, 2) * (-1, 2.5) = (-1, 5); pairs (4, 8.5)
+    ce1 = math.log(math.exp(6.5) + math.exp(9.5)) - 9.5
+    w1 = math.exp(-1 / 2.0)
+    assert loss.item() == pytest.approx((ce0 + w1 * ce1) / (1 + w1), rel=1e-6)
+    assert {k: stats[k].item() for k in ("selector_correct", "unary_correct_k", "candidate_hits",
+                                          "selector_positions")} == {
+        "selector_correct": 1, "unary_correct_k": 0, "candidate_hits": 1, "selector_positions": 2}
+    loss.backward()
+    assert hidden.grad.abs().sum() > 0
+    hidden.grad = None
+    detached, _ = selector_loss(hidden, lambda x: x @ head_w.T, sel, labels, valid, anchor, top_k=2, gamma=2.0,
+                                detach=True)
+    assert detached.item() == pytest.approx(loss.item())
+    detached.backward()
+    assert hidden.grad is None and sel.successor_codebook.grad is not None
+
+
+def test_objective_adds_the_weighted_selector_term(tiny_target: Path) -> None:
+    """drafter_objective on a DFlash2 drafter: loss = DFlash loss + selector_weight x selector term, any chunking."""
+    from dflash_ds.components.objective import TargetStates, drafter_objective
+    from dflash_ds.config import LossConfig
+
+    drafter = DFlashDrafter(_arch(tiny_target))
+    drafter.init_weights(0)
+    h, n, s = drafter.arch.hidden_size, len(drafter.arch.target_layer_ids), 24
+    gen = torch.Generator().manual_seed(5)
+    states = TargetStates(torch.randint(0, 500, (2, s), generator=gen), torch.ones(2, s, dtype=torch.long),
+                          torch.tensor([s, s]), torch.randn(2, s, n * h, generator=gen), None)
+    embed_w, head_w = torch.randn(512, h, generator=gen), torch.randn(512, h, generator=gen)
+    run = {}
+    for weight, chunk in ((0.0, 64), (0.5, 64), (0.5, 1)):
+        terms, sums = drafter_objective(drafter, lambda i: embed_w[i], lambda x: x @ head_w.T, states,
+                                        LossConfig(num_anchors=3, selector_weight=weight, chunk_blocks=chunk),
+                                        anchor_gen=torch.Generator().manual_seed(0))
+        run[weight, chunk] = terms.loss.item(), sums
+    sel = run[0.5, 64][1]
+    term = (sel["selector_loss_sum"] / sel["selector_weight_sum"]).item()
+    assert sel["selector_positions"].item() == 6 * 3 and run[0.0, 64][1]["selector_positions"].item() == 0
+    assert run[0.5, 64][0] == pytest.approx(run[0.0, 64][0] + 0.5 * term, rel=1e-5)
+    assert run[0.5, 1][0] == pytest.approx(run[0.5, 64][0], rel=1e-5)

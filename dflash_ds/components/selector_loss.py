@@ -1,0 +1,105 @@
+"""The DFlash2 selector term: K-way cross-entropy over a position's candidates given the gold predecessor.
+
+What peers train (no official recipe; read in NVIDIA NeMo AutoModel's DFlash2 trainer description and the
+issue): at drafted position l of a block, the candidates are the target head's top-K tokens of the
+drafter's hidden state h_l; the score of candidate c is the engines' (models/dflash2_selector.py)
+with the gold predecessor p_l (the anchor at l = 0, else the gold token of position l - 1):
+
+    s(c) = unary(c) + <predecessor_codebook[p_l] * hidden_projection(h_l), successor_codebook[c]>
+
+and the loss is CE(s, index of the gold token), weighted by the DFlash position weights
+exp(-(l)/gamma). When the top-K misses the gold token it replaces the K-th candidate (with its own
+unary score), so every valid position carries a signal (the issue's rule; NeMo drops such positions).
+
+Choices, and why:
+- The unary scores are detached here: the DFlash CE over the vocabulary already trains the head's
+  logits, and keeping them out of this graph keeps the term's memory at O(chunk x K x rank) instead of
+  another O(chunk x vocabulary) saved for backward (vocabulary logits are computed without grad, chunk
+  by chunk, only to choose the candidates).
+- The pair term's gradient reaches the backbone through hidden_projection(h) unless `detach` (then the
+  selector trains on the backbone's states as they are: loss.selector_detach).
+
+Statistics (additive, for all-reduce): `selector_correct` (argmax of s is gold, given gold predecessor:
+what the walk picks where everything before was right), `unary_correct_k` (argmax of the unary scores
+alone is gold), `candidate_hits` (gold inside the top-K), over `selector_positions` valid positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dflash_ds.models.dflash2_selector import soft_cap
+
+SELECTOR_SUMS = ("selector_loss_sum", "selector_weight_sum", "selector_correct", "unary_correct_k",
+                 "candidate_hits", "selector_positions")
+
+
+def candidates_with_gold(logits: torch.Tensor, labels: torch.Tensor, top_k: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-K ids and logits of [..., V] logits with the gold label put in the K-th slot where it is missing.
+
+    Returns ids [..., K], their logits [..., K], the gold's index [...] and whether top-K held it [...].
+    """
+    values, ids = logits.topk(top_k, dim=-1)
+    hit = ids == labels.unsqueeze(-1)
+    found = hit.any(-1)
+    last = torch.full_like(labels, top_k - 1)
+    gold_logit = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ids = torch.cat([ids[..., :-1], torch.where(found, ids[..., -1], labels).unsqueeze(-1)], dim=-1)
+    values = torch.cat([values[..., :-1], torch.where(found, values[..., -1], gold_logit).unsqueeze(-1)], dim=-1)
+    return ids, values, torch.where(found, hit.float().argmax(-1), last), found
+
+
+def selector_loss(hidden: torch.Tensor, head, selector, labels: torch.Tensor, valid: torch.Tensor,
+                  anchor_ids: torch.Tensor, *, top_k: int, output_multiplier: float = 1.0, softcap: float = 0.0,
+                  gamma: float = 7.0, detach: bool = False, chunk_blocks: int = 64
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted mean selector CE over valid positions, and its additive statistics (SELECTOR_SUMS).
+
+    hidden [N, L, H]: the drafter's final-normed states of the drafted positions; head: the target's LM
+    head; selector: a models/dflash2_selector.CandidateSelector; labels / valid [N, L]; anchor_ids [N].
+    Vocabulary logits exist for `chunk_blocks` blocks at a time, without grad.
+    """
+    n, length, _ = hidden.shape
+    weights = torch.exp(-torch.arange(length, device=hidden.device, dtype=torch.float32) / gamma)
+    prev = torch.cat([anchor_ids.view(n, 1), labels[:, :-1]], dim=1)
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+    h_sel = hidden.detach() if detach else hidden
+    num = hidden.new_zeros((), dtype=torch.float32)
+    stats = {k: torch.zeros((), device=hidden.device) for k in SELECTOR_SUMS}
+    for lo in range(0, n, chunk_blocks):
+        hi = min(n, lo + chunk_blocks)
+        with torch.no_grad():
+            logits = head(hidden[lo:hi].detach()).float()
+            ids, values, gold, found = candidates_with_gold(logits, safe_labels[lo:hi], top_k)
+            del logits
+            unary = soft_cap(values * output_multiplier, softcap)
+        pairs = selector.pair_scores(h_sel[lo:hi], prev[lo:hi].unsqueeze(-1), ids).squeeze(-2)
+        scores = unary + pairs
+        ce = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view(hi - lo, length)
+        w = weights * valid[lo:hi].float()
+        num = num + (ce * w).sum()
+        with torch.no_grad():
+            v = valid[lo:hi]
+            stats["selector_loss_sum"] += (ce.detach() * w).sum()
+            stats["selector_weight_sum"] += w.sum()
+            stats["selector_correct"] += ((scores.argmax(-1) == gold) & v).sum()
+            stats["unary_correct_k"] += ((unary.argmax(-1) == gold) & found & v).sum()
+            stats["candidate_hits"] += (found & v).sum()
+            stats["selector_positions"] += v.sum()
+    return num / stats["selector_weight_sum"].clamp(min=1e-12), stats
+
+
+def selector_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """selector_accuracy, unary_accuracy_k (the same positions, unary argmax), candidate_recall, selector_loss."""
+    def ratio(a: str, b: str) -> float:
+        den = float(sums.get(b, 0.0))
+        return float(sums.get(a, 0.0)) / den if den > 0 else math.nan
+
+    return {"selector_accuracy": ratio("selector_correct", "selector_positions"),
+            "unary_accuracy_k": ratio("unary_correct_k", "selector_positions"),
+            "candidate_recall": ratio("candidate_hits", "selector_positions"),
+            "selector_loss": ratio("selector_loss_sum", "selector_weight_sum")}
