@@ -47,7 +47,7 @@ demo: install
 
 test: install serve-env
 	PATH="$(abspath $(VENV))/bin:$$PATH" DFLASH_VLLM_PYTHON="$(abspath $(SERVE_VENV))/bin/python" \
-	    DFLASH_REQUIRE_VLLM=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=40 $(PYTEST_ARGS)
+	    DFLASH_REQUIRE_VLLM=1 DFLASH_REQUIRE_HOSTS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=40 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(SERVE_VENV) demo_out .pytest_cache

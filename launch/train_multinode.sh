@@ -2,14 +2,18 @@
 # Many nodes, torchrun with c10d rendezvous. Run the same command on every node:
 #   NNODES=2 NPROC=8 RDZV_HOST=node0 launch/train_multinode.sh --config C --target T --data D --targets-per-node 4
 # RDZV_HOST must resolve to the same machine on every node (it hosts the rendezvous and
-# global rank 0, which also hosts the dflash-ds store on MASTER_PORT+1).
+# global rank 0, which also hosts the dflash-ds store on MASTER_PORT+1). A name or an address both work;
+# ranks pick the network interface that routes to the master themselves (GLOO_SOCKET_IFNAME, if set, wins).
 set -euo pipefail
 # Batch shapes change every step: the caching allocator's fixed-size segments would fragment (docs/MEMORY.md).
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 : "${NNODES:?set NNODES}" "${RDZV_HOST:?set RDZV_HOST}"
 NPROC=${NPROC:-8}
 RDZV_PORT=${RDZV_PORT:-29400}
+# torchrun hosts the rendezvous on the agent whose host *name* matches RDZV_HOST: given as an address, no agent
+# would. The agent on the machine that owns the address hosts it (--rdzv-conf is_host=1 --local-addr ADDR).
+read -r -a RDZV_ARGS <<< "$("$(dirname "$(command -v torchrun)")/python" -m dflash_ds.distributed.netif rdzv-args "$RDZV_HOST")"
 exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC" \
     --rdzv_backend c10d --rdzv_endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv_id "${RDZV_ID:-dflash}" \
-    ${MAX_RESTARTS:+--max-restarts "$MAX_RESTARTS"} \
+    ${MAX_RESTARTS:+--max-restarts "$MAX_RESTARTS"} "${RDZV_ARGS[@]}" \
     -m dflash_ds.train "$@"

@@ -54,3 +54,53 @@ def parse_hostfile(path: str | Path) -> list[tuple[str, int]]:
     if not hosts:
         raise DFlashError(f"hostfile {path} lists no hosts (expected one 'HOST slots=N' line per node)")
     return hosts
+
+
+# What the ranks read on every host that the deepspeed launcher does not forward by itself (it forwards only
+# NCCL*, PYTHON*, MV2*, UCX*, MLFLOW* and the lines of .deepspeed_env): exact names, then prefixes.
+FORWARD_NAMES = ("PATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
+                 "PYTORCH_CUDA_ALLOC_CONF", "GLOO_SOCKET_IFNAME", "DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")
+FORWARD_PREFIXES = ("HF_", "TRANSFORMERS_", "WANDB_", "DFLASH_", "TORCH_", "TORCHINDUCTOR_", "TRITON_")
+
+
+def deepspeed_env_text(environ: dict[str, str], user_files: list[Path]) -> str:
+    """The lines of an env file for the deepspeed launcher: the user's files' lines first (theirs win), then
+    every variable of `environ` the job uses that they do not set. Values with a newline cannot travel."""
+    lines: list[str] = []
+    seen: set[str] = set()
+    for f in user_files:
+        if f.is_file():
+            for line in f.read_text().splitlines():
+                if "=" in line and line.split("=", 1)[0].strip() not in seen:
+                    seen.add(line.split("=", 1)[0].strip())
+                    lines.append(line)
+    for key in sorted(environ):
+        if key in seen or "\n" in environ[key]:
+            continue
+        if key in FORWARD_NAMES or key.startswith(FORWARD_PREFIXES):
+            lines.append(f"{key}={environ[key]}")
+    return "".join(f"{line}\n" for line in lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dflash_ds.distributed.hostfile env-file OUT`: write the deepspeed launcher's env file."""
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(prog="python -m dflash_ds.distributed.hostfile",
+                                     description="Helpers of launch/train_deepspeed.sh.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("env-file", help="write OUT: the lines of the user's .deepspeed_env (~ and the working "
+                                        "directory; theirs win), then the job's variables from this environment "
+                                        "(PATH, HF_*, WANDB_*, GLOO_SOCKET_IFNAME, ...) so they reach every host")
+    p.add_argument("out", help="the file to write (point DS_ENV_FILE at it)")
+    args = parser.parse_args(argv)
+    user = [Path(".deepspeed_env"), Path.home() / ".deepspeed_env"]  # the launcher reads ~ first, . wins
+    Path(args.out).write_text(deepspeed_env_text(dict(os.environ), user))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

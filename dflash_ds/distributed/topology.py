@@ -43,6 +43,7 @@ import torch.distributed as dist
 from dflash_ds.distributed.backends import BRIDGE_BACKENDS, ROLE_BACKENDS, make_bridge
 from dflash_ds.distributed.bridge import BridgeGroup
 from dflash_ds.distributed.layout import DRAFTER, TARGET, Layout, Role
+from dflash_ds.distributed.netif import choose_socket_ifname
 from dflash_ds.distributed.store import job_store
 from dflash_ds.errors import DFlashError
 
@@ -117,6 +118,9 @@ def init_role_groups(
     # the agent's, so a later env:// init would wait for it forever (docs/DESIGN.md §5).
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) == "True"
     store = job_store(master_addr, master_port, rank, layout.world_size, timeout, agent_store)
+    # gloo/NCCL advertise the address the host name resolves to (loopback on stock Debian/Ubuntu): every rank
+    # takes the interface that routes to the master unless the user named one (distributed/netif.py).
+    choose_socket_ifname(store, rank, layout.world_size, master_addr, backend == "nccl", timeout_s)
 
     # Ranks of my role on my host, for DeepSpeed's LOCAL_SIZE: its CPU shm
     # all-reduce assumes "all ranks local" when LOCAL_SIZE equals the world size.

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 from dflash_ds.config import Config
-from dflash_ds.distributed.launch_env import read_launch_env
+from dflash_ds.distributed.launch_env import StartupBound, read_launch_env
 from dflash_ds.distributed.layout import Layout, make_layout
 from dflash_ds.distributed.topology import init_role_groups, shutdown, warm_up_bridge
 from dflash_ds.errors import DFlashError
 from dflash_ds.runtime import faults
-from dflash_ds.runtime.watchdog import Watchdog
+from dflash_ds.runtime.watchdog import ExitOnSignal, Watchdog
 
 
 def job_layout(cfg: Config, world_size: int, local_world_size: int | None) -> Layout:
@@ -78,9 +77,14 @@ def run_job(cfg: Config) -> int:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "gloo":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    ctx = init_role_groups(layout, env.rank, env.master_addr, env.master_port, backend=backend,
-                           timeout_s=cfg.train.timeout_s, local_rank=env.local_rank,
-                           bridge_timeout_s=cfg.train.bridge_timeout_s)
+    bound = StartupBound(env.rank, cfg.train.startup_timeout_s)  # a host that failed to start ends this rank too
+    try:
+        ctx = init_role_groups(layout, env.rank, env.master_addr, env.master_port, backend=backend,
+                               timeout_s=cfg.train.timeout_s, local_rank=env.local_rank,
+                               bridge_timeout_s=cfg.train.bridge_timeout_s)
+    except BaseException:
+        bound.done()  # the error says why; no thread may outlive the rank's exit (faults.record_exit)
+        raise
     from dflash_ds.distributed import audit
 
     if audit.enabled():  # tests: check every tensor handed to torch.distributed (distributed/audit.py)
@@ -97,10 +101,12 @@ def run_job(cfg: Config) -> int:
     dtype = torch_dtype(cfg, ctx.device.type == "cuda")  # like the drafter shape: derived once, handed to the role
     try:
         if ctx.bridge is not None:  # every target-drafter pair connected now, under the start-up timeout
+            bound.phase = "connecting the bridge"
             took = warm_up_bridge(ctx, cfg.train.startup_timeout_s)
             if env.rank == 0:
                 print(f"[dflash-ds] bridge: {len(layout.target_ranks) * layout.num_drafters} target-drafter pair(s) "
                       f"connected in {took:.1f}s", flush=True)
+        bound.done()
         if ctx.is_target:
             from dflash_ds.runtime.target_worker import run_target
 
@@ -110,6 +116,7 @@ def run_job(cfg: Config) -> int:
 
             status = run_drafter(ctx, cfg, data, watchdog, resume, arch, dtype)
     except BaseException as exc:
+        bound.done()
         _name_lost_peers(watchdog, describe)
         # The thread must not be inside a store call when the interpreter finalizes: it would be ended by a
         # forced unwind through C++ frames, and the process aborts (SIGABRT instead of this status; seen on CI).
@@ -119,10 +126,9 @@ def run_job(cfg: Config) -> int:
     finally:
         sys.stdout.flush()
     # This rank has its exit status now. torchrun sends SIGTERM to every rank still running as soon as one
-    # exits non-zero (75 included), and the interpreter's teardown restores the default handlers: the other
-    # ranks' 75 became -15 (measured). A stop they already made is all such a signal could ask for.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
+    # exits non-zero (75 included): a stop they already made is all such a signal could ask for, so it ends
+    # the rank with its status at once (ignored, a rank blocked in teardown was SIGKILLed 30 s later: -9).
+    on_signal = ExitOnSignal(status, env.rank)
     watchdog.mark_done()
     if env.rank != 0:
         watchdog.close()  # before rank 0, the store's host, may leave
@@ -130,6 +136,7 @@ def run_job(cfg: Config) -> int:
     # (torchrun stops the others at once: the drafters checkpoint, a dead target never checks out).
     shutdown(ctx, lost=lambda: len(watchdog.lost))
     watchdog.close()
+    on_signal.close()  # the interpreter's teardown would make a SIGTERM -15: ignored from here on
     faults.record_exit(status)
     return status
 

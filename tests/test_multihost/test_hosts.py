@@ -1,0 +1,45 @@
+"""The host harness itself (tests/hosts.py): what makes two namespaces real hosts, and that nothing outlives it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hosts import NETNS_DIR, only_sshd_left
+
+
+def test_two_hosts_are_real_to_the_software_and_leave_nothing(hosts):
+    """Own hostname, own name -> 127.0.1.1, the other's name -> its address, own /dev/shm, no route off the
+    bridge, ssh and pdsh between them; torchrun's rendezvous arguments for an address; a clean close."""
+    for h, other in (("h0", "h1"), ("h1", "h0")):
+        r = hosts.run(h, ["sh", "-c", f"hostname; getent hosts {h} {other}; ip route; "
+                                      f"echo {h} > /dev/shm/dflash-owner; cat /dev/shm/dflash-owner"])
+        lines = r.stdout.split("\n")
+        assert lines[0] == h and lines[1].split() == ["127.0.1.1", h], r.stdout
+        assert lines[2].split() == [hosts.addr[other], other], r.stdout
+        assert lines[3].startswith("198.18.0.0/24 dev eth0") and len([x for x in lines[3:-2] if x]) == 1, r.stdout
+    assert hosts.run("h1", ["cat", "/dev/shm/dflash-owner"]).stdout == "h1\n"  # each host its own tmpfs
+    assert not Path("/dev/shm/dflash-owner").exists()
+    # Off the bridge there is nowhere to go (198.51.100.1: a documentation address, unroutable here).
+    r = hosts.run("h0", [sys.executable, "-c", "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                                               "try: s.connect(('198.51.100.1', 9)); print('routed')\n"
+                                               "except OSError as e: print(e.errno)"])
+    assert r.stdout.strip() == "101", r.stdout + r.stderr  # ENETUNREACH
+    r = hosts.run("h0", ["pdsh", "-R", "ssh", "-w", "h0,h1", "hostname -I"], env=hosts.env())
+    assert sorted(r.stdout.split()) == ["198.18.0.1", "198.18.0.2", "h0:", "h1:"], r.stdout + r.stderr
+    # torchrun hosts a rendezvous given by address only with is_host/--local-addr: on its owner, and only there.
+    rdzv = [sys.executable, "-m", "dflash_ds.distributed.netif", "rdzv-args", "198.18.0.1"]
+    assert hosts.run("h0", rdzv).stdout.split() == ["--rdzv-conf", "is_host=1", "--local-addr", "198.18.0.1"]
+    assert hosts.run("h1", rdzv).stdout.split() == []
+    assert hosts.run("h0", [*rdzv[:-1], "h0"]).stdout.split() == []  # a name: torchrun matches it itself
+    sleeper = hosts.popen("h1", ["sleep", "600"])
+    assert only_sshd_left(hosts)["h1"] == ["sleep 600 "]
+    pids = [p for h in hosts.names for p in hosts.pids(h)]
+    hosts.close()
+    assert sleeper.wait(timeout=10) != 0
+    assert hosts.leftovers() == [] and not any(os.path.exists(f"/proc/{p}") for p in pids)
+    assert not any(p.name.startswith(hosts.tag) for p in NETNS_DIR.glob("*"))
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert hosts.tag not in listed

@@ -1,0 +1,81 @@
+"""The trainer on two hosts (tests/hosts.py: network namespaces with their own address, hostname, /dev/shm and
+sshd; each host's own name resolves to 127.0.1.1), launched as a user would, against the reference run of
+conftest.py (1 target + 2 drafters on one host): the same per-batch losses, with no interface named by the test.
+
+Ranks: h0 runs rank 0 (drafter 0), h1 ranks 1 (drafter 1) and 2 (the target): the ZeRO all-reduce, the bridge
+and the job's store all cross the link.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from conftest_runtime import COMMON, STEPS
+from hosts import hosts_or_skip, only_sshd_left
+from runtime_utils import REPO, env_for_children, exit_statuses, per_batch
+
+pytestmark = pytest.mark.timeout(420)
+
+
+@pytest.fixture
+def hosts():
+    made = hosts_or_skip(2)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def assert_reference_losses(out, ref_out):
+    got, want = per_batch(out), per_batch(ref_out)
+    assert sorted(got) == sorted(want) == list(range(2 * STEPS))
+    for b, rec in want.items():
+        assert got[b]["step"] == rec["step"] and abs(got[b]["loss"] - rec["loss"]) < 1e-4, (b, got[b], rec)
+
+
+def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_path):
+    """launch/train_deepspeed.sh on h0 with a 2-host hostfile (pdsh + ssh); the env file it writes carries the
+    job's variables (here DFLASH_EXIT_STATUS_DIR: every rank on both hosts records its exit)."""
+    target, data = setup
+    ref_out, _ = reference
+    (tmp_path / "hostfile").write_text("h0 slots=1\nh1 slots=2\n")
+    (tmp_path / "exits").mkdir()
+    env = hosts.env({**env_for_children(), "HOSTFILE": str(tmp_path / "hostfile"), "MASTER_PORT": "29500",
+                     "DFLASH_EXIT_STATUS_DIR": str(tmp_path / "exits"), "TMPDIR": str(tmp_path)})
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    r = hosts.run("h0", ["bash", str(REPO / "launch/train_deepspeed.sh"), *COMMON, "--target", str(target),
+                         "--data", str(data), "--output-dir", str(tmp_path / "out"), "--zero-stage", "2"],
+                  timeout=360, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "h0: [dflash-ds] h0: GLOO_SOCKET_IFNAME=eth0: routes to MASTER_ADDR 198.18.0.1" in r.stdout
+    assert "h1: [dflash-ds] h1: GLOO_SOCKET_IFNAME=eth0: routes to MASTER_ADDR 198.18.0.1" in r.stdout
+    assert_reference_losses(tmp_path / "out", ref_out)
+    assert sorted(exit_statuses(tmp_path / "exits")) == [0, 1, 2]
+    env_file = next(tmp_path.glob("dflash-deepspeed-env.*")).read_text()
+    assert "DFLASH_EXIT_STATUS_DIR=" in env_file and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env_file
+    assert only_sshd_left(hosts) == {"h0": [], "h1": []}
+
+
+def test_torchrun_on_both_hosts_rendezvous_by_name(setup, reference, hosts, tmp_path):
+    """launch/train_multinode.sh on h0 and h1 with RDZV_HOST=h0, which is 127.0.1.1 on h0 itself: h0's ranks
+    find the interface from the address h1 reaches it at; h1 names its interface itself (a user's
+    GLOO_SOCKET_IFNAME wins)."""
+    target, data = setup
+    ref_out, _ = reference
+    args = [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(tmp_path / "out"),
+            "--zero-stage", "2"]
+    base = hosts.env({**env_for_children(), "NNODES": "2", "RDZV_HOST": "h0", "RDZV_PORT": "29400"})
+    base.pop("GLOO_SOCKET_IFNAME", None)
+    procs = {h: hosts.popen(h, ["bash", str(REPO / "launch/train_multinode.sh"), *args], cwd=tmp_path,
+                            env={**base, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for h, extra in (("h0", {"NPROC": "1"}), ("h1", {"NPROC": "2", "GLOO_SOCKET_IFNAME": "eth0"}))}
+    outs = {h: p.communicate(timeout=360)[0] for h, p in procs.items()}
+    for h, p in procs.items():
+        assert p.returncode == 0, (h, outs[h][-5000:])
+    text = outs["h0"] + outs["h1"]
+    assert "[dflash-ds] h0: GLOO_SOCKET_IFNAME=eth0: owns 198.18.0.1, the address other hosts reach" in text
+    assert "[dflash-ds] h1: GLOO_SOCKET_IFNAME=eth0 (the user's): set by the user" in text
+    assert_reference_losses(tmp_path / "out", ref_out)
+    assert only_sshd_left(hosts) == {"h0": [], "h1": []}
