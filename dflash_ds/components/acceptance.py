@@ -68,7 +68,7 @@ def target_labels(input_ids: torch.Tensor, last_hidden: torch.Tensor, lm_head, c
 def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: torch.Tensor, label_ids: torch.Tensor,
                   loss_mask: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
                   chunk_blocks: int) -> torch.Tensor:
-    """Per block, how many leading positions the drafter's argmax gets right: [R, A] long, in one forward.
+    """Per block, how many leading positions the drafter's argmax (DFlash2: its walk) gets right: [R, A] long.
 
     Blocks are `[x_a, MASK...]` from input_ids; position k's label is label_ids[a + k] (the data, or
     the target's choice: `target_labels`), counted while it is a response position inside the row.
@@ -83,7 +83,14 @@ def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: tor
     hidden = drafter.forward_train(context, embed(blocks).to(context.dtype), anchors)
     r, a = anchors.shape
     flat = hidden[:, :, 1:].reshape(r * a, bs - 1, -1)
-    picks = torch.cat([lm_head(flat[lo:lo + chunk_blocks]).argmax(-1) for lo in range(0, r * a, chunk_blocks)])
+    walk = getattr(drafter, "draft_tokens", None)  # DFlash2 (models/dflash2.py): what the selector's walk drafts
+    anchor_ids = blocks[:, :, 0].reshape(r * a)
+
+    def pick(lo: int) -> torch.Tensor:
+        h = flat[lo:lo + chunk_blocks]
+        return lm_head(h).argmax(-1) if walk is None else walk(h, lm_head, anchor_ids[lo:lo + chunk_blocks])[0]
+
+    picks = torch.cat([pick(lo) for lo in range(0, r * a, chunk_blocks)])
     correct = picks.view(r, a, bs - 1) == labels
     return leading_run(correct, label_valid)
 
