@@ -13,7 +13,7 @@ other hosts' names to their addresses. The file system stays shared, as on a clu
 
 `close()` (also on a failure, and for any harness a killed test left behind, see `reap_stale`) kills
 every process in each namespace, deletes the namespaces and removes their /etc/netns files.
-Root, iproute2, util-linux (unshare, nsenter), openssh-server and pdsh are needed: `unavailable()` says
+Root, iproute2, nftables, util-linux (unshare, nsenter), openssh-server and pdsh are needed: `unavailable()` says
 which is missing.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,9 +39,9 @@ def unavailable() -> str | None:
     """Why hosts cannot be made here (None when they can)."""
     if os.geteuid() != 0:
         return "making hosts (network namespaces) needs root"
-    for tool in ("ip", "tc", "unshare", "nsenter", "pdsh", "ssh", "ssh-keygen"):
+    for tool in ("ip", "tc", "nft", "unshare", "nsenter", "pdsh", "ssh", "ssh-keygen"):
         if shutil.which(tool) is None:
-            return f"`{tool}` is not installed (apt-get install iproute2 util-linux pdsh openssh-client)"
+            return f"`{tool}` is not installed (apt-get install iproute2 nftables util-linux pdsh openssh-client)"
     if not os.path.exists(SSHD):
         return f"{SSHD} is not installed (apt-get install openssh-server)"
     return None
@@ -214,10 +215,25 @@ class Hosts:
         """Cut (`up=False`) or restore host `h`'s link at its bridge port."""
         _sh(["ip", "netns", "exec", self.bridge_ns, "ip", "link", "set", self.port[h], "up" if up else "down"])
 
-    def shape(self, h: str, *netem_or_tbf: str) -> None:
-        """`tc qdisc replace dev eth0 root ARGS` on host `h`: shape("h1", "netem", "delay", "20ms", "loss", "1%")."""
-        _sh(["ip", "netns", "exec", self.netns[h], "tc", "qdisc", "replace", "dev", self.ifname, "root",
-             *netem_or_tbf])
+    def shape(self, h: str, *qdisc: str) -> None:
+        """`tc qdisc replace dev eth0 root ARGS` on host `h`, e.g. shape("h1", "tbf", "rate", "200mbit", ...).
+        This machine's kernel has tbf and htb but no netem (CONFIG_NET_SCH_NETEM unset): no fixed delay."""
+        _sh(["ip", "netns", "exec", self.netns[h], "tc", "qdisc", "replace", "dev", self.ifname, "root", *qdisc])
+
+    def lossy(self, h: str, percent: int) -> None:
+        """Drop `percent`% of host `h`'s packets on its link, both ways, at random (nftables' numgen: tc's netem
+        is not in this kernel)."""
+        ns = ["ip", "netns", "exec", self.netns[h], "nft"]
+        _sh([*ns, "add", "table", "inet", "dflash_loss"])
+        for chain, hook, match in (("out", "output", "oifname"), ("in", "input", "iifname")):
+            _sh([*ns, "add", "chain", "inet", "dflash_loss", chain, f"{{ type filter hook {hook} priority 0; }}"])
+            _sh([*ns, "add", "rule", "inet", "dflash_loss", chain, match, self.ifname, "numgen", "random", "mod",
+                 "100", "<", str(percent), "counter", "drop"])
+
+    def dropped(self, h: str) -> int:
+        """Packets `lossy` has dropped on host `h` so far."""
+        out = _sh(["ip", "netns", "exec", self.netns[h], "nft", "list", "table", "inet", "dflash_loss"]).stdout
+        return sum(int(w) for w in re.findall(r"counter packets (\d+)", out))
 
     # -- clean-up -------------------------------------------------------------------------------------------
 

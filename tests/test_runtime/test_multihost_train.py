@@ -9,6 +9,8 @@ and the job's store all cross the link.
 from __future__ import annotations
 
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -58,24 +60,63 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
     assert only_sshd_left(hosts) == {"h0": [], "h1": []}
 
 
-def test_torchrun_on_both_hosts_rendezvous_by_name(setup, reference, hosts, tmp_path):
+def test_torchrun_on_both_hosts_over_a_slow_lossy_link_that_pauses(setup, reference, hosts, tmp_path):
     """launch/train_multinode.sh on h0 and h1 with RDZV_HOST=h0, which is 127.0.1.1 on h0 itself: h0's ranks
     find the interface from the address h1 reaches it at; h1 names its interface itself (a user's
-    GLOO_SOCKET_IFNAME wins)."""
+    GLOO_SOCKET_IFNAME wins). h1's link is slow (tc tbf, 200 Mbit/s out) and drops 1% of its packets both
+    ways (nftables; this kernel has no netem for a fixed delay), and is cut for 3 s after step 5 (shorter
+    than every timeout): the job trains the reference's losses all the same."""
     target, data = setup
     ref_out, _ = reference
+    out = tmp_path / "out"
+    args = [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(out), "--zero-stage", "2"]
+    base = hosts.env({**env_for_children(), "NNODES": "2", "RDZV_HOST": "h0", "RDZV_PORT": "29400"})
+    base.pop("GLOO_SOCKET_IFNAME", None)
+    hosts.shape("h1", "tbf", "rate", "200mbit", "burst", "256kb", "latency", "50ms")
+    hosts.lossy("h1", 1)
+    procs = {h: hosts.popen(h, ["bash", str(REPO / "launch/train_multinode.sh"), *args], cwd=tmp_path,
+                            env={**base, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for h, extra in (("h0", {"NPROC": "1"}), ("h1", {"NPROC": "2", "GLOO_SOCKET_IFNAME": "eth0"}))}
+    with ThreadPoolExecutor(2) as pool:  # read both outputs while the link is cut and restored
+        reading = {h: pool.submit(p.communicate, timeout=360) for h, p in procs.items()}
+        deadline = time.monotonic() + 300
+        while not any(r["step"] >= 5 for r in _records(out)) and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs.values()), "the job ended before step 5"
+            time.sleep(0.2)
+        hosts.link("h1", up=False)
+        time.sleep(3)
+        hosts.link("h1", up=True)
+        paused_at = max(r["step"] for r in _records(out))
+        outs = {h: f.result()[0] for h, f in reading.items()}
+    for h, p in procs.items():
+        assert p.returncode == 0, (h, outs[h][-5000:])
+    assert 5 <= paused_at < STEPS - 1, paused_at  # the pause fell inside the run
+    assert hosts.dropped("h1") > 0  # the loss was real
+    text = outs["h0"] + outs["h1"]
+    assert "[dflash-ds] h0: GLOO_SOCKET_IFNAME=eth0: owns 198.18.0.1, the address other hosts reach" in text
+    assert "[dflash-ds] h1: GLOO_SOCKET_IFNAME=eth0 (the user's): set by the user" in text
+    assert_reference_losses(out, ref_out)
+    assert only_sshd_left(hosts) == {"h0": [], "h1": []}
+
+
+def _records(out):
+    return list(per_batch(out).values()) if (out / "records").is_dir() else []
+
+
+def test_a_host_that_fails_to_start_ends_the_job_on_the_other(setup, hosts, tmp_path):
+    """h1's ranks stop at once on a GLOO_SOCKET_IFNAME naming no interface (one error naming the variable);
+    h0's rank, left waiting for them, ends at train.startup_timeout_s (15 s here) instead of gloo's timeouts."""
+    target, data = setup
     args = [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(tmp_path / "out"),
-            "--zero-stage", "2"]
+            "--train.startup_timeout_s", "15"]
     base = hosts.env({**env_for_children(), "NNODES": "2", "RDZV_HOST": "h0", "RDZV_PORT": "29400"})
     base.pop("GLOO_SOCKET_IFNAME", None)
     procs = {h: hosts.popen(h, ["bash", str(REPO / "launch/train_multinode.sh"), *args], cwd=tmp_path,
                             env={**base, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for h, extra in (("h0", {"NPROC": "1"}), ("h1", {"NPROC": "2", "GLOO_SOCKET_IFNAME": "eth0"}))}
-    outs = {h: p.communicate(timeout=360)[0] for h, p in procs.items()}
-    for h, p in procs.items():
-        assert p.returncode == 0, (h, outs[h][-5000:])
-    text = outs["h0"] + outs["h1"]
-    assert "[dflash-ds] h0: GLOO_SOCKET_IFNAME=eth0: owns 198.18.0.1, the address other hosts reach" in text
-    assert "[dflash-ds] h1: GLOO_SOCKET_IFNAME=eth0 (the user's): set by the user" in text
-    assert_reference_losses(tmp_path / "out", ref_out)
+             for h, extra in (("h0", {"NPROC": "1"}), ("h1", {"NPROC": "2", "GLOO_SOCKET_IFNAME": "nosuch0"}))}
+    outs = {h: p.communicate(timeout=180)[0] for h, p in procs.items()}
+    assert procs["h1"].returncode != 0 and procs["h0"].returncode != 0, outs
+    assert "GLOO_SOCKET_IFNAME=nosuch0: h1 has no interface 'nosuch0' (it has eth0, lo)" in outs["h1"], outs["h1"]
+    assert "rank 0: start-up not finished within train.startup_timeout_s=15s (joining the job's process groups)" \
+        in outs["h0"], outs["h0"][-4000:]
     assert only_sshd_left(hosts) == {"h0": [], "h1": []}
