@@ -34,13 +34,15 @@ def grouped_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block
     *lead, length, h = x.shape
     taps, groups = delta.shape[-2], delta.shape[-1]
     xb = x.reshape(*lead, length // block_size, block_size, groups, h // groups)
-    coef = base.view(taps, groups, h // groups) + delta.reshape(*lead, length // block_size, block_size,
-                                                                taps, groups, 1)
-    out = coef[..., 0, :, :] * xb
+    base = base.view(taps, groups, h // groups)
+    delta = delta.reshape(*lead, length // block_size, block_size, taps, groups, 1)
+    # base * x + delta * x, never (base + delta) * x: the sum would be a full [..., taps, H] tensor that
+    # autograd keeps; this way each tap keeps only its (shifted) input and the group-wide deltas.
+    out = xb * base[0] + xb * delta[..., 0, :, :]
     for t in range(1, min(taps, block_size)):
         # Shift by t along the in-block position; the first t positions of each block read zero.
         shifted = F.pad(xb[..., :-t, :, :], (0, 0, 0, 0, t, 0))
-        out = out + coef[..., t, :, :] * shifted
+        out = out + shifted * base[t] + shifted * delta[..., t, :, :]
     return out.reshape(*lead, length, h)
 
 

@@ -18,7 +18,7 @@ from dflash_ds.models.drafter import DFlashDrafter
 from dflash_ds.models.from_target import drafter_arch_from_target
 
 PROBE = Path(__file__).with_name("vllm_dflash2_probe.py")
-TOL = 1e-5  # fp32 on both sides; measured: the convolutions, unary and edge scores are bitwise equal (0.0)
+TOL = 1e-5  # fp32 both sides; measured: convs within 2.4e-6 (values to 16, a reordered sum), scores bitwise equal
 OPTS = DFlash2Options(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4,
                       output_multiplier=1.5, final_logit_softcapping=5.0)
 
