@@ -98,7 +98,17 @@ assert diff < 1e-3, diff
 # step and checkpoint it, the target exits 75 (torchrun itself then reports a failed child: exit 1), and the
 # checkpoint resumes.
 step sigterm 1 45 env DFLASH_FAULT_RANK=1 DFLASH_FAULT_TERM_AT=6 "${TRAIN[@]}" --output-dir "$OUT/term"
-step sigterm_checked 0 5 bash -c "grep -q 'exitcode  : 75' $OUT/sigterm.log && ls -d $OUT/term/checkpoints/step_*"
+# Every rank's status as torchrun reports it ("exitcode  : 75" for both ranks; a rank it had to SIGKILL shows -9,
+# so finding one 75 is not enough).
+step sigterm_checked 0 5 "$PY" -c '
+import re, sys
+from pathlib import Path
+log = Path(sys.argv[1]).read_text()
+codes = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", log))
+print(codes)
+assert codes == {"0": "75", "1": "75"}, codes
+assert list(Path(sys.argv[2]).glob("step_*")), "no checkpoint"
+' "$OUT/sigterm.log" "$OUT/term/checkpoints"
 step sigterm_resume 0 45 "${TRAIN[@]}" --output-dir "$OUT/term" --resume auto
 
 "$PY" - "$OUT" <<'PY'

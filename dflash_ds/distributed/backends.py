@@ -33,7 +33,13 @@ def backend_devices(spec: str) -> set[str]:
 
 def make_bridge(backend: str, store: dist.Store, rank: int, world: int,
                 timeout: datetime.timedelta) -> dist.ProcessGroupGloo | dist.ProcessGroupNCCL:
-    """A point-to-point group over all ranks on `backend`, never registered with torch.distributed."""
+    """A point-to-point group over all ranks on `backend`, never registered with torch.distributed.
+
+    `timeout` is the bridge's own deadline (train.bridge_timeout_s); the group's is later by a margin
+    (`bridge.group_timeout`), so the bridge's clear error fires before NCCL's watchdog aborts the rank."""
+    from dflash_ds.distributed.bridge import group_timeout
+
+    timeout = group_timeout(timeout.total_seconds())
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world, timeout)
     # Same options torch's own new_group() sets for NCCL (never run on a GPU yet: no GPU in CI).

@@ -12,12 +12,19 @@ order and its sends are rendezvous: data moves only once the receiver has posted
 matching receive.
 
 A receive that times out raises `BridgeTimeoutError` naming the peer. With
-gloo a timed-out pair is closed, so a timeout is fatal for that pair.
+gloo a timed-out pair is closed, so a timeout is fatal for that pair. Every deadline counts from the
+message's post, as NCCL's watchdog counts the group's timeout; the group gets `group_timeout(timeout_s)`,
+later by a margin, so the clear error here fires first (on NCCL, the watchdog would abort the rank with its
+own error otherwise).
+
+Teardown after a stop: `Receiver.close(abort)` stops posting and aborts the group in one step (no receive is
+posted on an aborted group); `AsyncSender.abort()` drops sends no drafter will take.
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -57,6 +64,19 @@ class DepthSink(Protocol):
     def update(self, peer: int, depth: int) -> None: ...
 
 
+# How much later than the bridge's own deadline the group's timeout expires. Both count from a message's post;
+# the margin covers the error's way out after the deadline (the waiting thread hands it to the training loop,
+# which names lost peers for up to 4 heartbeats, ~20 s, before it exits) and scheduling delays on a loaded
+# host. At the default train.bridge_timeout_s 1800: group timeout 1890 s.
+GROUP_TIMEOUT_MARGIN_S = 60.0
+GROUP_TIMEOUT_MARGIN_FRAC = 0.05
+
+
+def group_timeout(timeout_s: float) -> datetime.timedelta:
+    """The bridge group's own timeout for a bridge deadline of `timeout_s`: later by the margin above."""
+    return datetime.timedelta(seconds=timeout_s + max(GROUP_TIMEOUT_MARGIN_S, GROUP_TIMEOUT_MARGIN_FRAC * timeout_s))
+
+
 def _tags(channel: int) -> tuple[int, int]:
     return 2 * channel, 2 * channel + 1
 
@@ -81,7 +101,8 @@ def _wait(work: Any, deadline: float, peer: int, what: str, timeout_s: float) ->
         raise BridgeTimeoutError(f"bridge: {what} with rank {peer} did not finish within {timeout_s:g}s")
 
 
-def _poll(work: Any, deadline: float, peer: int, what: str, timeout_s: float) -> None:
+def _poll(work: Any, deadline: float, peer: int, what: str, timeout_s: float,
+          closed: threading.Event | None = None) -> None:
     """Wait for one Work by polling `is_completed()` until `deadline`: nothing is queued on any stream.
 
     On NCCL, `Work.wait()` makes the calling thread's current CUDA stream wait for the transfer. A
@@ -91,6 +112,8 @@ def _poll(work: Any, deadline: float, peer: int, what: str, timeout_s: float) ->
     completed NCCL receive's data is in place, so the consumer reads it without any stream wait.
     """
     while not work.is_completed():
+        if closed is not None and closed.is_set():
+            raise BridgeError(f"bridge: {what} with rank {peer}: the receiver was closed (the run stopped)")
         if time.monotonic() > deadline:
             raise BridgeTimeoutError(f"bridge: {what} with rank {peer} did not finish within {timeout_s:g}s; "
                                      f"is rank {peer} alive and routed to this rank?")
@@ -100,9 +123,10 @@ def _poll(work: Any, deadline: float, peer: int, what: str, timeout_s: float) ->
         raise BridgeError(f"bridge: {what} with rank {peer} failed: {failed}")
 
 
-def wait_all(works: Iterable[Any], peer: int, timeout_s: float, what: str = "transfer") -> None:
-    """Wait for a list of Works with one shared deadline."""
-    deadline = time.monotonic() + timeout_s
+def wait_all(works: Iterable[Any], peer: int, timeout_s: float, what: str = "transfer",
+             posted_at: float | None = None) -> None:
+    """Wait for a list of Works with one shared deadline, `timeout_s` after their post (default: now)."""
+    deadline = (time.monotonic() if posted_at is None else posted_at) + timeout_s
     for w in works:
         _wait(w, deadline, peer, what, timeout_s)
 
@@ -148,6 +172,7 @@ class _InFlight:
     batch_id: int
     works: list[Any]
     message: torch.Tensor | None  # the payload buffer: back to the pool once sent
+    posted_at: float  # time.monotonic() at the post: the deadline counts from here, as the group's timeout does
 
 
 class AsyncSender:
@@ -177,8 +202,9 @@ class AsyncSender:
         while len(self._in_flight) >= self.depth:
             self._retire(self._in_flight.popleft())
         self.last_block_s = time.monotonic() - t0
+        posted_at = time.monotonic()
         works, message = _post_batch(self.bridge, dst, tensors, meta, batch_id, tag, self.pool)
-        self._in_flight.append(_InFlight(dst, batch_id, works, message))
+        self._in_flight.append(_InFlight(dst, batch_id, works, message, posted_at))
         if self.meter is not None:
             self.meter.update(dst, self.in_flight(dst))
 
@@ -192,9 +218,18 @@ class AsyncSender:
         while self._in_flight:
             self._retire(self._in_flight.popleft())
 
+    def abort(self) -> int:
+        """After a stop: abort the group if sends are still in flight (no drafter will post their receives, and
+        shutting the group down would wait on them); returns how many batches were dropped."""
+        dropped = self.in_flight()
+        if dropped:
+            self.bridge.abort()
+        self._in_flight.clear()
+        return dropped
+
     def _retire(self, old: _InFlight) -> None:
         # A plain wait: gloo marks a send complete only inside wait(), so is_completed() cannot be polled.
-        wait_all(old.works, old.dst, self.timeout_s, f"sending batch {old.batch_id}")
+        wait_all(old.works, old.dst, self.timeout_s, f"sending batch {old.batch_id}", old.posted_at)
         if old.message is not None:  # a no-op unless the buffer came from the pool
             self.pool.release({"payload": old.message})
 
@@ -229,6 +264,8 @@ class _Pending:
     tensors: dict[str, torch.Tensor] | None = None  # set once the payload receive is posted
     work: Any = None  # the payload receive (None: not posted yet, or an empty payload)
     meta: dict[str, float] | None = None  # set once the header has been read
+    posted_at: float = 0.0  # when the header receive was posted: its deadline counts from here
+    payload_posted_at: float = 0.0  # when the payload receive was
 
 
 class Receiver:
@@ -262,6 +299,8 @@ class Receiver:
         self._tags = _tags(tag)
         self._pending: deque[_Pending] = deque()  # receives posted, in batch order
         self.last_wait_s = 0.0  # how long the last next() blocked: target-bound when > 0
+        # close() and a post exclude each other: once closed (and the group aborted), nothing more is posted.
+        self._lock, self.closed = threading.Lock(), threading.Event()
         self.poll()
 
     def __iter__(self) -> Receiver:
@@ -277,10 +316,11 @@ class Receiver:
         if self.meter is not None:  # what the target had already produced when we asked
             self.meter.update(head.src, sum(p.meta is not None or p.header_work.is_completed() for p in self._pending))
         if head.meta is None:
-            self._read_header(head, t0 + self.timeout_s)
+            self._read_header(head, head.posted_at + self.timeout_s)
             self.poll()  # an unplanned payload was just posted: the next header may follow it
         if head.work is not None:
-            self._await(head.work, t0 + self.timeout_s, head.src, f"receiving batch {head.batch_id}", self.timeout_s)
+            self._wait_for(head.work, head.payload_posted_at + self.timeout_s, head.src,
+                           f"receiving batch {head.batch_id}")
         self.last_wait_s = time.monotonic() - t0
         self._pending.popleft()
         self.poll()
@@ -291,6 +331,27 @@ class Receiver:
         """Receives posted that have not been handed out (at exit: ones no target will ever match)."""
         return len(self._pending)
 
+    def close(self, abort=None) -> None:
+        """Post nothing more; with `abort` (the group's abort) and receives still posted, call it in the same
+        step, so no receive can be posted on the aborted group. A polling wait then ends at once; a gloo wait
+        (completion is seen only inside wait()) ends at its deadline or when its batch arrives."""
+        with self._lock:
+            self.closed.set()
+            if abort is not None and self._pending:
+                abort()
+
+    def _recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        with self._lock:
+            if self.closed.is_set():
+                raise BridgeError(f"bridge: no receive from rank {src} after the receiver was closed (the run stopped)")
+            return self.bridge.recv(tensors, src, tag)
+
+    def _wait_for(self, work: Any, deadline: float, peer: int, what: str) -> None:
+        if self._await is _poll:
+            _poll(work, deadline, peer, what, self.timeout_s, self.closed)
+        else:
+            _wait(work, deadline, peer, what, self.timeout_s)
+
     def poll(self) -> None:
         """Post every receive the order and `depth` allow now (never blocks)."""
         while True:
@@ -298,7 +359,7 @@ class Receiver:
             if last is not None and last.tensors is None:  # an unplanned payload not yet posted
                 if not last.header_work.is_completed():
                     return  # nothing may be posted behind it before it
-                self._read_header(last, time.monotonic() + self.timeout_s)  # arrived: returns at once
+                self._read_header(last, last.posted_at + self.timeout_s)  # arrived: returns at once
                 continue
             if self._exhausted or len(self._pending) >= self.depth:
                 return
@@ -310,18 +371,20 @@ class Receiver:
             batch_id, src = item[0], item[1]
             planned = list(item[2]) if len(item) > 2 else None
             header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-            p = _Pending(batch_id, src, header, self.bridge.recv([header], src, self._tags[0]), planned)
+            posted_at = time.monotonic()
+            p = _Pending(batch_id, src, header, self._recv([header], src, self._tags[0]), planned, posted_at=posted_at)
             self._pending.append(p)
             if planned is not None:
                 self._post_payload(p, planned)
 
     def _post_payload(self, p: _Pending, specs: list[Spec]) -> None:
         p.tensors, message = alloc_payload(specs, self.device, self.pool)
-        p.work = self.bridge.recv([message], p.src, self._tags[1]) if message is not None else None
+        p.payload_posted_at = time.monotonic()
+        p.work = self._recv([message], p.src, self._tags[1]) if message is not None else None
 
     def _read_header(self, p: _Pending, deadline: float) -> None:
         """Wait for a batch's header and check it; post its payload receive if the schedule did not plan it."""
-        self._await(p.header_work, deadline, p.src, f"receiving the header of batch {p.batch_id}", self.timeout_s)
+        self._wait_for(p.header_work, deadline, p.src, f"receiving the header of batch {p.batch_id}")
         got_id, specs, meta = decode_header(p.header.cpu())
         if got_id != p.batch_id:
             raise BridgeError(f"bridge: expected batch {p.batch_id} from rank {p.src}, got batch {got_id}: "

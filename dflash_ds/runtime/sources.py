@@ -112,15 +112,14 @@ class BridgeSource:
         # the arithmetic of bench/memory_model.PAYLOADS_ALIVE and docs/MEMORY.md.
         self.pool = BufferPool(ctx.device, max_free=2)
         self.receiver: bridge_mod.Receiver | None = None
-        self.thread = threading.Thread(target=self._work, args=(data, start_step, cursor, stop_step, specs_of),
-                                       daemon=True, name="drafter-receiver")
-        self.thread.start()
-
-    def _work(self, data: BatchStream, start: int, cursor: Cursor, stop: int, specs_of) -> None:
-        layout, d = self.ctx.layout, self.ctx.role_rank
+        layout, d = ctx.layout, ctx.role_rank
         # The same walk over the batch stream as the targets' (target_worker.my_batches).
         schedule = ((ms.batch_id(d), layout.target_rank_for(ms.index, d), specs_of(ms.specs[d]))
-                    for ms in data.micro_steps(start, cursor, stop))
+                    for ms in data.micro_steps(start_step, cursor, stop_step))
+        self.thread = threading.Thread(target=self._work, args=(schedule,), daemon=True, name="drafter-receiver")
+        self.thread.start()
+
+    def _work(self, schedule) -> None:
         # On CUDA this thread posts receives and reads headers on a stream of its own: nothing it does
         # waits behind the training kernels or holds them (completion is polled: bridge._poll).
         side = contextlib.nullcontext()
@@ -153,14 +152,22 @@ class BridgeSource:
         self.pool.release(tensors)
 
     def close(self) -> None:
-        """Leave the thread (a daemon: it ends with its schedule or the process); say if receives stay posted.
+        """Teardown after the last step, in this order: stop posting and abort the bridge in one step if
+        receives are still posted (past the stop step: no target will ever send them, and a group shut down
+        would wait on them), then join the thread. The role groups are destroyed after this (topology.shutdown),
+        which leaves an aborted bridge alone."""
+        receiver = self.receiver
+        if receiver is not None:
+            receiver.close(abort=self._abort_bridge)
+        deadline = time.monotonic() + 2.0  # a polling (CUDA) wait ends at once; a gloo wait cannot be cut short
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                self.q.get_nowait()  # a thread blocked handing over a batch (queue full) goes on
+            self.thread.join(0.05)
 
-        After a stop the receives posted past the stop step never complete (no target sends them): the
-        bridge must then be aborted at exit, not shut down (`topology.shutdown` waits on a group's
-        pending work when shutting it down).
-        """
-        if self.receiver is not None and self.receiver.posted():
-            self.ctx.abort_bridge = True
+    def _abort_bridge(self) -> None:
+        self.ctx.bridge.abort()
+        self.ctx.bridge = None  # aborted: topology.shutdown has nothing left to end on it
 
 
 class LocalTargetSource:

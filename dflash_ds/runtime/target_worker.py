@@ -75,7 +75,11 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
         sender.send(layout.drafter_rank_for(batch_id), tensors, meta, batch_id=batch_id)
     loader.close()
     if stopped:
-        return EXIT_PREEMPTED  # batches still in flight belong to steps nobody will train
+        # Batches still in flight belong to steps nobody will train: no drafter posts their receives, so the
+        # group is aborted now (shutting it down would wait on them, with this rank's watchdog already closed).
+        if sender.abort():
+            ctx.bridge = None  # aborted: topology.shutdown has nothing left to end on it
+        return EXIT_PREEMPTED
     sender.flush()
     # Every batch served. A short run's targets get here before the drafters finish: wait for their verdict, so
     # that a run they stopped early (a SIGTERM anywhere, after this rank's last batch) ends 75 here too, as on

@@ -59,6 +59,47 @@ def hard_exit(status: int) -> None:
     os._exit(status)
 
 
+class ExitOnSignal:
+    """After the role has ended with `status`: SIGTERM/SIGINT end this rank at once with that status.
+
+    torchrun SIGTERMs every rank still running once one exits non-zero (75 included). Ignoring the signal kept
+    a rank blocked in its teardown (a group's shutdown, rank 0's wait for check-outs) until torchrun's SIGKILL
+    30 s later: status -9, not 75. A Python handler cannot run while the main thread is blocked in C, so the
+    C-level handler's wakeup byte (signal.set_wakeup_fd) is read by a thread of its own, which exits.
+    `close()` before the interpreter's teardown (which resets Python handlers to the default: -15) ignores the
+    signals at the C level and ends the thread.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, status: int, rank: int) -> None:
+        self.status, self.rank = status, rank
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self._old_fd = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+        for sig in self.SIGNALS:
+            signal.signal(sig, lambda *_: None)  # a Python handler, so that the C handler writes the wakeup byte
+        self._thread = threading.Thread(target=self._run, daemon=True, name="exit-on-signal")
+        self._thread.start()
+
+    def _run(self) -> None:
+        got = os.read(self._r, 1)
+        if got and got[0] in [int(s) for s in self.SIGNALS]:
+            print(f"[dflash-ds] rank {self.rank}: {signal.Signals(got[0]).name} after its role ended: exiting with "
+                  f"status {self.status}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            hard_exit(self.status)
+
+    def close(self) -> None:
+        """Ignore the signals from here on (the rank is leaving with its status) and end the thread."""
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        signal.set_wakeup_fd(self._old_fd)
+        os.write(self._w, b"\0")  # not a signal number: the thread returns
+        self._thread.join()
+        os.close(self._r), os.close(self._w)
+
+
 class LauncherWatch:
     """Whether this rank's launcher still runs: (process, its expected parent) links that must hold.
 
