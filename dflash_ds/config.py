@@ -25,7 +25,6 @@ from dflash_ds.config_parse import (  # noqa: F401
     read_config_file,
 )
 from dflash_ds.config_rules import _RULES, validate  # noqa: F401
-from dflash_ds.models.dflash2_arch import DFlash2Options as _D2  # defaults of the DFlash2 fields (no cycle)
 
 
 @dataclass
@@ -57,20 +56,21 @@ class DrafterConfig:
     attention_backend: str = "auto"
     """Training attention: auto (flex_attention on CUDA, dense mask + SDPA on CPU), dense, or flex (CUDA only)."""
     kind: str = "dflash"
-    """dflash, or dflash2: DFlash plus grouped convolutions around each sublayer and a candidate selector."""
-    conv_kernel_size: int = _D2.conv_kernel_size
+    """dflash, or dflash2: DFlash plus grouped convolutions around each sublayer and a candidate selector (its
+    fields below; why these defaults at Qwen3-8B / Qwen3.6-27B: models/dflash2_arch.py)."""
+    conv_kernel_size: int = 2
     """dflash2: taps of each in-block convolution (2: position i reads i and i - 1)."""
-    conv_group_size: int = _D2.conv_group_size
+    conv_group_size: int = 64
     """dflash2: channels sharing one dynamic conv coefficient (must divide the hidden size)."""
-    selector_rank: int = _D2.selector_rank
+    selector_rank: int = 64
     """dflash2: rank of the selector codebooks (2 x vocab x rank parameters; docs/MEMORY.md)."""
-    selector_top_k: int = _D2.selector_top_k
+    selector_top_k: int = 8
     """dflash2: candidates per draft position (the target head's top-K) that the selector walks over."""
-    output_multiplier: float = _D2.output_multiplier
+    output_multiplier: float = 1.0
     """dflash2: scale of the candidates' logits (unary scores) before the soft cap."""
-    final_logit_softcapping: float = _D2.final_logit_softcapping
+    final_logit_softcapping: float = 0.0
     """dflash2: unary scores are cap * tanh(logit / cap); 0 = no cap."""
-    input_embedding_scale: float = _D2.input_embedding_scale
+    input_embedding_scale: float = 1.0
     """dflash2: multiplies the embedded block inputs."""
 
 

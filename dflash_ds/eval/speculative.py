@@ -230,7 +230,8 @@ def drafter_draft_fn(drafter: DFlashDrafter, target: nn.Module) -> DraftFn:
         ctx = None if new_context is None else new_context.unsqueeze(0).to(dtype)
         hidden = drafter.forward_infer(ctx, block, start, cache)
         if walk is not None:  # DFlash2: the selector's greedy walk over the head's top-K (token ids)
-            return walk(hidden[:, 1:], lambda h: head(h.to(head.weight.dtype)), block_tokens[:1].to(hidden.device))[0][0]
+            anchor = block_tokens[:1].to(hidden.device)
+            return walk(hidden[:, 1:], lambda h: head(h.to(head.weight.dtype)), anchor)[0][0]
         return head(hidden[0, 1:].to(head.weight.dtype)).float()
 
     return draft
@@ -324,11 +325,9 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
         layer_ids = a.target_layer_ids if layer_ids is None else layer_ids
         mask_token_id = a.mask_token_id if mask_token_id is None else mask_token_id
         draft_fn = draft_fn or drafter_draft_fn(drafter, target)
-        if hasattr(drafter, "draft_tokens") and (tree_budget is not None or (temperature > 0 and
-                                                                             draft_sample == "probabilistic")):
-            raise DFlashError("a DFlash2 drafter drafts a chain by its selector's greedy walk (at T = 0, or with "
-                              "draft sampling greedy at T > 0, vLLM's default); tree drafting and the sampled walk "
-                              "(draft_sample probabilistic) are not implemented for it")
+        if hasattr(drafter, "draft_tokens") and (tree_budget or temperature > 0 and draft_sample != "greedy"):
+            raise DFlashError("a DFlash2 drafter drafts a chain by its selector's greedy walk (T = 0, or draft "
+                              "sampling greedy at T > 0): tree drafting and the sampled walk are not implemented")
     if draft_fn is None or block_size is None:
         raise ValueError("speculative_generate needs a drafter, or a draft_fn and a block_size")
     if tree_budget is not None and temperature > 0:

@@ -1,5 +1,5 @@
 """The DFlash2 drafter: the DFlash backbone with a grouped dynamic convolution around each sublayer, plus the
-candidate selector (models/dflash2_selector.py). docs/DESIGN.md §11 summarises what the engines run.
+candidate selector (models/dflash2_selector.py). What the engines run is read in vLLM 0.32 (below).
 
 Convolution, as vLLM 0.32 runs it (`qwen3_dflash2.py`: `DFlashGroupedConv`, `_grouped_conv`): for the
 sublayer input x (after its RMSNorm) one projection gives per-token deltas `(2, taps, groups)`;
@@ -85,6 +85,7 @@ class DFlash2Layer(DrafterLayer):
 class DFlash2Drafter(DFlashDrafter):
     """DFlash2: DFlash2 layers and a `candidate_selector`; same forwards, export and loading as DFlash."""
 
+    kind = "dflash2"
     layer_cls = DFlash2Layer
 
     def __init__(self, arch: DrafterArch) -> None:

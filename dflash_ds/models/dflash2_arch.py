@@ -1,9 +1,9 @@
-"""The DFlash2 fields of a drafter's shape and of its export's `dflash_config` (docs/DESIGN.md §11).
+"""The DFlash2 fields of a drafter's shape and of its export's `dflash_config`.
 
 Names are the serving engines' (vLLM 0.32 `qwen3_dflash2.py` reads them from `dflash_config`). vLLM
 requires `conv_kernel_size`, `conv_group_size`, `selector_rank` and `selector_top_k` (no defaults
 there); `output_multiplier` (1.0), `final_logit_softcapping` (0 = none) and `input_embedding_scale`
-(1.0) are optional. The defaults below are dflash-ds's; why each, at the real shape:
+(1.0) are optional. The defaults are dflash-ds's (config.DrafterConfig holds them); why each, at the real shape:
 
 - conv_kernel_size 2: the two-tap convolution of the DFlash2 write-up (position i reads i and i - 1).
 - conv_group_size 64: one dynamic coefficient per 64 channels. kernel_projection is
@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from dflash_ds.config import DrafterConfig as _M  # the one source of the defaults
 from dflash_ds.errors import DFlashError
 
 DFLASH, DFLASH2 = "dflash", "dflash2"
@@ -31,19 +32,19 @@ ARCHITECTURES = {DFLASH: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}
 class DFlash2Options:
     """Shape of the DFlash2 parts: the grouped dynamic convolutions and the candidate selector."""
 
-    conv_kernel_size: int = 2
+    conv_kernel_size: int = _M.conv_kernel_size
     """Taps of each convolution (position i reads i, i-1, ..., never across a block boundary)."""
-    conv_group_size: int = 64
+    conv_group_size: int = _M.conv_group_size
     """Channels that share one dynamic coefficient (must divide the hidden size)."""
-    selector_rank: int = 64
+    selector_rank: int = _M.selector_rank
     """Rank of the selector's predecessor/successor codebooks (each vocab x rank)."""
-    selector_top_k: int = 8
+    selector_top_k: int = _M.selector_top_k
     """Candidates per draft position: the target head's top-K of the drafter's hidden state."""
-    output_multiplier: float = 1.0
+    output_multiplier: float = _M.output_multiplier
     """Scale of the candidates' logits before the soft cap (unary scores)."""
-    final_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = _M.final_logit_softcapping
     """Unary scores are cap * tanh(logit / cap); 0 = no cap."""
-    input_embedding_scale: float = 1.0
+    input_embedding_scale: float = _M.input_embedding_scale
     """Multiplies the embedded block inputs (written to the export only when not 1)."""
 
     def check(self, hidden_size: int, vocab_size: int, where: str = "") -> "DFlash2Options":

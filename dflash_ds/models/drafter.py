@@ -137,17 +137,23 @@ class DFlashDrafter(nn.Module):
     """The drafter: fc + hidden_norm over concatenated target layers, decoder layers, final norm.
 
     The token embedding and the LM head are the target's (frozen) and are passed in, not owned.
-    `DFlashDrafter(arch)` builds the class of `arch.kind` (a DFlash2 arch: models/dflash2.DFlash2Drafter),
+    `DFlashDrafter(arch)` builds the class of `arch.kind` (dflash2: models/dflash2.DFlash2Drafter),
     so every caller that builds or loads a drafter gets the right one without asking for it.
     """
 
+    kind = "dflash"
     layer_cls: type = DrafterLayer
+    _by_kind: dict[str, type] = {}  # kind -> class; subclasses register themselves (models/__init__.py loads them)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        DFlashDrafter._by_kind[cls.kind] = cls
 
     def __new__(cls, arch: DrafterArch | None = None, *args, **kwargs):
-        if cls is DFlashDrafter and arch is not None and arch.dflash2 is not None:
-            from dflash_ds.models.dflash2 import DFlash2Drafter  # imports this module: resolved at call time
-
-            cls = DFlash2Drafter
+        if cls is DFlashDrafter and arch is not None and arch.kind != cls.kind:
+            if arch.kind not in DFlashDrafter._by_kind:
+                raise DFlashError(f"no drafter class registered for kind {arch.kind!r}")
+            cls = DFlashDrafter._by_kind[arch.kind]
         return super().__new__(cls)
 
     def __init__(self, arch: DrafterArch) -> None:
