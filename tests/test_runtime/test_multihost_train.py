@@ -8,6 +8,8 @@ and the job's store all cross the link.
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -120,3 +122,50 @@ def test_a_host_that_fails_to_start_ends_the_job_on_the_other(setup, hosts, tmp_
     assert "rank 0: start-up not finished within train.startup_timeout_s=15s (joining the job's process groups)" \
         in outs["h0"], outs["h0"][-4000:]
     assert only_sshd_left(hosts) == {"h0": [], "h1": []}
+
+
+def test_a_cut_link_ends_the_job_and_the_remaining_host_resumes_exactly(setup, reference, hosts, tmp_path):
+    """h1 (drafter 1 and the target) loses its link for good after the step-10 checkpoint: h0's rank names a
+    lost rank of h1 and exits within the heartbeat bound (10 s here); the checkpoint survives, and h0 alone
+    (launch/train.sh, 1 target + 1 drafter accumulating the global batch of 2) resumes it: steps 10-19 train
+    the reference's losses."""
+    target, data = setup
+    ref_out, _ = reference
+    out = tmp_path / "out"
+    args = [*COMMON, "--target", str(target), "--data", str(data), "--zero-stage", "2"]
+    base = hosts.env({**env_for_children(), "NNODES": "2", "RDZV_HOST": "h0", "RDZV_PORT": "29400"})
+    hosts.shape("h1", "tbf", "rate", "200mbit", "burst", "256kb", "latency", "50ms")  # steps slow enough to cut
+    procs = {h: hosts.popen(h, ["bash", str(REPO / "launch/train_multinode.sh"), *args, "--output-dir", str(out),
+                                "--train.heartbeat_timeout_s", "10"], cwd=tmp_path, env={**base, "NPROC": n},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for h, n in (("h0", "1"), ("h1", "2"))}
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(procs["h0"].communicate, timeout=360)
+        latest = out / "checkpoints" / "latest"
+        deadline = time.monotonic() + 300
+        while not (latest.exists() and latest.read_text().strip() == "step_00000010"
+                   and any(r["step"] >= 11 for r in _records(out))) and time.monotonic() < deadline:
+            assert procs["h0"].poll() is None, "the job ended before the cut"
+            time.sleep(0.1)
+        hosts.link("h1", up=False)
+        cut = time.monotonic()
+        text = reading.result()[0]
+        took = time.monotonic() - cut
+    cut_at = max(r["step"] for r in _records(out))
+    assert cut_at < STEPS - 1 and procs["h0"].returncode != 0, (cut_at, text[-3000:])
+    ours = "\n".join(line for line in text.splitlines() if "[dflash-ds]" in line)
+    lost = r"rank 0 at step \d+: lost rank [12] \((drafter 1|target 0)\): no heartbeat for 1\ds \(its last step was 1\d\)"
+    assert re.search(lost, ours), ours
+    assert took < 10 + 30, took  # the heartbeat bound, plus the launcher's teardown
+    assert only_sshd_left(hosts)["h0"] == []
+    run = tmp_path / "resume"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step_00000010", run / "checkpoints" / "step_00000010")
+    (run / "checkpoints" / "latest").write_text("step_00000010\n")
+    r = hosts.run("h0", ["bash", str(REPO / "launch/train.sh"), *args, "--output-dir", str(run)], timeout=300,
+                  cwd=tmp_path, env={**base, "NPROC": "2", "MASTER_PORT": "29500"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got, want = per_batch(run), per_batch(ref_out)
+    assert sorted(got) == [b for b in sorted(want) if want[b]["step"] >= 10]
+    for b, rec in got.items():
+        assert rec["step"] == want[b]["step"] and abs(rec["loss"] - want[b]["loss"]) < 1e-4, (b, rec, want[b])
