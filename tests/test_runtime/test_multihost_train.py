@@ -154,7 +154,8 @@ def test_a_cut_link_ends_the_job_and_the_remaining_host_resumes_exactly(setup, r
     cut_at = max(r["step"] for r in _records(out))
     assert cut_at < STEPS - 1 and procs["h0"].returncode != 0, (cut_at, text[-3000:])
     ours = "\n".join(line for line in text.splitlines() if "[dflash-ds]" in line)
-    lost = r"rank 0 at step \d+: lost rank [12] \((drafter 1|target 0)\): no heartbeat for 1\ds \(its last step was 1\d\)"
+    lost = (r"rank 0 at step \d+: lost rank [12] \((drafter 1|target 0)\): "
+            r"no heartbeat for 1\ds \(its last step was 1\d\)")
     assert re.search(lost, ours), ours
     assert took < 10 + 30, took  # the heartbeat bound, plus the launcher's teardown
     assert only_sshd_left(hosts)["h0"] == []
