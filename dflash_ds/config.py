@@ -234,10 +234,11 @@ class TrainConfig:
     pooled figure of the last walks (est_tau_window)."""
     est_tau_window: int = 64
     """Rows over all drafters a record's est_tau pools: the last ceil(64 / (est_tau_rows x drafters)) walks
-    (8 on 2 drafters, 2 on 8). One response's acceptance varies by about half its mean (measured on the
-    demo), so 64 rows put the figure within ~6% (one standard error) and a new walk moves it by a fraction;
-    the figure lags the drafter by about half the walks it pools. A resumed run reads its walks back from
-    records/walks{d}.jsonl."""
+    (8 on 2 drafters, 2 on 8). One response's acceptance varies by ~40% of the mean (0.39 measured on the
+    demo's 478 rows), so 64 rows put the figure within ~5% (one standard error) of the walk over all the
+    training text, and a new walk moves it by a fraction (demo: at most 5.5% between records); it lags the
+    drafter by about half the steps the walks span (100 steps on 2 drafters, 25 on 8). A resumed run reads
+    its walks back from records/walks{d}.jsonl."""
     eval_interval: int = 0
     """Steps between evaluations on the validation split (data.val_fraction or data.val_path; 0 = never):
     val_est_tau and val_tau in that step's record, the best val_est_tau kept as checkpoints/best."""

@@ -11,9 +11,11 @@ validation batches: the micro-steps in between read the device no more than befo
 
 At a walk step the walk reads `train.est_tau_rows` rows of the step's first micro-batch, spread over
 it (`walk_rows`: a batch is sorted by length, so its first rows are its shortest), before that batch
-trains: walked right after an update on the same rows, the figure read 19% above served acceptance
-on the demo (docs/QUALITY.md). A record's est_tau pools the last walks that hold `train.est_tau_window`
-rows over the drafters (`pooled_walks`, runtime/step_metrics.WalkHistory).
+trains: in a run's first epoch text it has not trained on. (One update moves a batch's walk by
+0.6% on the demo, so before or after makes no measurable difference there.) One response's
+acceptance varies by ~40% of the mean, so a walk of a few rows is noise; a record's est_tau pools
+the last walks that hold `train.est_tau_window` rows over the drafters (`pooled_walks`,
+runtime/step_metrics.WalkHistory).
 
 `validate` takes this drafter's validation batches of an evaluation step from its batch source,
 where the stream put them (after the step's training micro-steps, data/stream.py), and sums their
