@@ -5,6 +5,7 @@ before it mixes with the runs made before the edit."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ def bench(args: list[str]) -> subprocess.CompletedProcess:
                           text=True, cwd=REPO, timeout=600)
 
 
+@pytest.mark.timeout(600)  # 4-5 min on 2 loaded cores: 3 trainings, 6 evaluations
 def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> None:
     from dflash_ds.tiny.corpus import tiny_prompts
 
@@ -38,8 +40,8 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
     args = ["--recipes", str(tmp_path / "recipes.yaml"), "--target", str(tiny_target), "--data", str(data),
             "--eval-data", str(held), "--config", str(REPO / "configs/tiny.yaml"), "--seeds", "3", "--steps", "4",
             "--save-interval", "2", "--num-prompts", "3", "--max-new-tokens", "16", "--out", str(out),
-            "--set", "data.token_budget=1024", "--json"]
-    r = bench([*args, "--jobs", "2"])  # both runs at once; the resume below runs one at a time: the same results
+            "--set", "data.token_budget=1024", "--set", "train.log_interval=1", "--json"]
+    r = bench([*args, "--jobs", "2"])  # both runs at once; below, kl_lk again from scratch and alone
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary == json.loads((out / "summary.json").read_text())
@@ -60,14 +62,17 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
     assert "ce_decay" in r.stderr and "vs ce_decay" in r.stderr  # the table
     assert (out / "tau.png").stat().st_size > 1000
 
-    # A killed bench: kl_lk never recorded its training's end, nor its eval. Only that run is redone (its training
-    # resumes at its last checkpoint, which is the end), and the summary is the same, --jobs 1 after --jobs 2.
+    # A killed bench whose kl_lk run left nothing (killed before its first checkpoint): only that run is redone,
+    # trained from scratch and alone (--jobs 1); it trains as it did beside ce_decay under --jobs 2, step for step,
+    # and the summary is the same.
     assert json.loads((out / "kl_lk/seed3/trained.json").read_text())["export"].endswith("export")
-    (out / "kl_lk/seed3/result.json").unlink()
-    (out / "kl_lk/seed3/trained.json").unlink()
-    r = bench(args)
+    losses_jobs2 = [m["loss"] for m in map(json.loads, (out / "kl_lk/seed3/metrics.jsonl").read_text().splitlines())]
+    shutil.rmtree(out / "kl_lk/seed3")
+    r = bench([*args, "--jobs", "1"])
     assert r.returncode == 0, r.stderr[-4000:]
     assert "ce_decay seed 3: done before" in r.stdout and "kl_lk seed 3: training 4 steps" in r.stdout
+    losses_jobs1 = [m["loss"] for m in map(json.loads, (out / "kl_lk/seed3/metrics.jsonl").read_text().splitlines())]
+    assert losses_jobs1 == losses_jobs2 and len(losses_jobs1) == 4, (losses_jobs1, losses_jobs2)  # every step
     again = json.loads(r.stdout.strip().splitlines()[-1])
     for a, b in zip(again["runs"], summary["runs"]):
         assert (a["tau"], a["tau_pooled"], a["train_tokens"]) == (b["tau"], b["tau_pooled"], b["train_tokens"])
