@@ -44,6 +44,7 @@ from torch import nn
 
 from dflash_ds.errors import DFlashError
 from dflash_ds.eval.tree import verify_tree
+from dflash_ds.eval.walk_draft import WalkDraft, walk_draft_fn
 from dflash_ds.models.drafter import DFlashDrafter, DrafterArch, DrafterCache
 from dflash_ds.models.target import decoder_layers
 
@@ -222,16 +223,12 @@ def drafter_draft_fn(drafter: DFlashDrafter, target: nn.Module) -> DraftFn:
     cache = DrafterCache(drafter.arch.num_hidden_layers)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     dtype = next(drafter.parameters()).dtype
-    walk = getattr(drafter, "draft_tokens", None)
 
     @torch.no_grad()
     def draft(new_context: torch.Tensor | None, block_tokens: torch.Tensor, start: int) -> torch.Tensor:
         block = embed(block_tokens.view(1, -1).to(embed.weight.device)).to(dtype)
         ctx = None if new_context is None else new_context.unsqueeze(0).to(dtype)
         hidden = drafter.forward_infer(ctx, block, start, cache)
-        if walk is not None:  # DFlash2: the selector's greedy walk over the head's top-K (token ids)
-            anchor = block_tokens[:1].to(hidden.device)
-            return walk(hidden[:, 1:], lambda h: head(h.to(head.weight.dtype)), anchor)[0][0]
         return head(hidden[0, 1:].to(head.weight.dtype)).float()
 
     return draft
@@ -244,8 +241,8 @@ DRAFT_SAMPLES = ("greedy", "probabilistic")
 def _as_logits(draft: torch.Tensor, vocab: int) -> torch.Tensor:
     # Token ids from an oracle become one-hot "logits" (0 on the token, -inf elsewhere): argmax and
     # top-k pick the token, and softmax is a one-hot q for speculative sampling.
-    if draft.dtype.is_floating_point:
-        return draft.float().cpu()
+    if isinstance(draft, WalkDraft) or draft.dtype.is_floating_point:  # a WalkDraft carries its own q
+        return draft if isinstance(draft, WalkDraft) else draft.float().cpu()
     logits = torch.full((draft.numel(), vocab), float("-inf"))
     logits[torch.arange(draft.numel()), draft.long().cpu().view(-1)] = 0.0
     return logits
@@ -265,6 +262,8 @@ def _accept_sampled(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen: tor
 def draw_draft(draft_logits: torch.Tensor, temperature: float, draft_sample: str,
                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
     """The chain's draft tokens and the distribution q they were drawn from (None at temperature 0)."""
+    if isinstance(draft_logits, WalkDraft):  # drawn by a DFlash2 walk (eval/walk_draft.py)
+        return draft_logits.tokens, draft_logits.q
     if temperature <= 0:
         return draft_logits.argmax(-1).tolist(), None
     if draft_sample == "greedy":  # the argmax as a one-hot q: accepted with probability p(x)
@@ -324,10 +323,11 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
         block_size = a.block_size if block_size is None else block_size
         layer_ids = a.target_layer_ids if layer_ids is None else layer_ids
         mask_token_id = a.mask_token_id if mask_token_id is None else mask_token_id
-        draft_fn = draft_fn or drafter_draft_fn(drafter, target)
-        if hasattr(drafter, "draft_tokens") and (tree_budget or temperature > 0 and draft_sample != "greedy"):
-            raise DFlashError("a DFlash2 drafter drafts a chain by its selector's greedy walk (T = 0, or draft "
-                              "sampling greedy at T > 0): tree drafting and the sampled walk are not implemented")
+        walks = hasattr(drafter, "draft_tokens")  # DFlash2 (models/dflash2.py): its selector's walk drafts
+        draft_fn = draft_fn or (walk_draft_fn(drafter, target, temperature, draft_sample, generator) if walks
+                                else drafter_draft_fn(drafter, target))
+        if walks and tree_budget is not None:
+            raise DFlashError("tree drafting is not implemented for a DFlash2 drafter: drop --tree-budget")
     if draft_fn is None or block_size is None:
         raise ValueError("speculative_generate needs a drafter, or a draft_fn and a block_size")
     if tree_budget is not None and temperature > 0:

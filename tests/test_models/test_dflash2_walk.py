@@ -103,6 +103,39 @@ def test_walk_drafts_lossless_and_est_tau_through_the_walk(fitted2) -> None:
         assert out.tokens == greedy_generate(target, prompt, 32, eos)  # lossless at T = 0
         assert out.accept_lengths[:-1] == walk[:-1] and out.accept_lengths[-1] >= walk[-1]
     print(f"DFlash2 est_tau {sum(per_row) / 3:.3f}, served tau {summarize(served, BS)['tau']:.3f}")
-    with pytest.raises(DFlashError, match="sampled walk"):
-        speculative_generate(target, prompts[0], drafter=module.drafter, temperature=1.0,
-                             draft_sample="probabilistic")
+    with pytest.raises(DFlashError, match="tree drafting is not implemented for a DFlash2 drafter"):
+        speculative_generate(target, prompts[0], drafter=module.drafter, tree_budget=8)
+
+
+def test_sampled_walk_draws_the_engines_rule_and_decodes(fitted2) -> None:
+    """T > 0, draft sampling probabilistic: position k draws from softmax(row / T) of the row after the token drawn
+    at k - 1 (vLLM's Gumbel-max walk), q_k is that K-way distribution; speculative decoding runs on it."""
+    from dflash_ds.eval.speculative import eos_token_ids, greedy_generate, speculative_generate
+    from dflash_ds.eval.walk_draft import walk_q
+    from dflash_ds.models.dflash2_selector import walk
+
+    scores = torch.tensor([[[[0.0, 1.0], [0.0, 1.0]], [[2.0, 0.0], [0.0, 0.5]]]])  # [1, 2 positions, K, K]
+    cand = torch.tensor([[[5, 6], [7, 8]]])
+    gen, n = torch.Generator().manual_seed(0), 4000
+    counts = {}
+    for _ in range(n):
+        tokens, _ = walk(scores, cand, temperature=2.0, generator=gen)
+        counts[tuple(tokens[0].tolist())] = counts.get(tuple(tokens[0].tolist()), 0) + 1
+    first = torch.softmax(scores[0, 0, 0] / 2, -1)
+    for i, a in enumerate((5, 6)):
+        second = torch.softmax(scores[0, 1, i] / 2, -1)  # the row of the token drawn first
+        for j, b in enumerate((7, 8)):
+            assert abs(counts.get((a, b), 0) / n - float(first[i] * second[j])) < 0.025
+    q = walk_q(cand[0], scores[0, :, 0], 10, 2.0)
+    assert q[0, 5] == pytest.approx(float(first[0])) and q[1, 7] + q[1, 8] == pytest.approx(1.0)
+    assert q.sum().item() == pytest.approx(2.0)
+    target, module, prompts, _ = fitted2
+    eos = eos_token_ids(target)
+    runs = [speculative_generate(target, prompts[0], drafter=module.drafter, max_new_tokens=16, eos_ids=eos,
+                                 temperature=1.0, draft_sample="probabilistic",
+                                 generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens and sum(runs[0].accept_lengths) >= len(runs[0].tokens) - 1
+    # Near T = 0 the target samples its argmax: the sampled walk's output is the greedy text (lossless).
+    cold = speculative_generate(target, prompts[1], drafter=module.drafter, max_new_tokens=16, eos_ids=eos,
+                                temperature=1e-4, draft_sample="probabilistic", generator=torch.Generator())
+    assert cold.tokens == greedy_generate(target, prompts[1], 16, eos)
