@@ -12,7 +12,8 @@ padding blocks are computed too):
 The micro-step's peak is `held + max(forward, loss, backward)`:
 
 - held: what forward leaves for backward: RoPE tables, the projected context, the dense mask's
-  float copy in every layer (CPU SDPA saves it; flex_attention has none), and each layer's saved
+  float copy in every layer (CPU SDPA saves it; flex_attention has none, only its BlockMask's small tile
+  tables: `flex_block_mask_bytes`), and each layer's saved
   activations or, with activation checkpointing, only each layer's input (and the boolean mask);
 - forward (its end): the block embeddings, the final norm, the boolean mask (no checkpointing);
 - loss (inside the chunked LM head + loss): the block embeddings, the final norm's saved tensors
@@ -160,6 +161,8 @@ def micro_step_terms(d: DrafterShape, s: StepShape, param_grads: bool = True) ->
         # checkpointing, the boolean mask itself (a checkpoint input), each layer's copy only on recompute.
         "attention_mask": mask_entries * (1 if s.checkpointing else L * b),
     }
+    if not s.dense_mask:
+        held["flex_block_mask"] = flex_block_mask_bytes(s.batch, q_len, s.seq_len + q_len)
     # The block embeddings live as long as the objective, or through backward as layer 0's checkpoint input.
     embeddings = {"block_embeddings": t * h * b}
     if s.checkpointing:
@@ -183,6 +186,17 @@ def micro_step_terms(d: DrafterShape, s: StepShape, param_grads: bool = True) ->
                **({"attention_mask_bool": mask_entries} if mask_entries and not s.checkpointing else {})}
     backward = _backward_phase(d, s, param_grads, a_tok, c_tok, mask_entries)
     return {"held": held, "forward": forward, "loss": loss, "backward": backward}
+
+
+def flex_block_mask_bytes(batch: int, q_len: int, kv_len: int, tile: int = 128) -> int:
+    """The flex BlockMask of one mask kind (models/block_mask.flex_block_mask): int32 tile tables, held as a
+    checkpoint input through the step. Per kind: kv and full-kv counts [B, nQ] and indices [B, nQ, nKV], and
+    their transposes for the backward. Qwen3-8B defaults (B 8, Q 4,096, KV 6,144: 32 x 48 tiles): 201,728 B.
+    Its build is transient and comes before the first layer, off the peak: B x Q x nKV booleans and int64
+    interval bounds, ~20 B each, 31 MB there; torch's create_block_mask evaluated mask_mod over B x Q x KV
+    (201 M entries: 0.2 GB of booleans and 1.6 GB per int64 intermediate), which this no longer does."""
+    nq, nkv = -(-q_len // tile), -(-kv_len // tile)
+    return 4 * (4 * batch * nq * nkv + 2 * batch * nq + 2 * batch * nkv)
 
 
 def _backward_phase(d: DrafterShape, s: StepShape, param_grads: bool, a_tok: int, c_tok: int,

@@ -26,22 +26,33 @@ drops its output, so padding changes no result.
 
 Bound (GRAPHS_PER_MASK): over a whole epoch, whatever the data, at most 2 graphs (B = 1, B >= 2) per
 mask kind (full, sliding) and grad mode (training, no_grad) of a run's dtype: 2 when training the
-default all-full-attention drafter, 2 x 2 x 2 = 8 at most, within dynamo's recompile_limit of 8.
+default all-full-attention drafter, 2 x 2 x 2 = 8 at most: dynamo's default recompile_limit exactly, so
+`run_flex` compiles with its own limit, FLEX_COMPILE.recompile_limit = 16 (twice the bound), scoped to the
+flex call, and reaching it is an error (dynamo would otherwise run flex eagerly, silently). Each graph is a
+40-70 s cold compile on a GPU: at 16, a run that breaks the bound fails within ~20 minutes, never eagerly.
+
+The BlockMask is built from the block structure (`flex_block_mask`), not by evaluating mask_mod densely.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
+from torch._dynamo.exc import FailOnRecompileLimitHit
+
+from dflash_ds.errors import DFlashError
 
 try:  # block-sparse attention on GPU; CPU uses a dense boolean mask with SDPA
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 except ImportError:  # pragma: no cover - older torch
     flex_attention = None
     create_block_mask = None
+    BlockMask = None
 
 MASK_BACKENDS = ("auto", "dense", "flex")
 FLEX_TILE = 128  # flex_attention's default BlockMask block size, for queries and keys
@@ -61,6 +72,7 @@ class FlexCompile:
     on_cpu: bool = False  # False: CPU runs flex eagerly (forward only)
     dynamic: bool = True  # one graph for every B, Q, KV
     pad: bool = True  # `flex_shapes` on the flex path of DFlashDrafter.forward_train
+    recompile_limit: int = 16  # graphs of flex before a further one is an error (module docstring: bound 8)
 
 
 FLEX_COMPILE = FlexCompile()
@@ -82,13 +94,22 @@ def run_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any,
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
     key = (cfg.backend, cfg.dynamic)
     if _compiled is None or _compiled[0] != key:
-        _compiled = (key, torch.compile(flex_attention, dynamic=cfg.dynamic, backend=cfg.backend))
-    fn = _compiled[1]
-    if not cfg.dynamic:
-        return fn(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
-    # Read when dynamo builds a graph's shape environment, i.e. only on a (re)compile.
-    with fx_config.patch(use_duck_shape=False):
-        return fn(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        # fullgraph: a graph break would run part of flex eagerly, and hitting the recompile limit is an error
+        _compiled = (key, torch.compile(flex_attention, dynamic=cfg.dynamic, backend=cfg.backend, fullgraph=True))
+    # Both read when dynamo (re)compiles, i.e. inside this call: the raised limit is scoped to flex's frame.
+    # Without fail_on_recompile_limit_hit dynamo would run the call eagerly past the limit, silently.
+    limits = dynamo_config.patch(recompile_limit=cfg.recompile_limit, fail_on_recompile_limit_hit=True)
+    # Duck shaping is read when dynamo builds a graph's shape environment (module docstring).
+    shapes = fx_config.patch(use_duck_shape=False) if cfg.dynamic else contextlib.nullcontext()
+    try:
+        with limits, shapes:
+            return _compiled[1](q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    except FailOnRecompileLimitHit as exc:
+        raise DFlashError(
+            f"flex_attention reached FLEX_COMPILE.recompile_limit = {cfg.recompile_limit} compiled graphs (the "
+            f"stated bound is {GRAPHS_PER_MASK} per mask kind and grad mode, 8 at most; models/block_mask.py): a "
+            f"further graph would have run flex eagerly, materialising every attention score; rerun with "
+            f"TORCH_LOGS=recompiles to see which guard failed") from exc
 
 
 def flex_mask_mod(anchors: torch.Tensor, ctx_len: torch.Tensor, bs: int, window: int | None) -> Callable:
@@ -103,6 +124,52 @@ def flex_mask_mod(anchors: torch.Tensor, ctx_len: torch.Tensor, bs: int, window:
             ok = ok & torch.where(in_ctx, kv > anchor + off - window, (kv_off <= off) & (kv_off > off - window))
         return ok
     return mask_mod
+
+
+def flex_block_mask(anchors: torch.Tensor, ctx_len: int, bs: int, window: int | None = None) -> Any:
+    """The flex BlockMask of `dense_block_mask`'s matrix, built from the block structure (no dense tensor).
+
+    torch's create_block_mask evaluates mask_mod at every (row, query, key): B x Q x KV booleans and its
+    int64 intermediates, 0.2 GB of booleans per mask at the Qwen3-8B defaults (8 x 4,096 x 6,144) and
+    several times that transient, per mask kind and micro-step. Here each query's visible keys are two
+    intervals (context [lo, anchor), its own block's keys), so a key tile is visible to a query tile if
+    some query's interval meets it, and needs no mask_mod if every query's covers it: B x Q x KV/128
+    comparisons (1.6 M at the defaults). A tile that only the union of the two intervals covers is left
+    partial (mask_mod still decides inside it): the same attention, one tile less skipped at most.
+    """
+    b, a = anchors.shape
+    q_len, kv_len, dev = a * bs, ctx_len + a * bs, anchors.device
+    q = torch.arange(q_len, device=dev)
+    blk, off = q // bs, q % bs
+    anchor = anchors.repeat_interleave(bs, 1)  # [B, Q]
+    lo_ctx = torch.zeros_like(anchor) if window is None else (anchor + off - window + 1).clamp(min=0)
+    own = ctx_len + blk * bs  # [Q] the first key of each query's block
+    lo_own = own if window is None else own + (off - window + 1).clamp(min=0)
+    hi_own = own + (bs if window is None else off + 1)
+    intervals = [(lo_ctx, anchor), (lo_own.expand(b, -1), hi_own.expand(b, -1))]
+    q_tiles, kv_tiles = -(-q_len // FLEX_TILE), -(-kv_len // FLEX_TILE)
+    k0 = torch.arange(kv_tiles, device=dev) * FLEX_TILE
+    k1 = (k0 + FLEX_TILE).clamp(max=kv_len)
+    seen = covered = torch.zeros(b, q_len, kv_tiles, dtype=torch.bool, device=dev)
+    for lo, hi in intervals:
+        lo, hi = lo[..., None], hi[..., None]
+        seen = seen | (torch.maximum(lo, k0) < torch.minimum(hi, k1))
+        covered = covered | ((lo <= k0) & (hi >= k0 + FLEX_TILE))  # a ragged last key tile is never full
+    pad = q_tiles * FLEX_TILE - q_len  # padded query rows see nothing, so a ragged last query tile is never full
+    seen = torch.nn.functional.pad(seen, (0, 0, 0, pad)).view(b, q_tiles, FLEX_TILE, kv_tiles).any(2)
+    full = torch.nn.functional.pad(covered, (0, 0, 0, pad)).view(b, q_tiles, FLEX_TILE, kv_tiles).all(2)
+    # The width goes in as a tensor (a Python int captured by mask_mod would be a compile guard), made by a
+    # fill on the device, not copied from the host.
+    width = torch.full((), ctx_len, dtype=torch.long, device=dev)
+    return BlockMask.from_kv_blocks(*_ordered(seen & ~full), *_ordered(full), BLOCK_SIZE=FLEX_TILE,
+                                    mask_mod=flex_mask_mod(anchors, width, bs, window), seq_lengths=(q_len, kv_len))
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, nQ, nKV] booleans -> flex's (count [B, 1, nQ], indices [B, 1, nQ, nKV]: the set tiles first)."""
+    tiles = tiles[:, None].to(torch.int32)
+    order = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+    return tiles.sum(-1).to(torch.int32), order.to(torch.int32)
 
 
 def dense_block_mask(anchors: torch.Tensor, ctx_len: int, bs: int, window: int | None = None) -> torch.Tensor:

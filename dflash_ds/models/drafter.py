@@ -29,7 +29,7 @@ from torch import nn
 
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.block_mask import (
-    FLEX_COMPILE, MASK_BACKENDS, create_block_mask, dense_block_mask, flex_mask_mod, flex_shapes, run_flex,
+    FLEX_COMPILE, MASK_BACKENDS, create_block_mask, dense_block_mask, flex_block_mask, flex_shapes, run_flex,
 )
 from dflash_ds.models.drafter_arch import (  # noqa: F401 - re-exported: the drafter's public names
     CONFIG_NAME, FULL, SAFETENSORS_NAME, SLIDING, DrafterArch, default_target_layer_ids, read_drafter_arch,
@@ -275,11 +275,7 @@ class DFlashDrafter(nn.Module):
         """
         if not (use_flex and create_block_mask is not None):
             return dense_block_mask(anchors, ctx_len, bs, sliding_window)
-        b, a = anchors.shape
-        # The width goes in as a tensor: a Python int captured by mask_mod would be a compile guard.
-        width = torch.tensor(ctx_len, device=anchors.device)
-        return create_block_mask(flex_mask_mod(anchors, width, bs, sliding_window), b, None, a * bs,
-                                 ctx_len + a * bs, device=anchors.device)
+        return flex_block_mask(anchors, ctx_len, bs, sliding_window)  # from the block structure: no dense mask
 
     def forward_infer(self, context_features: torch.Tensor | None, block_embeds: torch.Tensor, start: int,
                       cache: "DrafterCache | None" = None) -> torch.Tensor:

@@ -138,16 +138,8 @@ def test_sliding_mask_hand_built():
     # The flex mask_mod (GPU training) gives the same matrix.
     from torch.nn.attention.flex_attention import create_mask
 
-    from dflash_ds.models import drafter as mod
-
-    captured = {}
-    real = mod.create_block_mask
-    try:
-        mod.create_block_mask = lambda fn, *a, **k: captured.setdefault("fn", fn)
-        DFlashDrafter.block_mask(anchors, 6, 3, use_flex=True, sliding_window=3)
-    finally:
-        mod.create_block_mask = real
-    assert create_mask(captured["fn"], 1, None, 6, 12, device="cpu")[0, 0].int().tolist() == expected
+    mask_mod = DFlashDrafter.block_mask(anchors, 6, 3, use_flex=True, sliding_window=3).mask_mod
+    assert create_mask(mask_mod, 1, None, 6, 12, device="cpu")[0, 0].int().tolist() == expected
 
 
 def test_layer_types_rules():

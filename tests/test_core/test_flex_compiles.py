@@ -1,9 +1,11 @@
 """flex_attention's compiled graphs stay bounded over a real batch stream, and padding changes no result.
 
-flex's backward does not run on CPU (torch 2.13), so the drafter's flex forward is compiled on CPU
-(`FLEX_COMPILE.on_cpu`) under no_grad with a counting dynamo backend: each graph dynamo hands it is
-counted, and each call of a compiled graph too, so a flex call that ran eagerly (the fallback
-after dynamo's recompile_limit) shows as a missing call as well as by its warning and log line.
+The drafter's flex is compiled on CPU (`FLEX_COMPILE.on_cpu`) with a counting dynamo backend: each graph
+dynamo hands it is counted, and each call of a compiled graph too, so a flex call that ran eagerly shows as a
+missing call as well as by its warning and log line. flex refuses inputs that need a gradient on CPU
+(torch 2.13: its fused backward is GPU-only), so the CPU walk of the training mode lifts that check: the
+traced graphs then run flex's own eager forward and backward, and dynamo's guards (grad mode, requires_grad,
+activation checkpointing's recompute) are the ones a GPU run meets.
 """
 
 from __future__ import annotations
@@ -89,9 +91,11 @@ class CountingBackend:
         self.inner = inner
         self.graphs = 0
         self.calls = 0
+        self.limits: set[int] = set()  # dynamo's recompile limit in force at each compile
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.graphs += 1
+        self.limits.add(torch._dynamo.config.recompile_limit)
         compiled = gm.forward if self.inner is None else self.inner(gm, example_inputs)
 
         def forward(*args):
@@ -123,39 +127,44 @@ def counted_compile(monkeypatch, inner=None, **settings):
         torch._dynamo.reset()
 
 
-def walk(run, monkeypatch, n: int = MICRO_BATCHES, device: str = "cpu", inner=None, **settings) -> dict:
-    """The drafter's compiled flex on the first n micro-batches of the stream: forward under no_grad
-    on CPU, forward and backward on a GPU."""
+def walk(run, monkeypatch, n: int = MICRO_BATCHES, device: str = "cpu", inner=None, modes=(False,),
+         **settings) -> dict:
+    """The drafter's compiled flex on the first n micro-batches of the stream, each in every grad mode of
+    `modes` (True: forward and backward with activation checkpointing, as the trainer runs on a GPU)."""
     cfg, stream = run
     d = make_drafter().to(device)
     d.mask_backend = cfg.model.attention_backend  # what the trainer does with the config field
-    grads = device != "cpu"
+    d.activation_checkpointing = True  # the trainer's default on a GPU; it acts in the training mode only
     g = torch.Generator().manual_seed(1)
     shapes, flex_calls = set(), 0
     import torch.nn.attention.flex_attention as fa
 
+    if device == "cpu":
+        monkeypatch.setattr(fa, "_validate_device", lambda *args: None)  # module docstring
     fa._WARNINGS_SHOWN.discard("flex_attention_performance")  # shown once per process: let it show again
     logs = LogLines()
     dynamo_log = logging.getLogger("torch._dynamo")
     dynamo_log.addHandler(logs)
     try:
-        with counted_compile(monkeypatch, inner, **settings) as backend, torch.set_grad_enabled(grads), \
+        with counted_compile(monkeypatch, inner, **settings) as backend, \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _, _, lengths, anchors, _ in micro_batches(cfg, stream, n):
                 b, s, a = len(lengths), int(lengths.max()), anchors.shape[1]
                 ctx = torch.randn(b, s, NT * H, generator=g).to(device)
                 emb = torch.randn(b, a, BLOCK, H, generator=g).to(device)
-                out = d.forward_train(ctx, emb, anchors.to(device))
-                assert out.shape == (b, a, BLOCK, H) and torch.isfinite(out).all()
-                if grads:
-                    out.float().square().mean().backward()
+                for grads in modes:
+                    with torch.set_grad_enabled(grads):
+                        out = d.forward_train(ctx, emb, anchors.to(device))
+                        assert out.shape == (b, a, BLOCK, H) and torch.isfinite(out).all()
+                        if grads:  # the recompute calls flex again: once more per layer
+                            out.float().square().mean().backward()
+                    flex_calls += d.arch.num_hidden_layers * (2 if grads else 1)
                 shapes.add((b, s, a))
-                flex_calls += d.arch.num_hidden_layers
     finally:
         dynamo_log.removeHandler(logs)
     return {"graphs": backend.graphs, "calls": backend.calls, "flex_calls": flex_calls, "shapes": shapes,
-            "messages": [str(w.message) for w in caught] + logs.lines}
+            "limits": backend.limits, "messages": [str(w.message) for w in caught] + logs.lines}
 
 
 def test_compiled_flex_graphs_stay_within_the_bound_over_a_batch_stream(run, monkeypatch):
@@ -172,14 +181,28 @@ def test_compiled_flex_graphs_stay_within_the_bound_over_a_batch_stream(run, mon
     assert not bad, bad[:2]
 
 
-def test_static_unpadded_compile_passes_the_bound(run, monkeypatch):
-    """What the drafter did before (dynamic=False, no padding): the same walk, cut to 8 micro-batches
-    (8 shapes, two graphs each here), recompiles to dynamo's limit and falls back to eager flex,
-    which the checks above see."""
-    res = walk(run, monkeypatch, n=8, dynamic=False, pad=False)
-    assert res["graphs"] > block_mask.GRAPHS_PER_MASK * 2
-    assert res["calls"] < res["flex_calls"]
-    assert any("recompile_limit" in m for m in res["messages"]) and any(EAGER in m for m in res["messages"])
+def test_both_grad_modes_with_checkpointing_stay_under_the_limit_with_room(run, monkeypatch):
+    """Training (forward, backward, activation checkpointing's recompute) and no_grad (validation) on each
+    micro-batch, both mask kinds (sliding + full, the layout of configs/qwen3.6-27b.yaml): 2 x 2 x 2 = 8
+    graphs, dynamo's default limit exactly; flex's own limit is twice that, so a guard nobody foresaw is an
+    error long before it could be the step that runs flex eagerly. The first 6 micro-batches hold B = 1."""
+    res = walk(run, monkeypatch, n=6, modes=(True, False))
+    assert min(b for b, _, _ in res["shapes"]) == 1 and max(b for b, _, _ in res["shapes"]) >= 2
+    bound = block_mask.GRAPHS_PER_MASK * 2 * 2  # block_mask's stated bound: mask kinds x grad modes
+    assert res["graphs"] == bound == 8, res["graphs"]  # measured: each (kind, B class, grad mode) its own graph
+    # The limit in force at every compile (dynamo's default is 8: no room at all).
+    assert min(res["limits"]) >= 2 * bound and res["limits"] == {block_mask.FLEX_COMPILE.recompile_limit}
+    assert res["calls"] == res["flex_calls"]  # the recompute ran compiled graphs too: none eager
+    bad = [m for m in res["messages"] if "recompile_limit" in m or EAGER in m]
+    assert not bad, bad[:2]
+
+
+def test_static_unpadded_compile_passes_the_bound_and_that_is_an_error(run, monkeypatch):
+    """What the drafter did before (dynamic=False, no padding): a graph per shape and mask kind, past any
+    limit; here flex's limit set to 4 is reached within 8 micro-batches, and the next graph is one clear
+    error, not dynamo's silent eager flex."""
+    with pytest.raises(DFlashError, match="recompile_limit = 4 compiled graphs.*eagerly"):
+        walk(run, monkeypatch, n=8, dynamic=False, pad=False, recompile_limit=4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -187,9 +210,9 @@ def test_inductor_flex_forward_and_backward_on_gpu_stay_within_the_bound(run, mo
     """The real compile (inductor, Triton kernels, forward and backward): its guards too must hold."""
     from torch._inductor.compile_fx import compile_fx
 
-    res = walk(run, monkeypatch, n=16, device="cuda", inner=compile_fx)
+    res = walk(run, monkeypatch, n=16, device="cuda", inner=compile_fx, modes=(True, False))
     assert min(b for b, _, _ in res["shapes"]) == 1 and len(res["shapes"]) >= 10
-    assert 2 <= res["graphs"] <= block_mask.GRAPHS_PER_MASK * 2, res["graphs"]  # two mask kinds, grad mode on
+    assert 2 <= res["graphs"] <= block_mask.GRAPHS_PER_MASK * 2 * 2, res["graphs"]  # two mask kinds, grad modes
     assert res["calls"] == res["flex_calls"]
     bad = [m for m in res["messages"] if "recompile_limit" in m or EAGER in m]
     assert not bad, bad[:2]

@@ -4,7 +4,9 @@ Each of these makes the host wait for the GPU when the tensor lives there: `.ite
 `float()`/`int()`/`bool()` of a tensor, `torch.equal`, the value-shaped outputs (`nonzero`, one-argument
 `torch.where`, `masked_select`, `unique`, boolean-mask indexing), a host -> device copy that is not
 `non_blocking` (`.to`, `copy_`, `torch.tensor(..., device=...)`), and an explicit barrier (the accelerator's
-`synchronize`, DeepSpeed's included). The counter is tests/sync_count.py. Per drafter micro-step the trainer did 25 of them (objective 13, bookkeeping 12), then 11
+`synchronize`, DeepSpeed's included). The counter is tests/sync_count.py.
+
+Per drafter micro-step the trainer did 25 of them (objective 13, bookkeeping 12), then 11
 (anchor sampling's per-row host loop alone 8), now 4, of which on a GPU 2 are real: anchor sampling's one
 read of its output width (components/loss.sample_anchors: the largest per-row quota, which a shape-only
 width would double the drafter's work to avoid) and the loss's `.item()` that the drafters' skip/stop
