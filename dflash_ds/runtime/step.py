@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
@@ -162,7 +163,9 @@ def optimizer_step(engine, source: BatchSource, data: BatchStream, cfg: Config, 
             raise RuntimeError(f"drafter {drafter} expected global batch {expected} at step {step}, "
                                f"got {batch.batch_id}")
         if m == 0 and walks_at(cfg, step):  # the same steps on every drafter (the walk is collective)
-            est = estimate(engine, batch.tensors, cfg, dtype, rows=cfg.train.est_tau_rows)
+            t0 = time.perf_counter()  # its cost, in records/walks{d}.jsonl (walk_sums read the host: it is done)
+            est = {**estimate(engine, batch.tensors, cfg, dtype, rows=cfg.train.est_tau_rows),
+                   "walk_s": time.perf_counter() - t0}
         result, stop_now = train_micro(engine, batch, m, cfg, dtype, noise, acc, stop_requested(),
                                        poison=functools.partial(faults.poison_loss, step, m, drafter == 0))
         stopping = stopping or stop_now

@@ -8,8 +8,8 @@ leader's monitor writes the reduced record to metrics.jsonl and W&B).
 est_tau is not a window sum: walks are few (`train.est_tau_rows` rows every `train.est_tau_interval`
 steps, to keep their cost a few % of training) and one response's acceptance varies by ~40% of its mean,
 so a record pools the last walks that hold `train.est_tau_window` rows over the drafters (`WalkHistory`).
-Each walk is written to records/walks{d}.jsonl, from which a resumed run reads them back: its records
-carry the figures of an uninterrupted run.
+Each walk is written to records/walks{d}.jsonl (with its seconds, `walk_s`), from which a resumed run
+reads them back: its records carry the figures of an uninterrupted run.
 """
 
 from __future__ import annotations
