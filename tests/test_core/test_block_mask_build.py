@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dflash_ds.bench.memory_model import flex_block_mask_bytes
 from dflash_ds.models.block_mask import dense_block_mask, flex_block_mask, flex_mask_mod, flex_shapes
 from dflash_ds.models.drafter import DFlashDrafter
+from sync_count import SyncCount
 
 
 class LargestTensor(TorchDispatchMode):
@@ -84,8 +85,10 @@ def test_the_drafters_flex_mask_makes_no_dense_tensor():
             DFlashDrafter.block_mask(anchors, s, bs, use_flex=True, sliding_window=window)
         # B x Q x 13 key tiles: 33,280 of 4,259,840
         assert built.largest <= b * a * bs * -(-(s + a * bs) // 128) < dense // 100, (built.largest, dense)
+    with SyncCount() as counted:  # and no host wait (the old path copied the width from the host)
+        mask = DFlashDrafter.block_mask(anchors, s, bs, use_flex=True)
+    assert not counted.calls, counted.calls
     # What remains is counted by bench memory's model: the tile tables, exactly.
-    mask = DFlashDrafter.block_mask(anchors, s, bs, use_flex=True)
     tables = [mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices, mask.q_num_blocks,
               mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices]
     assert sum(t.numel() * t.element_size() for t in tables) == flex_block_mask_bytes(b, a * bs, s + a * bs)
