@@ -164,3 +164,35 @@ def run_bounded_peak_rss(cmd: list[str], timeout: float, poll_s: float = 0.3,
                 time.sleep(poll_s)
         out.seek(0), err.seek(0)
         return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read()), peaks
+
+
+@contextlib.contextmanager
+def subreaper() -> Iterator[None]:
+    """Inside, this process adopts the orphans of what it started (PR_SET_CHILD_SUBREAPER): the ranks of a launcher
+    killed here become its children, and `reap` reads their exit statuses as their parent sees them."""
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    assert prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    try:
+        yield
+    finally:
+        prctl(36, 0, 0, 0, 0)
+
+
+def reap(pid: int, timeout: float) -> int | None:
+    """The exit status of `pid` as its parent (this process, once it adopted it) sees it (-N: killed by signal N),
+    or None if it was not reaped here within `timeout`."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not (yet) this process's child: its parent's death takes a moment
+            done = 0
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)

@@ -57,7 +57,7 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watc
     consecutive_bad, best = 0, resume.best  # best: {"step", "val_est_tau"} of checkpoints/best, or None
     for step in range(start_step, stop):
         watchdog.step = step
-        faults.at_step(step)
+        faults.at_step(step, watchdog.stop_requested)
         records = functools.partial(_records, cfg, data, step, stop)
         result = optimizer_step(engine, source, data, cfg, dtype, step, d, watchdog.stop_requested, records)
         log.add(step, result)

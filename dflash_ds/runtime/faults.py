@@ -4,6 +4,9 @@ DFLASH_FAULT_RANK     global rank the faults apply to (default: none)
 DFLASH_FAULT_KILL_AT  SIGKILL that rank when it starts this step (first attempt only: a
                       torchrun restart does not repeat it)
 DFLASH_FAULT_TERM_AT  send SIGTERM to that rank when it starts this step
+DFLASH_FAULT_HOLD_UNTIL_STOP_AT  every drafter rank (whatever DFLASH_FAULT_RANK) waits as it starts this step
+                      until a stop request is visible to it (at most 120 s): a stop lands at a known step, so a
+                      test can assert the step the run stops at (this one: it is finished and checkpointed)
 DFLASH_FAULT_HANG_AT  that rank's main thread stops for good when it starts this step (a stuck rank:
                       its watchdog still beats, so no peer calls it lost)
 DFLASH_FAULT_KILL_IN_SAVE  SIGKILL that rank in the middle of the checkpoint of this step
@@ -25,7 +28,7 @@ import math
 import os
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # the watchdog imports this module: keep it free of torch
     import torch
@@ -68,8 +71,12 @@ def _first_attempt() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
-def at_step(step: int) -> None:
-    """Called by every rank as it starts a step."""
+def at_step(step: int, stop_requested: Callable[[], bool] | None = None) -> None:
+    """Called by every rank as it starts a step; `stop_requested`: a drafter's view of the job-wide stop."""
+    if stop_requested is not None and os.environ.get("DFLASH_FAULT_HOLD_UNTIL_STOP_AT") == str(step):
+        deadline = time.monotonic() + 120
+        while not stop_requested() and time.monotonic() < deadline:
+            time.sleep(0.05)
     if not _mine():
         return
     if os.environ.get("DFLASH_FAULT_KILL_AT") == str(step) and _first_attempt():

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from conftest_runtime import COMMON, STEPS
-from proc_utils import children, process_group
+from proc_utils import children, process_group, reap, subreaper
 from runtime_utils import (REPO, env_for_children, exit_statuses, free_port, per_batch, read_jsonl, torchrun,
                            torchrun_exit_codes)
 
@@ -115,17 +115,19 @@ def test_a_lost_rank_ends_the_job_within_the_heartbeat_timeout(setup, tmp_path, 
 
 
 def test_sigterm_to_the_target_rank_checkpoints_the_step_and_every_rank_exits_75(setup, tmp_path):
-    """SIGTERM to the target rank (global rank 2) as it starts its step 7: the drafters finish the step they agree
-    on, checkpoint it and every rank exits 75, the two drafters too, though torchrun sends them SIGTERM as soon
+    """SIGTERM to the target rank (global rank 2) as it starts its step 7, the drafters held at the start of their
+    step 5 until they see the stop: they finish step 5 and no more (the stop reaches them within a micro-batch),
+    checkpoint step 6 and every rank exits 75, the two drafters too, though torchrun sends them SIGTERM as soon
     as the first rank leaves."""
-    r = torchrun(3, args_for(setup, tmp_path), env=status_env(tmp_path, DFLASH_FAULT_RANK="2",
-                                                              DFLASH_FAULT_TERM_AT="7"), timeout=300, cwd=tmp_path)
+    r = torchrun(3, args_for(setup, tmp_path), env=status_env(tmp_path, DFLASH_FAULT_RANK="2", DFLASH_FAULT_TERM_AT="7",
+                                                              DFLASH_FAULT_HOLD_UNTIL_STOP_AT="5"),
+                 timeout=300, cwd=tmp_path)
     assert r.returncode == 1, r.stderr[-4000:]  # torchrun's own status when a rank fails
     statuses = {k: v["status"] for k, v in exit_statuses(tmp_path / "status").items()}
     assert statuses == torchrun_exit_codes(r.stderr) == {0: 75, 1: 75, 2: 75}, r.stdout[-3000:] + r.stderr[-5000:]
     assert "stop requested (SIGTERM on rank 2)" in r.stdout, r.stdout[-3000:]
     stop_step = latest_step(tmp_path)
-    assert 1 <= stop_step < STEPS
+    assert stop_step == 6, stop_step
     for d in (0, 1):  # finished the current step, no more
         assert max(x["step"] for x in records(tmp_path, d)) == stop_step - 1
     assert (tmp_path / "checkpoints" / f"step_{stop_step:08d}" / "export" / "config.json").is_file()
@@ -197,9 +199,10 @@ def log_of(out) -> str:
 
 
 def test_sigterm_to_torchrun_checkpoints_the_current_step(setup, tmp_path):
-    """torchrun forwards SIGTERM to every rank: they finish the step, checkpoint it and each exits 75."""
-    with launched(setup, tmp_path, "--max-steps", "1000", "--train.log_interval", "1", env=status_env(tmp_path)) \
-            as (proc, _):
+    """torchrun forwards SIGTERM to every rank: they finish the step, checkpoint it and each exits 75 (the drafters
+    held at the start of step 3 until they see the stop: step 3 is the one they finish)."""
+    with launched(setup, tmp_path, "--max-steps", "1000", "--train.log_interval", "1",
+                  env=status_env(tmp_path, DFLASH_FAULT_HOLD_UNTIL_STOP_AT="3")) as (proc, _):
         assert wait_for(lambda: logged_steps(tmp_path) >= 3, 240, proc), log_of(tmp_path)[-4000:]
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
@@ -208,7 +211,7 @@ def test_sigterm_to_torchrun_checkpoints_the_current_step(setup, tmp_path):
     assert "forcefully exiting" not in log, log[-4000:]  # torchrun had to SIGKILL none of them
     assert "stop requested (SIGTERM on rank" in log and "exiting with status 75" in log, log[-4000:]
     step = latest_step(tmp_path)
-    assert step >= 3 and max(r["step"] for r in records(tmp_path, 0)) == step - 1
+    assert step == 4 and max(r["step"] for r in records(tmp_path, 0)) == 3, step
 
 
 def test_sigint_to_torchrun_then_resume_zero0_on_one_drafter(setup, reference, tmp_path):
@@ -216,8 +219,8 @@ def test_sigint_to_torchrun_then_resume_zero0_on_one_drafter(setup, reference, t
     exits 75 after the checkpoint of the step they stopped at. The checkpoint resumes on 1 drafter as it was
     written (ZeRO-0: every rank holds everything) and trains the reference's batches with its losses."""
     ref_out, _ = reference
-    with launched(setup, tmp_path, "--zero-stage", "0", "--train.log_interval", "1", env=status_env(tmp_path)) \
-            as (proc, _):
+    with launched(setup, tmp_path, "--zero-stage", "0", "--train.log_interval", "1",
+                  env=status_env(tmp_path, DFLASH_FAULT_HOLD_UNTIL_STOP_AT="3")) as (proc, _):
         assert wait_for(lambda: logged_steps(tmp_path) >= 3, 240, proc), log_of(tmp_path)[-4000:]
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
@@ -226,7 +229,7 @@ def test_sigint_to_torchrun_then_resume_zero0_on_one_drafter(setup, reference, t
     assert "forcefully exiting" not in log, log[-4000:]  # torchrun had to SIGKILL none of them
     assert "stop requested (SIGINT on rank" in log, log[-4000:]
     stop = latest_step(tmp_path)
-    assert 3 <= stop < STEPS and max(r["step"] for r in records(tmp_path, 0)) == stop - 1
+    assert stop == 4 and max(r["step"] for r in records(tmp_path, 0)) == 3, stop  # held at 3: step 3 finished
     resume_to = min(stop + 4, STEPS)
     r2 = torchrun(2, args_for(setup, tmp_path, "--zero-stage", "0", "--train.stop_at", str(resume_to)),
                   timeout=300, cwd=tmp_path)
@@ -238,19 +241,20 @@ def test_sigint_to_torchrun_then_resume_zero0_on_one_drafter(setup, reference, t
 def test_sigkill_to_torchrun_leaves_no_rank_behind(setup, tmp_path):
     """A launcher killed hard cannot stop its ranks: each notices, the drafters checkpoint an agreed step, and every
     rank exits 75 (before launcher_grace_s, 20 here) within 30 s of the kill."""
-    with launched(setup, tmp_path, "--max-steps", "1000", "--train.log_interval", "1", "--train.launcher_grace_s",
-                  "20", env=status_env(tmp_path)) as (proc, ranks):
+    with subreaper(), launched(setup, tmp_path, "--max-steps", "1000", "--train.log_interval", "1",
+                               "--train.launcher_grace_s", "20", env=status_env(tmp_path)) as (proc, ranks):
         assert wait_for(lambda: logged_steps(tmp_path) >= 2, 240, proc), log_of(tmp_path)[-4000:]
         ranks += children(proc.pid)
         assert len(ranks) == 3, ranks
         killed = time.time()  # before: a rank's exit is never timed from later than the kill
         os.kill(proc.pid, signal.SIGKILL)
-        wait_for(lambda: not any(alive(pid) for pid in ranks), 45)
+        seen = {pid: reap(pid, 45) for pid in ranks}  # orphaned, they are this process's children
         left = [pid for pid in ranks if alive(pid)]
     log = log_of(tmp_path)
     assert not left, (left, log[-4000:])
     got = exit_statuses(tmp_path / "status")
     assert {k: v["status"] for k, v in got.items()} == {0: 75, 1: 75, 2: 75}, (got, log[-4000:])
+    assert sorted(seen.values()) == [75, 75, 75], (seen, log[-4000:])  # what their parent saw, not only their files
     took = {rank: round(s["time"] - killed, 1) for rank, s in got.items()}
     assert max(took.values()) < 30, (took, log[-4000:])
     assert "launcher (pid" in log and "is gone" in log, log[-4000:]
@@ -263,19 +267,20 @@ def test_launcher_gone_and_a_stuck_peer_every_rank_exits_4_after_the_grace(setup
     """Drafter 1 hangs at step 3 (its watchdog still beats: nobody calls it lost) and torchrun is then SIGKILLed:
     the leader waits in the step's all-reduce for drafter 1, so the drafters cannot agree on a step; every rank
     exits 4 train.launcher_grace_s after the kill (not before, within MARGIN_S after), and nothing is saved."""
-    with launched(setup, tmp_path, "--train.launcher_grace_s", str(GRACE_S),
-                  env=status_env(tmp_path, DFLASH_FAULT_RANK="1", DFLASH_FAULT_HANG_AT="3")) as (proc, ranks):
+    faults = status_env(tmp_path, DFLASH_FAULT_RANK="1", DFLASH_FAULT_HANG_AT="3")
+    with subreaper(), launched(setup, tmp_path, "--train.launcher_grace_s", str(GRACE_S), env=faults) as (proc, ranks):
         assert wait_for(lambda: (tmp_path / "status" / "rank1.hang").exists(), 240, proc), log_of(tmp_path)[-4000:]
         ranks += children(proc.pid)
         assert len(ranks) == 3, ranks
         killed = time.time()  # before: a rank's exit is never timed from later than the kill
         os.kill(proc.pid, signal.SIGKILL)
-        wait_for(lambda: not any(alive(pid) for pid in ranks), GRACE_S + MARGIN_S + 15)
+        seen = {pid: reap(pid, GRACE_S + MARGIN_S + 15) for pid in ranks}  # orphaned: this process's children
         left = [pid for pid in ranks if alive(pid)]
     log = log_of(tmp_path)
     assert not left, (left, log[-4000:])
     got = exit_statuses(tmp_path / "status")
     assert {k: v["status"] for k, v in got.items()} == {0: 4, 1: 4, 2: 4}, (got, log[-4000:])
+    assert sorted(seen.values()) == [4, 4, 4], (seen, log[-4000:])  # what their parent saw, not only their files
     took = {rank: round(s["time"] - killed, 1) for rank, s in got.items()}
     assert all(GRACE_S <= t <= GRACE_S + MARGIN_S for t in took.values()), (took, log[-4000:])
     assert f"launcher gone {GRACE_S}s ago; exiting" in log, log[-4000:]
