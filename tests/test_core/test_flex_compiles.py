@@ -210,9 +210,11 @@ def test_inductor_flex_forward_and_backward_on_gpu_stay_within_the_bound(run, mo
     """The real compile (inductor, Triton kernels, forward and backward): its guards too must hold."""
     from torch._inductor.compile_fx import compile_fx
 
-    res = walk(run, monkeypatch, n=16, device="cuda", inner=compile_fx, modes=(True, False))
+    # The training mode only (with checkpointing): each cold inductor graph is 40-70 s on a fresh machine, and
+    # the no_grad graphs differ from these by the grad mode alone, which the CPU walk covers.
+    res = walk(run, monkeypatch, n=16, device="cuda", inner=compile_fx, modes=(True,))
     assert min(b for b, _, _ in res["shapes"]) == 1 and len(res["shapes"]) >= 10
-    assert 2 <= res["graphs"] <= block_mask.GRAPHS_PER_MASK * 2 * 2, res["graphs"]  # two mask kinds, grad modes
+    assert 2 <= res["graphs"] <= block_mask.GRAPHS_PER_MASK * 2, res["graphs"]  # two mask kinds, grad mode on
     assert res["calls"] == res["flex_calls"]
     bad = [m for m in res["messages"] if "recompile_limit" in m or EAGER in m]
     assert not bad, bad[:2]
