@@ -8,8 +8,10 @@ and the job's store all cross the link.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +95,7 @@ def test_torchrun_on_both_hosts_over_a_slow_lossy_link_that_pauses(setup, refere
     for h, p in procs.items():
         assert p.returncode == 0, (h, outs[h][-5000:])
     assert 5 <= paused_at < STEPS - 1, paused_at  # the pause fell inside the run
+    print(f"link paused at step {paused_at}; {hosts.dropped('h1')} packets dropped")
     assert hosts.dropped("h1") > 0  # the loss was real
     text = outs["h0"] + outs["h1"]
     assert "[dflash-ds] h0: GLOO_SOCKET_IFNAME=eth0: owns 198.18.0.1, the address other hosts reach" in text
@@ -157,6 +160,7 @@ def test_a_cut_link_ends_the_job_and_the_remaining_host_resumes_exactly(setup, r
     lost = (r"rank 0 at step \d+: lost rank [12] \((drafter 1|target 0)\): "
             r"no heartbeat for 1\ds \(its last step was 1\d\)")
     assert re.search(lost, ours), ours
+    print(f"link cut at step {cut_at}: h0's job ended {took:.1f}s later")
     assert took < 10 + 30, took  # the heartbeat bound, plus the launcher's teardown
     assert only_sshd_left(hosts)["h0"] == []
     run = tmp_path / "resume"
@@ -170,3 +174,35 @@ def test_a_cut_link_ends_the_job_and_the_remaining_host_resumes_exactly(setup, r
     assert sorted(got) == [b for b in sorted(want) if want[b]["step"] >= 10]
     for b, rec in got.items():
         assert rec["step"] == want[b]["step"] and abs(rec["loss"] - want[b]["loss"]) < 1e-4, (b, rec, want[b])
+
+
+def test_a_host_whose_processes_are_killed_is_named_by_the_other(setup, hosts, tmp_path):
+    """Every process of h1 (its torchrun agent, drafter 1 and the target) SIGKILLed after step 3, as when a
+    host crashes: h0's rank names a lost rank of h1 and exits within the heartbeat bound (10 s here)."""
+    target, data = setup
+    out = tmp_path / "out"
+    args = [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(out),
+            "--train.heartbeat_timeout_s", "10"]
+    base = hosts.env({**env_for_children(), "NNODES": "2", "RDZV_HOST": "h0", "RDZV_PORT": "29400"})
+    hosts.shape("h1", "tbf", "rate", "200mbit", "burst", "256kb", "latency", "50ms")  # steps slow enough to kill
+    procs = {h: hosts.popen(h, ["bash", str(REPO / "launch/train_multinode.sh"), *args], cwd=tmp_path,
+                            env={**base, "NPROC": n}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for h, n in (("h0", "1"), ("h1", "2"))}
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(procs["h0"].communicate, timeout=360)
+        deadline = time.monotonic() + 300
+        while not any(r["step"] >= 3 for r in _records(out)) and time.monotonic() < deadline:
+            assert procs["h0"].poll() is None, "the job ended before the kill"
+            time.sleep(0.1)
+        for pid in hosts.pids("h1"):
+            if pid != hosts.sshd["h1"].pid:
+                os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        text = reading.result()[0]
+        took = time.monotonic() - killed
+    ours = "\n".join(line for line in text.splitlines() if "[dflash-ds]" in line)
+    assert procs["h0"].returncode != 0 and max(r["step"] for r in _records(out)) < STEPS - 1, ours
+    assert re.search(r"rank 0 at step \d+: lost rank [12] \((drafter 1|target 0)\)", ours), ours
+    print(f"h1 killed: h0's job ended {took:.1f}s later")
+    assert took < 10 + 30, took  # the heartbeat bound, plus the launcher's teardown
+    assert only_sshd_left(hosts) == {"h0": [], "h1": []}
