@@ -69,7 +69,7 @@ def load_ds_config(path: Path, cfg: Config, bf16: bool, accumulation: int = 1,
     # engine.forward and engine.step from its third step on when no dataloader is passed, as here: two full
     # device barriers per micro-step, which wait for every bridge receive posted ahead and, colocated, for the
     # next batch's target forward, so the overlap would gain nothing. The trainer times its steps itself.
-    ds["timers"] = {**ds.get("timers", {}), "throughput": {"enabled": False, "synchronized": False}}
+    ds["timers"] = {**(ds.get("timers") or {}), "throughput": {"enabled": False, "synchronized": False}}
     return ds
 
 
