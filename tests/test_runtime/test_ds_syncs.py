@@ -25,5 +25,5 @@ def test_deepspeed_steps_do_not_synchronize_the_device_at_zero_1_2_3(tmp_path) -
                     env=env_for_children(), cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    # 4 micro-steps each; DeepSpeed's default timer: 2 barriers in each of steps 2 and 3 (measured 4).
+    # 6 micro-steps each, 2 per update; DeepSpeed's default timer: 2 barriers in each of micro-steps 4 and 5.
     assert got == {"zero1": 0, "zero2": 0, "zero3": 0, "zero1_default_timer": 4}, got
