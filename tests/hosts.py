@@ -99,6 +99,7 @@ class Hosts:
         self.bridge_ns = f"{self.tag}-br"
         self.dir = Path(tempfile.mkdtemp(prefix="dflash-hosts-"))
         self.sshd: dict[str, subprocess.Popen] = {}
+        self.port: dict[str, str] = {}  # host -> its link's port on the bridge
 
     # -- set-up ---------------------------------------------------------------------------------------------
 
@@ -134,7 +135,6 @@ class Hosts:
             _sh([*ip, ns, "ip", "addr", "add", f"{self.addr[h]}/24", "dev", self.ifname])
             _sh([*ip, ns, "ip", "link", "set", self.ifname, "up"])
             _sh([*ip, ns, "ip", "link", "set", "lo", "up"])
-            self.port = getattr(self, "port", {})
             self.port[h] = port
             self._start_sshd(h)
         for h in self.names:
