@@ -6,11 +6,12 @@ import os
 import sys
 
 from dflash_ds.config import Config
-from dflash_ds.distributed.launch_env import StartupBound, read_launch_env
+from dflash_ds.distributed.launch_env import read_launch_env
 from dflash_ds.distributed.layout import Layout, make_layout
 from dflash_ds.distributed.topology import init_role_groups, shutdown, warm_up_bridge
 from dflash_ds.errors import DFlashError
 from dflash_ds.runtime import faults
+from dflash_ds.runtime.startup import StartupBound
 from dflash_ds.runtime.watchdog import ExitOnSignal, Watchdog
 
 
@@ -72,30 +73,9 @@ def run_job(cfg: Config) -> int:
         from dflash_ds.runtime.checkpoint import check_writable
 
         check_writable(cfg.train.output_dir)
-    import torch
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "gloo":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     bound = StartupBound(env.rank, cfg.train.startup_timeout_s)  # a host that failed to start ends this rank too
-    try:
-        ctx = init_role_groups(layout, env.rank, env.master_addr, env.master_port, backend=backend,
-                               timeout_s=cfg.train.timeout_s, local_rank=env.local_rank,
-                               bridge_timeout_s=cfg.train.bridge_timeout_s)
-    except BaseException:
-        bound.done()  # the error says why; no thread may outlive the rank's exit (faults.record_exit)
-        raise
-    from dflash_ds.distributed import audit
-
-    if audit.enabled():  # tests: check every tensor handed to torch.distributed (distributed/audit.py)
-        ctx.bridge = audit.install(ctx.bridge, ctx.device)
-
-    def describe(rank: int) -> str:
-        if layout.target_parallel > 1 and rank in layout.target_ranks:
-            replica, pos = layout.replica_of(rank)
-            return f"rank {rank} (target replica {replica}, its rank {pos} of {layout.target_parallel})"
-        return f"rank {rank} ({layout.role_name(rank)} {layout.local_rank_in_role(rank)})"
-
+    ctx = _join_groups(cfg, layout, env, bound)
+    describe = _describer(layout)
     watchdog = Watchdog(ctx.store, env.rank, layout.world_size, describe, cfg.train.heartbeat_timeout_s,
                         launcher_grace_s=cfg.train.launcher_grace_s).start()
     dtype = torch_dtype(cfg, ctx.device.type == "cuda")  # like the drafter shape: derived once, handed to the role
@@ -139,6 +119,37 @@ def run_job(cfg: Config) -> int:
     on_signal.close()  # the interpreter's teardown would make a SIGTERM -15: ignored from here on
     faults.record_exit(status)
     return status
+
+
+def _join_groups(cfg: Config, layout: Layout, env, bound: StartupBound):
+    """This rank's role groups and bridge (gloo on CPU, NCCL on CUDA), audited where a test asks."""
+    import torch
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        ctx = init_role_groups(layout, env.rank, env.master_addr, env.master_port, backend=backend,
+                               timeout_s=cfg.train.timeout_s, local_rank=env.local_rank,
+                               bridge_timeout_s=cfg.train.bridge_timeout_s)
+    except BaseException:
+        bound.done()  # the error says why; no thread may outlive the rank's exit (faults.record_exit)
+        raise
+    from dflash_ds.distributed import audit
+
+    if audit.enabled():  # tests: check every tensor handed to torch.distributed (distributed/audit.py)
+        ctx.bridge = audit.install(ctx.bridge, ctx.device)
+    return ctx
+
+
+def _describer(layout: Layout):
+    """rank -> how the logs name it: its role and index, or its target replica and place in it."""
+    def describe(rank: int) -> str:
+        if layout.target_parallel > 1 and rank in layout.target_ranks:
+            replica, pos = layout.replica_of(rank)
+            return f"rank {rank} (target replica {replica}, its rank {pos} of {layout.target_parallel})"
+        return f"rank {rank} ({layout.role_name(rank)} {layout.local_rank_in_role(rank)})"
+    return describe
 
 
 def _name_lost_peers(watchdog: Watchdog, describe) -> None:
