@@ -1,4 +1,6 @@
-"""Launch paths (two torchrun agents, the deepspeed launcher) and the errors caught before any model loads."""
+"""Launch paths (two torchrun agents on one host) and the errors caught before any model loads.
+
+The deepspeed launcher over ssh and pdsh on two hosts is test_multihost_train.py's (it replaced a --no_ssh run here)."""
 
 from __future__ import annotations
 
@@ -37,20 +39,6 @@ def test_two_torchrun_agents_nnodes_2(setup, tmp_path):
         records = read_jsonl(tmp_path / "records" / f"drafter{d}.jsonl")
         assert [r["step"] for r in records] == [0, 1, 2]
         assert {r["target_rank"] for r in records} == {2 if rank < 3 else 5}
-
-
-def test_deepspeed_launcher_with_hostfile(setup, tmp_path):
-    """`deepspeed --hostfile` (no ssh on this machine: --no_ssh, one node) runs a short job."""
-    target, data = setup
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("localhost slots=3\n")
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
-           "--node_rank", "0", "--num_nodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           "--module", "dflash_ds.train", *SHORT, "--target", str(target), "--data", str(data),
-           "--output-dir", str(tmp_path / "run")]
-    r = run_bounded(cmd, 360, env=env_for_children(), cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert [x["step"] for x in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("extra, message", [
