@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from proc_utils import process_group, run_bounded
+from proc_utils import process_group
 from runtime_utils import REPO, env_for_children, free_port, read_jsonl, torchrun
 
 SHORT = ["--config", str(REPO / "configs/tiny.yaml"), "--max-steps", "3", "--train.log_interval", "1",
