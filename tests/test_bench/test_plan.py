@@ -75,6 +75,10 @@ def drafter_bytes_by_hand(h: int, i: int, nh: int, nkv: int, d: int, ranks: int)
     a_tok = 2 * h * (4 + 2 * b) + (q + kv) * (4 + 3 * b) + 4 * b * i + 4 * nh
     held = 2 * (t + c) * d * b + c * h * (4 + 2 * b) + t * h * b + 4 * t * h * b  # RoPE, context, embeddings, inputs
     backward = t * b * (i + 2.5 * h) + c * h * b + t * a_tok + c * nkv * d * (4 + 3 * b)  # last layer's backward
+    # flex's BlockMask tile tables (int32): 8 sequences of 2,048 tokens, each 256 blocks x 16 queries = 4,096
+    # queries over 2,048 + 4,096 keys: 32 x 48 tiles of 128; counts and indices, and their transposes.
+    seqs, nq, nkv = 8, 4096 // 128, 6144 // 128
+    held += 4 * (4 * seqs * nq * nkv + 2 * seqs * nq + 2 * seqs * nkv)  # 201,728 B
     return {"model_states": 2 * psi + 14 * psi / ranks, "captured": c * 6 * h * 2,
             "micro": held + backward, "psi": psi}
 
