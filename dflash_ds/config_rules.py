@@ -105,6 +105,7 @@ def validate(cfg: Config) -> Config:
         if not ok(value):
             raise DFlashError(f"config: {dotted} = {value!r} {rule}")
     _validate_layer_types(cfg.model)
+    _validate_dflash2_fields(cfg)
     if cfg.noise.min_std > cfg.noise.max_std:
         raise DFlashError(
             f"config: noise.min_std = {cfg.noise.min_std} must be <= noise.max_std = {cfg.noise.max_std}")
@@ -146,3 +147,23 @@ def _validate_layer_types(m: DrafterConfig) -> None:
                           f"{m.num_layers} (one per draft layer)")
     if "sliding_attention" in m.layer_types and m.sliding_window is None:
         raise DFlashError("config: model.layer_types has sliding_attention layers: set model.sliding_window")
+
+
+# the DFlash2 fields (models/dflash2_arch.option_names; importing it here would make an import cycle)
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
+                  "final_logit_softcapping", "input_embedding_scale")
+
+
+def _validate_dflash2_fields(cfg: Config) -> None:
+    """A DFlash2 field set away from its default while model.kind = dflash -> one clear error (it would be ignored).
+
+    With --drafter the folder fixes the kind (model.kind may stay at its default on a dflash2 folder):
+    runtime/job.check_dflash2_matches_drafter checks these fields against the folder instead."""
+    if cfg.model.kind != "dflash" or cfg.drafter:
+        return
+    defaults = type(cfg.model)()
+    for name in DFLASH2_FIELDS:
+        value = getattr(cfg.model, name)
+        if value != getattr(defaults, name):
+            raise DFlashError(f"config: model.{name} = {value!r} is a dflash2 field but model.kind = 'dflash' "
+                              f"ignores it: set model.kind = dflash2 or drop model.{name}")

@@ -10,7 +10,7 @@ import torch
 
 from dflash_ds.config import Config, DrafterConfig
 from dflash_ds.errors import DFlashError
-from dflash_ds.models.dflash2_arch import DFlash2Options
+from dflash_ds.models.dflash2_arch import DFlash2Options, option_names
 from dflash_ds.models.drafter_arch import DrafterArch, read_drafter_arch
 from dflash_ds.models.from_target import SHAPE_OVERRIDES, drafter_arch_from_target
 
@@ -55,6 +55,27 @@ def check_model_matches_drafter(cfg: Config, arch: DrafterArch) -> None:
         asked, default, has = getattr(cfg.model, name), getattr(defaults, name), getattr(arch, attr)
         if asked not in (default, None, []) and asked != has:  # None / [] (layer_types): not asked
             raise DFlashError(f"model.{name} = {asked} but --drafter {cfg.drafter} has {attr} = {has}: the "
+                              f"drafter's config.json fixes the shape; drop model.{name} or start from a drafter "
+                              "of that shape (dflash-ds init-drafter)")
+    check_dflash2_matches_drafter(cfg, arch, defaults)
+
+
+def check_dflash2_matches_drafter(cfg: Config, arch: DrafterArch, defaults: DrafterConfig) -> None:
+    """A DFlash2 model.* field set (away from its default) to another value than --drafter's -> one clear error.
+
+    The folder fixes the kind too, so config_rules lets these through with --drafter (kind may stay at its
+    default on a dflash2 folder) and this is where a DFlash2 field on a dflash folder is caught."""
+    for name in option_names():
+        asked = getattr(cfg.model, name)
+        if asked == getattr(defaults, name):  # the default: not asked
+            continue
+        if arch.dflash2 is None:
+            raise DFlashError(f"model.{name} = {asked} but --drafter {cfg.drafter} is a dflash drafter (kind = "
+                              f"dflash, no {name}): drop model.{name} or start from a dflash2 drafter "
+                              "(dflash-ds init-drafter --kind dflash2)")
+        has = getattr(arch.dflash2, name)
+        if asked != has:
+            raise DFlashError(f"model.{name} = {asked} but --drafter {cfg.drafter} has {name} = {has}: the "
                               f"drafter's config.json fixes the shape; drop model.{name} or start from a drafter "
                               "of that shape (dflash-ds init-drafter)")
 

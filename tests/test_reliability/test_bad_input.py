@@ -414,3 +414,21 @@ def test_model_fields_that_contradict_the_drafter(tiny_target, tmp_path):
                                                           r"target_layer_ids = \[1, 2\]")):
         with pytest.raises(DFlashError, match=message):
             resolve_arch(load_config(TINY, dict(base, model=model)))
+    # DFlash2 fields: checked against a dflash2 folder, refused on a dflash folder (both were ignored)
+    with pytest.raises(DFlashError, match="model.selector_top_k = 16 but --drafter .* is a dflash drafter"):
+        resolve_arch(load_config(TINY, dict(base, model={"selector_top_k": 16})))
+    drafter2 = tmp_path / "drafter2"
+    assert cli.main(["init-drafter", "--target", str(tiny_target), "--out", str(drafter2), "--num-layers", "2",
+                     "--block-size", "8", "--kind", "dflash2", "--selector-top-k", "4"]) == 0
+    base2 = dict(base, drafter=str(drafter2))
+    assert resolve_arch(load_config(TINY, dict(base2, model={"selector_top_k": 4}))).dflash2.selector_top_k == 4
+    with pytest.raises(DFlashError, match=r"model.selector_top_k = 16 but --drafter .*drafter2 has selector_top_k = 4"):
+        resolve_arch(load_config(TINY, dict(base2, model={"kind": "dflash2", "selector_top_k": 16})))
+    # without --drafter, a DFlash2 field under model.kind dflash is a config error; the defaults load
+    from dflash_ds.config_rules import DFLASH2_FIELDS
+    from dflash_ds.models.dflash2_arch import option_names
+    assert set(DFLASH2_FIELDS) == set(option_names())
+    with pytest.raises(DFlashError, match=r"^config: model.selector_top_k = 16 is a dflash2 field but model.kind = "
+                                          r"'dflash' ignores it"):
+        load_config(TINY, {"model": {"selector_top_k": 16}})
+    assert load_config(TINY, {"model": {"kind": "dflash2", "selector_top_k": 16}}).model.selector_top_k == 16
