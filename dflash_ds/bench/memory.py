@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a local HF target folder instead of --preset (its config.json, text_config when present)")
     parser.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (= target layers read)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block, the anchor included")
+    parser.add_argument("--kind", choices=["dflash", "dflash2"], default="dflash",
+                        help="drafter kind (model.kind) of the full-width prediction: dflash2 adds its convolutions, "
+                             "selector codebooks and their saved activations at config.py's defaults (taps 2, group "
+                             "64, rank 64, top-K 8); the measured widths run a DFlash drafter either way")
     parser.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch")
     parser.add_argument("--seq-len", type=int, default=2048,
                         help="tokens per sequence; the batch is token-budget // seq-len sequences, all response tokens")
@@ -90,7 +94,8 @@ def target_config(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return str(args.target), text
 
 
-def drafter_shape(cfg: dict[str, Any], width: int, num_layers: int, block_size: int) -> mm.DrafterShape:
+def drafter_shape(cfg: dict[str, Any], width: int, num_layers: int, block_size: int,
+                  kind: str = "dflash") -> mm.DrafterShape:
     """The drafter for `cfg` at hidden size `width`: head_dim kept, heads and MLP scaled by width / H."""
     h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     kv = int(cfg.get("num_key_value_heads") or heads)
@@ -103,7 +108,7 @@ def drafter_shape(cfg: dict[str, Any], width: int, num_layers: int, block_size: 
     return mm.DrafterShape(hidden=width, intermediate=max(1, round(int(cfg["intermediate_size"]) * f)),
                            heads=n_heads, kv_heads=n_kv, head_dim=head_dim, vocab=int(cfg["vocab_size"]),
                            num_layers=num_layers, num_read=num_layers, block_size=block_size,
-                           tied=bool(cfg.get("tie_word_embeddings", False)))
+                           tied=bool(cfg.get("tie_word_embeddings", False)), kind=kind)
 
 
 def step_shape(args: argparse.Namespace, dtype_bytes: int, checkpointing: bool, dense: bool,
@@ -251,7 +256,8 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShap
 
 def full_width_prediction(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Predicted bytes per drafter rank at the target's width: bf16, flex_attention, checkpointing, CUDA."""
-    shape = drafter_shape(cfg, int(cfg["hidden_size"]), args.num_layers, args.block_size)
+    kind = getattr(args, "kind", "dflash")
+    shape = drafter_shape(cfg, int(cfg["hidden_size"]), args.num_layers, args.block_size, kind)
     step = step_shape(args, dtype_bytes=2, checkpointing=True, dense=False, cuda=True)
     terms = mm.micro_step_terms(shape, step, param_grads=False)
     phase = max(mm.PHASES, key=lambda ph: sum(terms[ph].values()))
@@ -260,7 +266,8 @@ def full_width_prediction(cfg: dict[str, Any], args: argparse.Namespace) -> dict
     total = sum(micro.values()) + sum(static.values())
     return {"settings": {"dtype": "bf16", "mask": "flex", "activation_checkpointing": True,
                          "zero_stage": args.zero_stage, "num_drafters": args.num_drafters},
-            "hidden": shape.hidden, "params": mm.drafter_params(shape), "anchors_per_row": step.anchors_per_row,
+            "kind": kind, "hidden": shape.hidden, "params": mm.drafter_params(shape),
+            "anchors_per_row": step.anchors_per_row,
             "peak_phase": phase, "micro_step_terms": micro, "micro_step_bytes": sum(micro.values()),
             "static_terms": static, "total_bytes": total, "budget_gb": BUDGET_GB,
             "within_budget": total <= BUDGET_GB * mm.GB}
@@ -343,7 +350,7 @@ def _print(res: dict[str, Any]) -> None:
         f"LM-head chunk at {res['lm_head_bytes_per_entry']:g} B per (position x vocab entry)"
         + (f"; MFU: model FLOPs (fwd + 2x bwd, + recompute) / {mm.H200_BF16_FLOPS / 1e12:.0f} TFLOP/s" if mfu else ""))
     f = res["full_width"]
-    print(f"\npredicted per drafter rank at full width H={f['hidden']} ({f['params'] / 1e9:.2f}B drafter params, "
+    print(f"\npredicted per {f.get('kind', 'dflash')} drafter rank at full width H={f['hidden']} ({f['params'] / 1e9:.2f}B drafter params, "
           f"{f['anchors_per_row']} anchors/seq): bf16, flex_attention, checkpointing on, ZeRO-{f['settings']['zero_stage']} "
           f"over {f['settings']['num_drafters']} drafter rank(s); peak phase: {f['peak_phase']}")
     terms = [[k, _gb(v)] for k, v in f["micro_step_terms"].items()]

@@ -9,6 +9,9 @@ padding blocks are computed too):
     P = B*A*(bs-1) label positions         b = bytes of the compute dtype (4 fp32, 2 bf16)
     H hidden, I intermediate, nh / nkv heads of head_dim d, V vocabulary, L drafter layers
 
+DFlash2 (`DrafterShape.kind`): its two convolutions per layer count in the layer's parameters and add
+DFLASH2_SAVED_H H-wide values to a_tok; the selector counts in Psi and its kept K x rank rows in the loss.
+
 The micro-step's peak is `held + max(forward, loss, backward)`:
 
 - held: what forward leaves for backward: RoPE tables, the projected context, the dense mask's
@@ -66,6 +69,11 @@ CUDA_LM_HEAD_KL_BYTES = 32.5
 MLP_GRAD_I = 1.0
 GRAD_H = 2.5
 PHASES = ("forward", "loss", "backward")
+# DFlash2 (docs/MEMORY.md): H-wide values one layer's two grouped convolutions save per block token,
+# measured from autograd's saved tensors (saved_tensors_hooks, one DFlash2 layer against the same DFlash
+# layer, fp32, H 128): each conv's output, the sublayer's output, the shifted input of every tap past the
+# first and the group-wide deltas.
+DFLASH2_SAVED_H = 10.5
 # The H200's dense bf16 peak (docs/DESIGN.md §7), the denominator of MFU.
 H200_BF16_FLOPS = 989e12
 
@@ -84,6 +92,12 @@ class DrafterShape:
     num_read: int  # target layers concatenated into the context features
     block_size: int
     tied: bool = False  # target embedding and LM head are one matrix
+    # model.kind and, for dflash2, its part shapes (config.DrafterConfig's defaults; ignored for dflash)
+    kind: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 64
+    selector_rank: int = 64
+    selector_top_k: int = 8
 
 
 @dataclass(frozen=True)
@@ -108,15 +122,28 @@ def lm_head_bytes_per_entry(s: StepShape) -> float:
     return CPU_LM_HEAD_KL_BYTES if s.kl else CPU_LM_HEAD_BYTES.get(s.dtype_bytes, 10.0)
 
 
+def conv_params(d: DrafterShape) -> int:
+    """DFlash2's two convolutions of one layer: each base (2, taps, H) + projection H -> 2*taps*H/group (0: dflash)."""
+    if d.kind != "dflash2":
+        return 0
+    taps, h = d.conv_kernel_size, d.hidden
+    return 2 * (2 * taps * h + h * 2 * taps * (h // d.conv_group_size))
+
+
+def selector_params(d: DrafterShape) -> int:
+    """DFlash2's candidate selector: two V x rank codebooks and the H -> rank projection (0: dflash)."""
+    return (2 * d.vocab + d.hidden) * d.selector_rank if d.kind == "dflash2" else 0
+
+
 def layer_params(d: DrafterShape) -> int:
-    """Parameters of one draft layer: q/k/v/o, q/k norms, SwiGLU, two RMSNorms."""
+    """Parameters of one draft layer: q/k/v/o, q/k norms, SwiGLU, two RMSNorms (+ DFlash2's two convs)."""
     h, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
-    return h * q + 2 * h * kv + q * h + 2 * d.head_dim + 3 * h * d.intermediate + 2 * h
+    return h * q + 2 * h * kv + q * h + 2 * d.head_dim + 3 * h * d.intermediate + 2 * h + conv_params(d)
 
 
 def drafter_params(d: DrafterShape) -> int:
-    """Psi: trainable parameters (layers, fc over n*H, hidden_norm, final norm)."""
-    return d.num_layers * layer_params(d) + d.num_read * d.hidden * d.hidden + 2 * d.hidden
+    """Psi: trainable parameters (layers, fc over n*H, hidden_norm, final norm, DFlash2's selector)."""
+    return d.num_layers * layer_params(d) + d.num_read * d.hidden * d.hidden + 2 * d.hidden + selector_params(d)
 
 
 def anchors_per_row(batch: int, seq_len: int, block_size: int, num_anchors: int, max_anchors: int) -> int:
@@ -140,6 +167,8 @@ def per_token_activations(d: DrafterShape, b: int) -> tuple[int, int]:
     """(a_tok, c_tok): bytes one draft layer saves per block token and per context token."""
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
     a_tok = 2 * d.hidden * (4 + 2 * b) + (q + kv) * (4 + 3 * b) + 4 * b * d.intermediate + 4 * d.heads
+    if d.kind == "dflash2":
+        a_tok += round(DFLASH2_SAVED_H * d.hidden * b)
     return a_tok, kv * (4 + 3 * b)
 
 
@@ -181,6 +210,10 @@ def micro_step_terms(d: DrafterShape, s: StepShape, param_grads: bool = True) ->
     }
     if s.kl:
         loss["target_hidden"] = p * h * b
+    if d.kind == "dflash2":
+        # the selector loss keeps K x rank codebook rows per label position for backward; its top-K
+        # vocabulary chunks run without grad after the DFlash loss's chunks are freed (below this moment)
+        loss["selector_edges"] = p * d.selector_top_k * d.selector_rank * b
     # The end of forward, before the loss: without checkpointing the boolean mask is still alive.
     forward = {**({} if s.checkpointing else embeddings), "final_norm": loss["final_norm"],
                **({"attention_mask_bool": mask_entries} if mask_entries and not s.checkpointing else {})}
@@ -213,6 +246,9 @@ def _backward_phase(d: DrafterShape, s: StepShape, param_grads: bool, a_tok: int
             "grads_in_flight": t * b * (MLP_GRAD_I * d.intermediate + GRAD_H * h) + c * h * b,
             "param_grads": (later + 1) * grad_layer,
         }
+        if param_grads and d.kind == "dflash2":
+            terms["selector_grads"] = selector_params(d) * b  # made by the loss's backward, first
+
         if s.checkpointing:
             terms["layer_inputs_released"] = -later * t * h * b
             terms["recomputed_layer"] = t * a_tok + c * c_tok + mask_entries * b

@@ -111,6 +111,43 @@ def test_params_formula_matches_the_drafter_module() -> None:
         assert sum(p.numel() for p in drafter.parameters()) == mm.drafter_params(d)
 
 
+def test_dflash2_parts_in_psi_and_activations() -> None:
+    """DFlash2 adds docs/MEMORY.md's hand counts to Psi, equal to the real DFlash2 module; DFlash is unchanged."""
+    from dataclasses import replace
+
+    from dflash_ds.bench.memory import drafter_shape
+    from dflash_ds.models.dflash2_arch import DFlash2Options
+    from dflash_ds.models.drafter import DFlashDrafter, DrafterArch
+    from dflash_ds.models.presets import PRESETS
+
+    # per preset: convs 5 layers x 2 x (2*2*H + H*2*2*H/64), codebooks 2 x V x 64, hidden_projection H x 64
+    hand = {"qwen3-8b": 10 * (2 * 2 * 4096 + 4096 * 256) + 2 * 151936 * 64 + 4096 * 64,
+            "qwen3.6-27b": 10 * (2 * 2 * 5120 + 5120 * 320) + 2 * 248320 * 64 + 5120 * 64}
+    assert hand == {"qwen3-8b": 30_359_552, "qwen3.6-27b": 48_701_440}  # the figures docs/MEMORY.md states
+    step = mm.StepShape(batch=8, seq_len=2048, anchors_per_row=256, chunk_blocks=64, dtype_bytes=2,
+                        checkpointing=True, dense_mask=False, cuda=True)
+    for name, h, dflash_psi in (("qwen3-8b", 4096, 1_048_626_432), ("qwen3.6-27b", 5120, 1_835_072_000)):
+        d = drafter_shape(PRESETS[name], h, 5, 16)
+        d2 = replace(d, kind="dflash2")
+        assert mm.drafter_params(d) == dflash_psi and mm.drafter_params(d2) - dflash_psi == hand[name]
+        # saved activations: 10.5 H-wide bf16 values more per block token and layer (T = 32,768 here)
+        a, a2 = mm.per_token_activations(d, 2)[0], mm.per_token_activations(d2, 2)[0]
+        assert a2 - a == 21 * h
+        t, t2 = mm.micro_step_terms(d, step, False), mm.micro_step_terms(d2, step, False)
+        assert t2["backward"]["recomputed_layer"] - t["backward"]["recomputed_layer"] == 32768 * 21 * h
+        assert t2["loss"]["selector_edges"] == 30720 * 8 * 64 * 2
+    small = drafter_shape(PRESETS["qwen3-8b"], 256, 2, 16, kind="dflash2")  # the real module, on meta
+    arch = DrafterArch(hidden_size=256, intermediate_size=small.intermediate, num_hidden_layers=2,
+                       num_attention_heads=small.heads, num_key_value_heads=small.kv_heads, head_dim=small.head_dim,
+                       vocab_size=small.vocab, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}, block_size=16,
+                       num_target_layers=36, mask_token_id=0, target_layer_ids=[1, 34],
+                       dflash2=DFlash2Options())
+    with torch.device("meta"):
+        drafter = DFlashDrafter(arch)
+    assert drafter.kind == "dflash2" and sum(p.numel() for p in drafter.parameters()) == mm.drafter_params(small)
+
+
 def test_bench_memory_cuda_without_gpu_is_an_error(tiny_target: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
