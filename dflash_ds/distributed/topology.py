@@ -89,12 +89,14 @@ def init_role_groups(
     timeout_s: float = 1800.0,
     local_rank: int | None = None,
     bridge_timeout_s: float | None = None,
+    on_store: Callable[[dist.Store], None] | None = None,
 ) -> RoleContext:
     """Give this rank a role-local default process group plus the all-rank bridge group.
 
     After this, `torch.distributed` (and so DeepSpeed) sees only the ranks of this
     role: RANK/WORLD_SIZE/MASTER_* in the environment are the role-local ones. The
     tests' device-placement audit (`audit.install`) is the launching code's to add.
+    `on_store` is called with the job's store as soon as it exists.
     """
     if dist.is_initialized():
         # A world-wide default group is exactly the layout that hangs DeepSpeed.
@@ -118,6 +120,8 @@ def init_role_groups(
     # the agent's, so a later env:// init would wait for it forever (docs/DESIGN.md §5).
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) == "True"
     store = job_store(master_addr, master_port, rank, layout.world_size, timeout, agent_store)
+    if on_store is not None:  # the launcher watches it for ranks that failed to start (runtime/startup.py)
+        on_store(store)
     # gloo/NCCL advertise the address the host name resolves to (loopback on stock Debian/Ubuntu): every rank
     # takes the interface that routes to the master unless the user named one (distributed/netif.py).
     choose_socket_ifname(store, rank, layout.world_size, master_addr, backend == "nccl", timeout_s)

@@ -96,7 +96,7 @@ def run_job(cfg: Config) -> int:
 
             status = run_drafter(ctx, cfg, data, watchdog, resume, arch, dtype)
     except BaseException as exc:
-        bound.done()
+        bound.fail(exc)  # during the bridge warm-up: the others hear of it through the store (else a no-op)
         _name_lost_peers(watchdog, describe)
         # The thread must not be inside a store call when the interpreter finalizes: it would be ended by a
         # forced unwind through C++ frames, and the process aborts (SIGABRT instead of this status; seen on CI).
@@ -131,9 +131,13 @@ def _join_groups(cfg: Config, layout: Layout, env, bound: StartupBound):
     try:
         ctx = init_role_groups(layout, env.rank, env.master_addr, env.master_port, backend=backend,
                                timeout_s=cfg.train.timeout_s, local_rank=env.local_rank,
-                               bridge_timeout_s=cfg.train.bridge_timeout_s)
-    except BaseException:
-        bound.done()  # the error says why; no thread may outlive the rank's exit (faults.record_exit)
+                               bridge_timeout_s=cfg.train.bridge_timeout_s,
+                               on_store=lambda store: bound.watch_store(store, layout.world_size))
+    except BaseException as exc:
+        # The error says why here; the ranks on other hosts hear of it through the store when there is one.
+        # No thread may outlive the rank's exit (faults.record_exit).
+        bound.fail(exc)
+        faults.record_exit(exc.exit_code if isinstance(exc, DFlashError) else 1)  # as train.main maps it
         raise
     from dflash_ds.distributed import audit
 

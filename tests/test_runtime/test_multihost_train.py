@@ -109,21 +109,29 @@ def _records(out):
 
 
 def test_a_host_that_fails_to_start_ends_the_job_on_the_other(setup, hosts, tmp_path):
-    """h1's ranks stop at once on a GLOO_SOCKET_IFNAME naming no interface (one error naming the variable);
-    h0's rank, left waiting for them, ends at train.startup_timeout_s (15 s here) instead of gloo's timeouts."""
+    """h1's ranks stop at once on a GLOO_SOCKET_IFNAME naming no interface (one error naming the variable) and
+    publish it in the job's store: h0's rank, left waiting for them, ends within seconds naming the failed rank
+    and its reason, not at train.startup_timeout_s (120 s here) nor after gloo's timeouts."""
     target, data = setup
     args = [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(tmp_path / "out"),
-            "--train.startup_timeout_s", "15"]
-    base = hosts.env({**env_for_children(), "NNODES": "2", "RDZV_HOST": "h0", "RDZV_PORT": "29400"})
+            "--train.startup_timeout_s", "120"]
+    (tmp_path / "exits").mkdir()
+    base = hosts.env({**env_for_children(), "NNODES": "2", "RDZV_HOST": "h0", "RDZV_PORT": "29400",
+                      "DFLASH_EXIT_STATUS_DIR": str(tmp_path / "exits")})
     base.pop("GLOO_SOCKET_IFNAME", None)
     procs = {h: hosts.popen(h, ["bash", str(REPO / "launch/train_multinode.sh"), *args], cwd=tmp_path,
                             env={**base, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for h, extra in (("h0", {"NPROC": "1"}), ("h1", {"NPROC": "2", "GLOO_SOCKET_IFNAME": "nosuch0"}))}
     outs = {h: p.communicate(timeout=180)[0] for h, p in procs.items()}
     assert procs["h1"].returncode != 0 and procs["h0"].returncode != 0, outs
-    assert "GLOO_SOCKET_IFNAME=nosuch0: h1 has no interface 'nosuch0' (it has eth0, lo)" in outs["h1"], outs["h1"]
-    assert "rank 0: start-up not finished within train.startup_timeout_s=15s (joining the job's process groups)" \
-        in outs["h0"], outs["h0"][-4000:]
+    reason = "GLOO_SOCKET_IFNAME=nosuch0: h1 has no interface 'nosuch0' (it has eth0, lo)"
+    assert reason in outs["h1"], outs["h1"]
+    assert re.search(r"rank 0: rank [12] failed to start \(joining the job's process groups\): "
+                     + re.escape(reason), outs["h0"]), outs["h0"][-4000:]
+    exits = exit_statuses(tmp_path / "exits")  # each rank's exit time, as it left (the clock of one machine)
+    took = exits[0]["time"] - min(exits[r]["time"] for r in (1, 2))
+    print(f"h0's rank 0 exited {took:.2f}s after h1's first rank failed")
+    assert exits[0]["status"] == 1 and took < 5, (exits, took)  # the store is polled every 0.5 s
     assert only_sshd_left(hosts) == {"h0": [], "h1": []}
 
 
