@@ -116,9 +116,12 @@ def test_a_lost_rank_ends_the_job_within_the_heartbeat_timeout(setup, tmp_path, 
 
 def test_sigterm_to_the_target_rank_checkpoints_the_step_and_every_rank_exits_75(setup, tmp_path):
     """SIGTERM to the target rank (global rank 2) as it starts its step 7, the drafters held at the start of their
-    step 5 until they see the stop: they finish step 5 and no more (the stop reaches them within a micro-batch),
-    checkpoint step 6 and every rank exits 75, the two drafters too, though torchrun sends them SIGTERM as soon
-    as the first rank leaves."""
+    step 5 until they see the stop: they finish the step they are in and no more (the stop reaches them within a
+    micro-batch), checkpoint the next one and every rank exits 75, the two drafters too, though torchrun sends
+    them SIGTERM as soon as the first rank leaves. Which step that is depends on how far the target ran ahead:
+    the hold makes it at most 6; the target's step 7 needs its batches 0-6 received or posted, so the drafters
+    have started step 2 at least (up to 2 x depth + 1 = 5 batches leased ahead of the step, sources.py). The
+    fresh-clone CI saw 4 once, the runs before it 6."""
     r = torchrun(3, args_for(setup, tmp_path), env=status_env(tmp_path, DFLASH_FAULT_RANK="2", DFLASH_FAULT_TERM_AT="7",
                                                               DFLASH_FAULT_HOLD_UNTIL_STOP_AT="5"),
                  timeout=300, cwd=tmp_path)
@@ -127,7 +130,8 @@ def test_sigterm_to_the_target_rank_checkpoints_the_step_and_every_rank_exits_75
     assert statuses == torchrun_exit_codes(r.stderr) == {0: 75, 1: 75, 2: 75}, r.stdout[-3000:] + r.stderr[-5000:]
     assert "stop requested (SIGTERM on rank 2)" in r.stdout, r.stdout[-3000:]
     stop_step = latest_step(tmp_path)
-    assert stop_step == 6, stop_step
+    assert 2 <= stop_step <= 6, stop_step
+    assert f"checkpoint at step {stop_step}" in r.stdout, r.stdout[-3000:]
     for d in (0, 1):  # finished the current step, no more
         assert max(x["step"] for x in records(tmp_path, d)) == stop_step - 1
     assert (tmp_path / "checkpoints" / f"step_{stop_step:08d}" / "export" / "config.json").is_file()
