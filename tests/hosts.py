@@ -274,6 +274,16 @@ def hosts_or_skip(n: int = 2) -> Hosts:
     pytest.skip(f"several hosts: {why}")
 
 
+def two_hosts():
+    """The body of the `hosts` fixture (`hosts = pytest.fixture(two_hosts, name="hosts")` where it is used):
+    h0 and h1, torn down (every process killed, namespaces and /etc/netns files removed) after the test."""
+    made = hosts_or_skip(2)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
 def only_sshd_left(hosts: Hosts) -> dict[str, list[str]]:
     """Per host, the command lines of its processes other than its sshd (empty lists: nothing left running)."""
     left: dict[str, list[str]] = {}

@@ -11,7 +11,9 @@ Pure arithmetic, no GPU and no process group:
 - colocated (`--colocate`): one GPU runs the target forward, then the drafter step, in series, so
   it sustains c = 1 / (1/a + 1/b) tok/s (or the rate `bench pipeline` measured, phase (d)), N c
   on N GPUs, if the target's weights + the drafter's training memory + a headroom fit one GPU;
-- choice: the mode with more tokens/s (a tie keeps disaggregated: less memory per GPU).
+- choice: the mode with more tokens/s (a tie keeps disaggregated: less memory per GPU);
+- across nodes (`--link-gbit-per-s`): targets on every node against targets on whole nodes, each at
+  min(compute, link) tok/s with the hidden states and the drafters' ZeRO traffic that cross (`plan/links.py`).
 
 The colocated rate, its memory check and the choice live in `plan/colocated.py`.
 """
@@ -27,6 +29,7 @@ from dflash_ds.config import DataConfig, TrainConfig
 from dflash_ds.distributed.wire import ID_BYTES
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.presets import PRESETS
+from dflash_ds.plan import links
 from dflash_ds.plan.colocated import (PRESET_NAMES, choice_lines, choose, colocated_lines, colocated_memory,
                                       colocated_option)
 
@@ -90,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=TrainConfig.zero_stage,
                         help=f"ZeRO stage of the drafter memory estimate (train.zero_stage, default "
                              f"{TrainConfig.zero_stage})")
+    links.add_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -209,6 +213,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     out["colocated"] = colocated_option(args, a, b, measured, colocated_memory(args, shape_cfg, hidden, vocab, k))
     out["colocated"]["rates"] = {"a": a, "b": b, "source": rate_source if a is not None else None}
     out["choice"] = choose(out)
+    out["multinode"] = links.multinode(args, out, a, b, k_tp)
     return out
 
 
@@ -298,7 +303,7 @@ def report(p: dict[str, Any]) -> str:
 
     tp = p["target_parallel"]
     return "\n".join((sharding_lines(tp, tp["weight_source"]) if tp else []) + _wire_lines(p) + _split_lines(p)
-                     + colocated_lines(p) + choice_lines(p))
+                     + colocated_lines(p) + choice_lines(p) + links.lines(p))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -288,3 +288,30 @@ def test_replica_size_respects_the_key_value_heads(capsys, tiny_target) -> None:
     p = plan_json(capsys, *argv[1:], "--gpu-memory-gb", "141")
     assert p["target_parallel"]["k"] == 2 and [r["heads_split"] for r in p["target_parallel"]["rows"]] == \
         [True, True, False, False]
+
+
+def test_link_limits_per_layout_by_hand(capsys) -> None:
+    """2 nodes x 2 GPUs at 10 Mbit/s: per node, the 2 drafters' ZeRO-2 exchange crosses the link; on a target
+    node, every hidden state does (and no ZeRO byte: both drafters on the other node)."""
+    p = plan_json(capsys, "--gpus", "4", "--nodes", "2", "--target-tok-per-s", "1000", "--drafter-tok-per-s",
+                  "1000", "--hidden", "128", "--vocab", "1000", "--drafter-layers", "2", "--dtype-bytes", "4",
+                  "--drafter-params", "1e6", "--zero-stage", "2", "--token-budget", "1024",
+                  "--padding-efficiency", "0.5", "--link-gbit-per-s", "0.01")
+    mn = p["multinode"]
+    rate = 0.01e9 / 8 * 1448 / 1514  # payload of 1514-byte frames
+    assert mn["payload_bytes_per_s"] == pytest.approx(rate)
+    per_node, target_node = mn["best"]["per node"], mn["best"]["target nodes"]
+    zero = 2 * (1 / 2) * 1e6 * 4  # (A + 1) passes x (n-1)/n x P x 4 B, A = 1, n = 2
+    assert per_node["zero_bytes_per_step"] == pytest.approx(zero)
+    step_tokens = 2 * 1 * 1024 * 0.5  # real tokens: 2 drafters x 1 micro-batch x budget x efficiency
+    assert per_node["link_tok_per_s"] == pytest.approx(rate / (zero / step_tokens))  # 306
+    wire = ((2 * 128 + 128) * 4 + 16) / 0.5  # padded tokens cross too
+    assert target_node["hidden_bytes_per_token"] == wire and target_node["zero_bytes_per_token"] == 0
+    assert target_node["link_tok_per_s"] == pytest.approx(rate / wire)  # 385
+    assert per_node["compute_tok_per_s"] == target_node["compute_tok_per_s"] == 2000
+    assert per_node["tok_per_s"] == pytest.approx(306.05, abs=0.01)  # both below compute: the link bounds
+    assert target_node["tok_per_s"] == pytest.approx(385.15, abs=0.01)
+    assert mn["winner"] is not None and mn["winner"]["layout"] == "target nodes"
+    assert main(["plan", "--gpus", "4", "--target-tok-per-s", "1", "--drafter-tok-per-s", "1",
+                 "--link-gbit-per-s", "1"]) == 2  # one node: nothing crosses
+    assert "--nodes >= 2" in capsys.readouterr().err

@@ -8,14 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from hosts import hosts_or_skip
+from hosts import two_hosts
 
-
-@pytest.fixture
-def hosts():
-    """h0 and h1, torn down (every process killed, namespaces and /etc/netns files removed) after the test."""
-    made = hosts_or_skip(2)
-    try:
-        yield made
-    finally:
-        made.close()
+hosts = pytest.fixture(two_hosts, name="hosts")

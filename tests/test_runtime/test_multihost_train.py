@@ -19,19 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest_runtime import COMMON, STEPS
-from hosts import hosts_or_skip, only_sshd_left
+from hosts import only_sshd_left, two_hosts
 from runtime_utils import REPO, env_for_children, exit_statuses, per_batch
 
 pytestmark = pytest.mark.timeout(420)
 
 
-@pytest.fixture
-def hosts():
-    made = hosts_or_skip(2)
-    try:
-        yield made
-    finally:
-        made.close()
+hosts = pytest.fixture(two_hosts, name="hosts")
 
 
 def assert_reference_losses(out, ref_out):
