@@ -1,9 +1,11 @@
 """A fitted DFlash2 drafter drafts by its selector's walk everywhere: speculative decoding is lossless at T = 0,
-and the train-time est_tau (components/acceptance.py, through the walk) equals a plain one-block-at-a-time loop
-of the walk and the served decode steps on the same rows."""
+and, as a law, at T > 0 (the sampled walk); the train-time est_tau (components/acceptance.py, through the walk)
+equals a plain one-block-at-a-time loop of the walk and the served decode steps on the same rows."""
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -83,10 +85,12 @@ def walk_loop(module, states) -> tuple[list[list[int]], int]:
     return walks, differ
 
 
-def test_walk_drafts_lossless_and_est_tau_through_the_walk(fitted2) -> None:
+def test_walk_drafts_lossless_and_est_tau_through_the_walk(fitted2, tiny_target, tmp_path) -> None:
+    from dflash_ds.cli import main
     from dflash_ds.config import Config
     from dflash_ds.eval.speculative import eos_token_ids, greedy_generate, speculative_generate, summarize
     from dflash_ds.runtime.evaluate import estimate
+    from dflash_ds.tiny.corpus import tiny_prompts
 
     target, module, prompts, states = fitted2
     reference, differ = walk_loop(module, states)
@@ -103,6 +107,19 @@ def test_walk_drafts_lossless_and_est_tau_through_the_walk(fitted2) -> None:
         assert out.tokens == greedy_generate(target, prompt, 32, eos)  # lossless at T = 0
         assert out.accept_lengths[:-1] == walk[:-1] and out.accept_lengths[-1] >= walk[-1]
     print(f"DFlash2 est_tau {sum(per_row) / 3:.3f}, served tau {summarize(served, BS)['tau']:.3f}")
+    # The same through an export and `dflash-ds eval`, greedy (checked lossless against plain greedy decoding) and
+    # sampled with the walk at T > 0 (its law: test_sampled_walk_decodes_with_the_targets_law).
+    export = module.drafter.save_pretrained(tmp_path / "export")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in tiny_prompts(3)))
+    for extra in ([], ["--temperature", "0.03", "--draft-sample", "probabilistic"]):
+        assert main(["eval", "--target", str(tiny_target), "--drafter", str(export), "--data", str(data),
+                     "--num-prompts", "3", "--max-new-tokens", "32", "--json", str(tmp_path / "r.json"),
+                     "--device", "cpu", *extra]) == 0
+        r = json.loads((tmp_path / "r.json").read_text())
+        assert r["mismatches"] == [] and r["lossless_checked"] == (not extra), r
+        if not extra:  # tau of the export = the in-memory drafter's = the walk's but each response's last step
+            assert r["tau"] == pytest.approx(summarize(served, BS)["tau"]), r
     with pytest.raises(DFlashError, match="tree drafting is not implemented for a DFlash2 drafter"):
         speculative_generate(target, prompts[0], drafter=module.drafter, tree_budget=8)
 
@@ -139,3 +156,78 @@ def test_sampled_walk_draws_the_engines_rule_and_decodes(fitted2) -> None:
     cold = speculative_generate(target, prompts[1], drafter=module.drafter, max_new_tokens=16, eos_ids=eos,
                                 temperature=1e-4, draft_sample="probabilistic", generator=torch.Generator())
     assert cold.tokens == greedy_generate(target, prompts[1], 16, eos)
+
+
+def _target_law(target, prompt: list[int], temperature: float, depth: int, floor: float) -> dict[tuple, float]:
+    """The target's own law of its next `depth` sampled tokens at `temperature`: every sequence whose probability is
+    at least `floor`, found by expanding the prefixes that can still reach it."""
+    law = {(): 1.0}
+    for _ in range(depth):
+        grown = {}
+        for seq, mass in law.items():
+            with torch.no_grad():
+                logits = target(input_ids=torch.tensor([prompt + list(seq)])).logits[0, -1].float()
+            probs = torch.softmax(logits.double() / temperature, -1)
+            for tok in (probs * mass >= floor).nonzero().view(-1).tolist():
+                grown[seq + (tok,)] = mass * float(probs[tok])
+        law = grown
+    return law
+
+
+def _chi_square(counts: Counter, law: dict[tuple, float], n: int) -> tuple[float, int]:
+    """Pearson's statistic of `counts` against `law` (every sequence of it a bin, the rest one bin) and its dof."""
+    stat, rest = 0.0, n - sum(counts[s] for s in law)
+    for seq, p in law.items():
+        stat += (counts[seq] - n * p) ** 2 / (n * p)
+    other = n * (1.0 - sum(law.values()))
+    stat += (rest - other) ** 2 / max(other, 1e-9)
+    return stat, len(law)
+
+
+def test_sampled_walk_decodes_with_the_targets_law(fitted2, monkeypatch) -> None:
+    """Lossless at T > 0, as a law: the first three tokens speculative decoding emits with the probabilistic walk
+    (each draft position's q conditioned on the token drawn before it) follow the target's own law, and so they
+    would not if the verification accepted the walk's draws as they are (the control, same test).
+
+    T = 0.03: the random tiny target's logits are ~0.2 apart, so at T = 1 its law is nearly uniform over 512 tokens
+    (entropy 6.22 nats of ln 512 = 6.24) and no 3-token sequence could be binned; at 0.03 it is spread over tens of
+    sequences. Measured with 3,000 runs: 44 bins of >= 5 expected draws hold 0.944 of the law, chi2 39.3 against
+    the 0.999 quantile 78.8; the first draft step accepts 0, 1 and 2 walked tokens in 1,759 / 764 / 477 runs. Power:
+    a q misreported as the walk's distribution at 2T (the draws unchanged) gives chi2 127.5 and fails; accepting
+    every draw gives ~2e4 on 300 runs."""
+    from dflash_ds.eval import speculative as spec
+
+    target, module, prompts, _ = fitted2
+    prompt, temperature, n = prompts[0], 0.03, 3000
+
+    def decode(runs: int) -> tuple[Counter, Counter]:
+        seqs, first_steps = Counter(), Counter()
+        for i in range(runs):
+            out = spec.speculative_generate(target, prompt, drafter=module.drafter, max_new_tokens=3, eos_ids=[],
+                                            temperature=temperature, draft_sample="probabilistic",
+                                            generator=torch.Generator().manual_seed(i))
+            seqs[tuple(out.tokens[:3])] += 1
+            first_steps[min(out.accept_lengths[0], 3)] += 1  # the first draft step: accepted + 1, capped at 3
+        return seqs, first_steps
+
+    law = _target_law(target, prompt, temperature, 3, floor=5.0 / n)  # bins of >= 5 expected draws
+    seqs, first_steps = decode(n)
+    stat, dof = _chi_square(seqs, law, n)
+    # Wilson-Hilferty: the chi-square 0.999 quantile of `dof` degrees of freedom.
+    bound = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+    print(f"T={temperature}: {len(law)} bins hold {sum(law.values()):.3f} of the law; chi2 {stat:.1f} (dof {dof}, "
+          f"0.999 quantile {bound:.1f}); first step accepted+1: {dict(sorted(first_steps.items()))}")
+    assert 0.5 < sum(law.values()) and len(law) >= 4, law  # a spread law, mostly in bins: a real comparison
+    assert stat < bound, (stat, bound)
+    # Both walked positions are verified in some runs and rejected in others: q_2 given x_1 is exercised.
+    assert first_steps[1] > n // 20 and first_steps[3] > n // 20, first_steps
+
+    # Control: accept every draft token (the bonus then drawn from p) and the law is the walk's, far from it.
+    def accept_all(draft, q, p, gen):
+        return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=gen))
+
+    monkeypatch.setattr(spec, "_accept_sampled", accept_all)
+    wrong, _ = decode(n // 10)
+    wrong_stat = _chi_square(wrong, law, n // 10)[0]
+    print(f"control (every draft accepted): chi2 {wrong_stat:.1f}")
+    assert wrong_stat > 3 * bound
