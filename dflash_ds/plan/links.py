@@ -19,7 +19,15 @@ Bytes a node's NIC carries in its busiest direction (full duplex: in and out are
   DeepSpeed's stage-2 hooks), ZeRO-3: 3A (parameters gathered for forward and backward, gradients reduced).
   Per real token: Z / (n x A x B x E), B the token budget of a micro-batch;
 
-and the link's limit is its payload rate L / that many bytes; predicted tokens/s = min(compute, link).
+The two kinds of traffic cost differently. The hidden states are pipelined: targets send ahead while the
+drafters train (bridge queue), so they only bound the rate, at L / their bytes per token of the busiest NIC.
+The ZeRO collectives are not: DeepSpeed runs them inside the drafter's step (ds_configs: overlap_comm off)
+and every drafter waits for them, so their time adds to the step's. Per real token:
+
+  predicted tokens/s = 1 / (max(1 / compute, hidden bytes / L) + ZeRO bytes / L)
+
+(compute = min(T a, D b)). With overlap_comm on, the reduce-scatter would hide behind the backward and only
+the all-gather after the step stay serial: this is the upper bound of the ZeRO cost.
 L = 0.956 x the line rate: tbf and a NIC count whole 1514-byte Ethernet frames, each carrying 1448 bytes
 of TCP payload (docs/BENCHMARKS.md, "Across hosts": measured 0.956 at 100 and 400 Mbit/s).
 """
@@ -70,14 +78,17 @@ def _layout(name: str, flag: str, reps: int, drafters: int, drafter_nodes: int, 
     wire = zero["wire"] / zero["efficiency"] if hidden_crosses else 0.0
     into_drafter_node = wire / drafter_nodes + zero_tok
     out_of_target_node = wire / target_nodes if hidden_crosses else 0.0
+    hidden_busiest = max(wire / drafter_nodes, out_of_target_node)
     busiest = max(into_drafter_node, out_of_target_node)
     link = rate / busiest if busiest else None
-    tok = compute if link is None else min(compute, link)
+    # pipelined hidden states bound the rate; the ZeRO collectives add their time to every step
+    pipelined = max(1 / compute, hidden_busiest / rate)
+    tok = 1 / (pipelined + zero_tok / rate)
+    bound = "compute" if pipelined == 1 / compute else "link (hidden states)"
     return {"layout": name, "flag": flag, "replicas": reps, "drafter_ranks": drafters, "drafter_nodes": drafter_nodes,
             "compute_tok_per_s": compute, "hidden_bytes_per_token": wire, "zero_bytes_per_step": zero_step,
             "tokens_per_step": step_tokens, "zero_bytes_per_token": zero_tok, "busiest_bytes_per_token": busiest,
-            "link_tok_per_s": link, "tok_per_s": tok,
-            "bound": "link" if link is not None and link < compute else "compute"}
+            "link_tok_per_s": link, "tok_per_s": tok, "bound": bound + (" + ZeRO" if zero_tok else "")}
 
 
 def multinode(args: argparse.Namespace, p: dict[str, Any], a: float | None, b: float | None, k: int) -> dict | None:
@@ -124,7 +135,7 @@ def lines(p: dict[str, Any]) -> list[str]:
            f"{z['bytes']} B, n drafter ranks; step tokens = n x {z['micro_steps']} x {z['token_budget']:,} x "
            f"{z['efficiency']:g}; hidden states {z['wire']:,} / {z['efficiency']:g} B per real token",
            "  layout        flag                                compute    hidden B/tok  ZeRO B/tok  link tok/s  "
-           "predicted  bound"]
+           "predicted  bound (+ ZeRO: its time adds)"]
     for o in mn["layouts"]:  # the per-node splits other than the best are in --json
         if o["layout"] == "per node" and o is not mn["best"]["per node"]:
             continue
