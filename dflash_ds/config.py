@@ -234,11 +234,15 @@ class TrainConfig:
     pooled figure of the last walks (est_tau_window)."""
     est_tau_window: int = 64
     """Rows over all drafters a record's est_tau pools: the last ceil(64 / (est_tau_rows x drafters)) walks
-    (8 on 2 drafters, 2 on 8). One response's acceptance varies by ~40% of the mean (0.39 measured on the
-    demo's 478 rows), so 64 rows put the figure within ~5% (one standard error) of the walk over all the
-    training text, and a new walk moves it by a fraction (demo: at most 5.5% between records); it lags the
-    drafter by about half the steps the walks span (100 steps on 2 drafters, 25 on 8). A resumed run reads
-    its walks back from records/walks{d}.jsonl."""
+    (8 on 2 drafters, 2 on 8). A record's est_tau is its own training tau (uniform anchors over every row of
+    its window: current, thousands of blocks) times the pooled walks' ratio of walked acceptance to tau on
+    the walked rows; the walks' own mean is est_tau_walked. The ratio is what the walks are for: one
+    response's walk varies by ~40% of the mean (0.39 on the demo's 478 rows) and the pool spans the
+    drafter's last ~200 steps on 2 drafters (50 on 8), so the walks' own mean is noisy and lags, while the
+    ratio moves little (hard rows are hard by both counts). Demo: est_tau 3.76 at step 300 against 3.91
+    walked over all the training text with that step's weights (est_tau_walked 3.49), at most 4.3% between
+    records (docs/QUALITY.md). Under a noise schedule the training tau is of noised features, so est_tau
+    reads low while noise is on. A resumed run reads its walks back from records/walks{d}.jsonl."""
     eval_interval: int = 0
     """Steps between evaluations on the validation split (data.val_fraction or data.val_path; 0 = never):
     val_est_tau and val_tau in that step's record, the best val_est_tau kept as checkpoints/best."""

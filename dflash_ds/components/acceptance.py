@@ -20,10 +20,13 @@ label after it (`walk_anchors`, `accepted_runs`) gives each block's accepted len
 is a pointer chase over them on the host (`decode_walk`). Per response, est_tau = tokens / steps;
 `walk_sums` adds what a record needs: per-response means (their mean is eval's `tau`, the headline
 `est_tau`), pooled tokens and steps (`est_tau_pooled`), and the uniform streak over the training's
-own anchor candidates (1 + its mean is `tau` over every anchor instead of a sample).
+own anchor candidates (1 + its mean is `tau` over every anchor instead of a sample). A training
+record scales its few walked rows to its own `tau` by that uniform streak (`calibrated_walk`).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -68,7 +71,9 @@ def target_labels(input_ids: torch.Tensor, last_hidden: torch.Tensor, lm_head, c
 def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: torch.Tensor, label_ids: torch.Tensor,
                   loss_mask: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
                   chunk_blocks: int) -> torch.Tensor:
-    """Per block, how many leading positions the drafter's argmax (DFlash2: its walk) gets right: [R, A] long.
+    """Per block, how many leading positions the drafter gets right: [R, A, 2] long, [..., 0] as it drafts
+    (its argmax; DFlash2: its selector's walk), [..., 1] by its argmax alone (the training `tau`'s rule, the
+    same for DFlash).
 
     Blocks are `[x_a, MASK...]` from input_ids; position k's label is label_ids[a + k] (the data, or
     the target's choice: `target_labels`), counted while it is a response position inside the row.
@@ -88,11 +93,12 @@ def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: tor
 
     def pick(lo: int) -> torch.Tensor:
         h = flat[lo:lo + chunk_blocks]
-        return lm_head(h).argmax(-1) if walk is None else walk(h, lm_head, anchor_ids[lo:lo + chunk_blocks])[0]
+        unary = lm_head(h).argmax(-1)
+        drafted = unary if walk is None else walk(h, lm_head, anchor_ids[lo:lo + chunk_blocks])[0]
+        return torch.stack([drafted, unary], dim=-1)
 
-    picks = torch.cat([pick(lo) for lo in range(0, r * a, chunk_blocks)])
-    correct = picks.view(r, a, bs - 1) == labels
-    return leading_run(correct, label_valid)
+    picks = torch.cat([pick(lo) for lo in range(0, r * a, chunk_blocks)]).view(r, a, bs - 1, 2)
+    return torch.stack([leading_run(picks[..., i] == labels, label_valid) for i in range(2)], dim=-1)
 
 
 def decode_walk(runs: np.ndarray, loss_mask: np.ndarray, length: int) -> list[list[int]]:
@@ -121,12 +127,14 @@ def decode_walk(runs: np.ndarray, loss_mask: np.ndarray, length: int) -> list[li
 
 
 def walk_sums(runs: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, loss_mask: torch.Tensor,
-              lengths: torch.Tensor, block_size: int) -> dict[str, float]:
+              lengths: torch.Tensor, block_size: int, uniform_runs: torch.Tensor | None = None) -> dict[str, float]:
     """Host sums of a batch's walks (`WALK_SUMS`): tokens, steps, per-response tau and their count, and the
-    uniform streak and block count over the training's anchor candidates (a >= 1, a + B <= length).
+    uniform streak and block count over the training's anchor candidates (a >= 1, a + B <= length), of
+    `uniform_runs` (the argmax's runs, as the training `tau` counts them; default: `runs`).
 
     One read of the batch's runs, anchors and masks (a record's worth, not a micro-step's).
     """
+    uniform_h = (runs if uniform_runs is None else uniform_runs).cpu().numpy()
     runs_h, anchors_h, valid_h = runs.cpu().numpy(), anchors.cpu().numpy(), valid.cpu().numpy()
     mask_h, lengths_h = loss_mask.cpu().numpy(), lengths.cpu().numpy()
     out = dict.fromkeys(WALK_SUMS, 0.0)
@@ -141,7 +149,7 @@ def walk_sums(runs: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, lo
             out["tau_sum"] += sum(steps) / len(steps)
             out["responses"] += 1
         uniform = (at >= 1) & (at + block_size <= length)
-        out["streak"] += float(run[uniform].sum())
+        out["streak"] += float(uniform_h[row][valid_h[row]][uniform].sum())
         out["blocks"] += float(uniform.sum())
     return out
 
@@ -156,3 +164,19 @@ def walk_metrics(sums: dict[str, float], prefix: str) -> dict[str, float]:
     if prefix and sums.get("blocks", 0) > 0:
         out[f"{prefix}tau"] = 1.0 + sums["streak"] / sums["blocks"]
     return out
+
+
+def calibrated_walk(sums: dict[str, float], tau: float) -> dict[str, float]:
+    """The training record's est_tau: the record's `tau` (uniform anchors, every row the window trained on,
+    the drafter as it is now) times the pooled walks' ratio of walked acceptance to `tau` on the walked rows.
+
+    A few walked rows say little by themselves (one response's walk varies by ~40% of the mean, and the pool
+    spans the drafter's last hundreds of steps), but the ratio is steady: hard rows are hard by both counts.
+    `est_tau_walked` keeps the walks' own mean. Without uniform blocks the walks' figures are returned as
+    they are."""
+    out = walk_metrics(sums, "")
+    if "est_tau" not in out or sums.get("blocks", 0) <= 0 or not math.isfinite(tau):
+        return out
+    scale = tau / (1.0 + sums["streak"] / sums["blocks"])
+    return {"est_tau": out["est_tau"] * scale, "est_tau_pooled": out["est_tau_pooled"] * scale,
+            "est_tau_walked": out["est_tau"]}

@@ -118,11 +118,7 @@ class TargetSession:
 
     @property
     def length(self) -> int:
-        """Positions held in the KV cache.
-
-        An int, never the cache's own counter: from transformers 5.25 a linear-attention layer reports its length
-        as a 0-d tensor it updates in place, so a snapshot holding that tensor would follow the verify forward.
-        """
+        """Positions held in the KV cache, as an int (transformers 5.25 gives a 0-d tensor updated in place)."""
         return int(self.cache.get_seq_length())
 
     @property

@@ -59,7 +59,7 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watc
         watchdog.step = step
         faults.at_step(step, watchdog.stop_requested)
         records = functools.partial(_records, cfg, data, step, stop)
-        result = optimizer_step(engine, source, data, cfg, dtype, step, d, watchdog.stop_requested, records)
+        result = optimizer_step(engine, source, data, cfg, dtype, step, d, watchdog.stop_requested)
         log.add(step, result)
         consecutive_bad = consecutive_bad + 1 if result.bad else 0
         if result.bad:

@@ -13,9 +13,10 @@ At a walk step the walk reads `train.est_tau_rows` rows of the step's first micr
 it (`walk_rows`: a batch is sorted by length, so its first rows are its shortest), before that batch
 trains: in a run's first epoch text it has not trained on. (One update moves a batch's walk by
 0.6% on the demo, so before or after makes no measurable difference there.) One response's
-acceptance varies by ~40% of the mean, so a walk of a few rows is noise; a record's est_tau pools
-the last walks that hold `train.est_tau_window` rows over the drafters (`pooled_walks`,
-runtime/step_metrics.WalkHistory).
+acceptance varies by ~40% of the mean, so a walk of a few rows is noise; a record pools the last
+walks that hold `train.est_tau_window` rows over the drafters (`pooled_walks`,
+runtime/step_metrics.WalkHistory) and its est_tau is the record's training `tau` times their ratio of
+walked acceptance to `tau` on the walked rows (components/acceptance.calibrated_walk).
 
 `validate` takes this drafter's validation batches of an evaluation step from its batch source,
 where the stream put them (after the step's training micro-steps, data/stream.py), and sums their
@@ -90,8 +91,9 @@ def estimate(engine, tensors: dict, cfg: Config, dtype: torch.dtype, rows: int =
                 _idle_forward(engine, module, cfg, dtype, states.context.device)
     finally:
         module.train(was_training)
-    return walk_sums(torch.cat(runs, dim=1), anchors, valid, states.loss_mask, states.lengths,
-                     module.drafter.arch.block_size)
+    runs = torch.cat(runs, dim=1)  # [R, A, 2]: as drafted, by the argmax (components/acceptance.accepted_runs)
+    return walk_sums(runs[..., 0], anchors, valid, states.loss_mask, states.lengths, module.drafter.arch.block_size,
+                     uniform_runs=runs[..., 1])
 
 
 def _agree_forwards(mine: int) -> int:

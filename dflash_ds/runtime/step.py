@@ -146,12 +146,11 @@ def step_grad_norm(engine, micro: list[MicroResult], accumulation: int) -> tuple
 
 
 def optimizer_step(engine, source: BatchSource, data: BatchStream, cfg: Config, dtype: torch.dtype, step: int,
-                   drafter: int, stop_requested: Callable[[], bool],
-                   records: Callable[[bool], bool] = lambda stopping: False) -> StepResult:
+                   drafter: int, stop_requested: Callable[[], bool]) -> StepResult:
     """This drafter's optimizer step `step`: its A micro-batches from `source`, in the order of the batch stream.
 
     At a walk step (`evaluate.walks_at`) est_tau is measured on `train.est_tau_rows` rows of the first
-    micro-batch before it trains. `records(stopping)` (whether a metric record follows) is not read here.
+    micro-batch before it trains.
     """
     acc, n_d = data.accumulation, data.num_drafters
     lr, noise = engine.get_lr()[0], noise_at(cfg, step)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dflash_ds.components.acceptance import WALK_SUMS, walk_metrics
+from dflash_ds.components.acceptance import WALK_SUMS, calibrated_walk, walk_metrics
 from dflash_ds.components.loss import ACCEPTANCE_SUMS, metrics_from_sums
 from dflash_ds.components.selector_loss import SELECTOR_SUMS, selector_metrics
 from dflash_ds.runtime.memory import compiled_graphs, peak_memory_bytes, reserved_memory_bytes, reset_peak_memory
@@ -179,12 +179,18 @@ class WindowTotals:
     pos_valid: list[float]
     peak_mem_bytes: list[float]  # per drafter rank
 
-    def walks(self) -> dict[str, float]:
-        """est_tau, est_tau_pooled and, after an evaluation, val_est_tau, val_est_tau_pooled and val_tau."""
-        out = {}
-        for kind in WALK_KINDS:
-            out.update(walk_metrics({k: self.sums[f"{kind}_{k}"] for k in WALK_SUMS}, "val_" if kind == "val" else ""))
-        return out
+    def loss_metrics(self) -> dict:
+        """The window's loss statistics over every drafter (components/loss.metrics_from_sums)."""
+        return metrics_from_sums({**{k: torch.tensor(self.sums[k]) for k in LOSS_SUMS},
+                                  "pos_correct": torch.tensor(self.pos_correct), "pos_valid": torch.tensor(self.pos_valid)})
+
+    def walks(self, tau: float | None = None) -> dict[str, float]:
+        """est_tau, est_tau_pooled, est_tau_walked (the pooled walks scaled to the window's training `tau`:
+        acceptance.calibrated_walk) and, after an evaluation, val_est_tau, val_est_tau_pooled and val_tau (every
+        validation row walked by the drafter as it is: no scaling)."""
+        tau = float(self.loss_metrics()["tau"]) if tau is None else tau
+        sums = {kind: {k: self.sums[f"{kind}_{k}"] for k in WALK_SUMS} for kind in WALK_KINDS}
+        return {**calibrated_walk(sums["est"], tau), **walk_metrics(sums["val"], "val_")}
 
     def record(self, step: int, epoch: int, window_s: float, global_batch: int, num_drafters: int, num_targets: int,
                max_steps: int, sec_per_step: float) -> dict:
@@ -192,8 +198,7 @@ class WindowTotals:
         s = self.sums
         n = s["steps"]  # micro-batches in the window, over all drafters
         steps = n / global_batch
-        m = metrics_from_sums({**{k: torch.tensor(s[k]) for k in LOSS_SUMS}, "pos_correct": torch.tensor(self.pos_correct),
-                               "pos_valid": torch.tensor(self.pos_valid)})
+        m = self.loss_metrics()
         real, padded = s["real_tokens"], s["padded_tokens"]
         peaks_gb = [round(b / 1024 ** 3, 4) for b in self.peak_mem_bytes]
         return {
@@ -210,7 +215,7 @@ class WindowTotals:
             **(selector_metrics(s) if s["selector_positions"] > 0 else {}),
             # greedy decoding walked over the response (components/acceptance.py): est_tau at every record when
             # train.est_tau_rows > 0, val_* on the validation split at an evaluation step
-            **self.walks(),
+            **self.walks(float(m["tau"])),
             "lr": s["lr"] / n, "noise_std": s["noise_std"] / n, "grad_norm": s["grad_norm"] / n,
             # each header carries its target's own rate: the mean times T is the whole target side's
             "tgt_batch_per_sec": s["tgt_batch_per_s"] / n * num_targets,

@@ -138,7 +138,7 @@ def summarize(records: list[dict[str, Any]]) -> str:
             line += f"  best {values[i]:.4g} (step {steps[i]:g})"
         else:
             line += f"  mean {sum(values) / len(values):.4g}  max {max(values):.4g}"
-        if key in ACCEPTANCE and len(values) > LAST_K:  # a record's est_tau walks a few rows: read the trend
+        if key in ACCEPTANCE and len(values) > LAST_K:  # one record is one window of a few steps: read the trend
             line += f"  mean of last {LAST_K} {sum(values[-LAST_K:]) / LAST_K:.4g}"
         lines.append(line)
     if any(_series(records, key)[1] for key in ACCEPTANCE[1:]):

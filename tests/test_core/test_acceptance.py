@@ -131,6 +131,36 @@ def test_a_record_pools_the_walks_of_its_window_by_hand(tmp_path) -> None:
     assert resumed.pooled(60) == history.pooled(60)
 
 
+def test_est_tau_scales_the_walks_to_the_records_tau_by_hand() -> None:
+    """A record's est_tau is its training tau x (walked acceptance / uniform tau of the walked rows); the walks'
+    own figure stays as est_tau_walked, the validation figures are not scaled, and the uniform runs that
+    calibrate are the argmax's (`uniform_runs`), not the walk's."""
+    from dflash_ds.components.acceptance import calibrated_walk
+    from dflash_ds.runtime.step_metrics import WindowTotals
+
+    pooled = {"tokens": 42.0, "steps": 10.0, "tau_sum": 18.0, "responses": 4.0, "streak": 34.0, "blocks": 12.0}
+    uniform = 1 + 34 / 12  # 3.83 on the walked rows; the walks read 4.5 (per response) and 4.2 (pooled)
+    got = calibrated_walk(pooled, 5.0)  # the record's tau: every row of its window, the drafter as it is now
+    assert got["est_tau"] == pytest.approx(4.5 * 5.0 / uniform) and got["est_tau_walked"] == pytest.approx(4.5)
+    assert got["est_tau_pooled"] == pytest.approx(4.2 * 5.0 / uniform)
+    assert calibrated_walk({**pooled, "blocks": 0.0}, 5.0) == walk_metrics(pooled, "")  # nothing to scale by
+    assert calibrated_walk(dict.fromkeys(pooled, 0.0), 5.0) == {}  # no walk yet: no est_tau
+
+    window = WindowTotals({f"{kind}_{k}": v for kind in ("est", "val") for k, v in pooled.items()}, 0.0, [], [], [], [])
+    figures = window.walks(5.0)
+    assert figures["est_tau"] == pytest.approx(got["est_tau"]) and figures["val_est_tau"] == pytest.approx(4.5)
+    assert figures["val_tau"] == pytest.approx(uniform)
+
+    # The runs of the by-hand walk above, with an argmax that does worse than the walk at anchor 4.
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]])
+    anchors, valid = walk_anchors(mask, torch.tensor([14]))
+    runs = torch.tensor([[1, 3, 3, 3, 3, 3, 3, 3, 3, 2, 1]])
+    argmax = runs.clone()
+    argmax[0, 2] = 0  # anchor 4
+    sums = walk_sums(runs, anchors, valid, mask, torch.tensor([14]), BS, uniform_runs=argmax)
+    assert sums["tokens"] == 12 and sums["steps"] == 4 and sums["streak"] == 1 + 3 * 8 - 3
+
+
 def greedy_rows(target, prompts, new_tokens):
     """Each prompt plus the target's greedy answer; the answer is the response (loss mask on)."""
     from dflash_ds.eval.speculative import eos_token_ids, greedy_generate

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -87,6 +88,7 @@ def walk_loop(module, states) -> tuple[list[list[int]], int]:
 
 def test_walk_drafts_lossless_and_est_tau_through_the_walk(fitted2, tiny_target, tmp_path) -> None:
     from dflash_ds.cli import main
+    from dflash_ds.components.acceptance import accepted_runs, walk_anchors
     from dflash_ds.config import Config
     from dflash_ds.eval.speculative import eos_token_ids, greedy_generate, speculative_generate, summarize
     from dflash_ds.runtime.evaluate import estimate
@@ -100,6 +102,17 @@ def test_walk_drafts_lossless_and_est_tau_through_the_walk(fitted2, tiny_target,
                "context": states.context, "last_hidden": states.last_hidden}
     sums = estimate(module, tensors, Config(), torch.float32)
     per_row = [sum(w) / len(w) for w in reference]
+    # The walk's runs, and beside them the argmax's (what the training `tau` counts, which a record's est_tau is
+    # scaled by): those equal a DFlash drafter's of the same backbone (one without the selector's walk).
+    anchors, valid = walk_anchors(states.loss_mask, states.lengths)
+    args = (module.embed, module.lm_head, states.context, states.input_ids, states.input_ids, states.loss_mask,
+            states.lengths, anchors, valid, 64)
+    with torch.no_grad():
+        runs = accepted_runs(module.drafter, *args)
+        plain = accepted_runs(SimpleNamespace(arch=module.drafter.arch, forward_train=module.drafter.forward_train),
+                              *args)
+    assert torch.equal(runs[..., 1], plain[..., 0]) and torch.equal(plain[..., 0], plain[..., 1])
+    assert not torch.equal(runs[..., 0], runs[..., 1])  # the walk accepts other lengths than the argmax
     assert sums["steps"] == sum(len(w) for w in reference) and sums["tau_sum"] == pytest.approx(sum(per_row))
     eos = eos_token_ids(target)
     served = [speculative_generate(target, p, drafter=module.drafter, max_new_tokens=32, eos_ids=eos) for p in prompts]

@@ -135,10 +135,11 @@ def run_args(setup, out, *extra):
             "--train.est_tau_window", "16", *extra]
 
 
-def pooled_walks(out, done: int) -> dict[str, float]:
-    """est_tau and est_tau_pooled of the last 2 walks up to step `done` (est_tau_window 16 rows = 2 walks of 4 rows
-    on 2 drafters) over both drafters, from their files (the last line of a step: a resumed run appends)."""
-    from dflash_ds.components.acceptance import WALK_SUMS, walk_metrics
+def pooled_walks(out, done: int, tau: float) -> dict[str, float]:
+    """est_tau, est_tau_pooled and est_tau_walked of the last 2 walks up to step `done` (est_tau_window 16 rows = 2
+    walks of 4 rows on 2 drafters) over both drafters, from their files (the last line of a step: a resumed run
+    appends), scaled to the record's training `tau` (components/acceptance.calibrated_walk)."""
+    from dflash_ds.components.acceptance import WALK_SUMS, calibrated_walk
 
     sums = dict.fromkeys(WALK_SUMS, 0.0)
     for d in (0, 1):
@@ -146,7 +147,7 @@ def pooled_walks(out, done: int) -> dict[str, float]:
         for step in sorted(s for s in walks if s <= done)[-2:]:
             for key in WALK_SUMS:
                 sums[key] += walks[step][key]
-    return walk_metrics(sums, "")
+    return calibrated_walk(sums, tau)
 
 
 @pytest.fixture(scope="module")
@@ -165,9 +166,9 @@ def test_records_carry_est_tau_and_val_figures_at_evaluations(validated) -> None
         assert [w["step"] for w in read_jsonl(validated / "records" / f"walks{d}.jsonl")] == [3, 6, 9, 12]
     for rec in records:
         assert 1.0 <= rec["est_tau"] <= 8.0 and 1.0 <= rec["est_tau_pooled"] <= 8.0, rec
-        want = pooled_walks(validated, rec["step"])  # e.g. step 10: the walks at 6 and 9
-        assert rec["est_tau"] == pytest.approx(want["est_tau"]), rec["step"]
-        assert rec["est_tau_pooled"] == pytest.approx(want["est_tau_pooled"]), rec["step"]
+        want = pooled_walks(validated, rec["step"], rec["tau"])  # e.g. step 10: the walks at 6 and 9
+        for key in ("est_tau", "est_tau_pooled", "est_tau_walked"):
+            assert rec[key] == pytest.approx(want[key]), (rec["step"], key)
         has_val = rec["step"] % 4 == 0
         assert {"val_est_tau", "val_est_tau_pooled", "val_tau"} <= rec.keys() if has_val else "val_tau" not in rec
     logged = wandb_history_keys(next(validated.glob("wandb/offline-run-*/run-*.wandb")))
@@ -213,7 +214,7 @@ def test_a_resume_keeps_a_better_best_through_rotation(setup, validated, tmp_pat
     assert all("val_est_tau" in rec for rec in records if rec["step"] in (16, 20))
     # Step 15's record pools the walks at 12 (the first run's, read back) and 15 (the resumed run's).
     assert [w["step"] for w in read_jsonl(run / "records" / "walks0.jsonl")] == [3, 6, 9, 12, 15, 18]
-    assert records[5]["est_tau"] == pytest.approx(pooled_walks(run, 15)["est_tau"])
+    assert records[5]["est_tau"] == pytest.approx(pooled_walks(run, 15, records[5]["tau"])["est_tau"])
     assert ckpt.find_best(run) == run / "checkpoints" / best.name
     final = ckpt.read_state(run / "checkpoints" / "step_00000020")
     assert final["best"] == {"step": state["step"], "val_est_tau": 99.0}
