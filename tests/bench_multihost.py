@@ -157,38 +157,32 @@ def _gbit(rate: str) -> float:
 
 
 def predict(args: argparse.Namespace, target: Path, rate: str, results: list[dict]) -> None:
-    """`dflash-ds plan` at the shaped rate from the unshaped runs' figures, beside the shaped runs' tokens/s.
+    """`dflash-ds plan` at the shaped rate beside each shaped run's tokens/s.
 
-    Compute limit: the unshaped target-node run (its hidden states cross a veth far above the shaped rates, no
-    ZeRO byte crosses), split as a = b = C / 2 over its 2 targets and 2 drafters (4 ranks share 2 cores here:
-    the per-rank rates are not independent). Token budget and padding: what the shaped runs' batches held."""
+    Compute limit: the same layout's unshaped run (its link, a veth, runs far above the shaped rates), split
+    as a = b = C / 2 over its 2 targets and 2 drafters (4 ranks share 2 cores here: per-rank rates are not
+    independent, and the layouts' unshaped rates differ). Token budget and padding: what its batches held."""
     base = {r["layout"]: r for r in results if r["rate"] == "none"}
-    shaped = [r for r in results if r["rate"] == rate]
-    c = base.get("target-node", next(iter(base.values())))["tok_per_s"]
-    eff = sum(r["padding_efficiency"] for r in shaped) / len(shaped)
-    padded = sum(r["padded_tokens_per_step"] for r in shaped) / len(shaped)
-    argv = ["plan", "--gpus", "4", "--nodes", "2", "--target", str(target), "--drafter-layers", "2",
-            "--dtype-bytes", "4", "--zero-stage", str(args.zero_stage), "--target-tok-per-s", f"{c / 2:.0f}",
-            "--drafter-tok-per-s", f"{c / 2:.0f}", "--token-budget", f"{padded / 2:.0f}",
-            "--padding-efficiency", f"{eff:.3f}", "--link-gbit-per-s", f"{_gbit(rate):g}"]
-    print("dflash-ds " + " ".join(argv))
     import contextlib
     import io
 
     from dflash_ds.cli import main as cli
 
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        cli([*argv, "--json"])
-    mn = json.loads(buf.getvalue())["multinode"]
-    pred = {"per-node": mn["best"]["per node"], "target-node": mn["best"]["target nodes"]}
-    for r in shaped:
-        p = pred[r["layout"]]
+    for r in (r for r in results if r["rate"] == rate):
+        c = base[r["layout"]]["tok_per_s"]
+        argv = ["plan", "--gpus", "4", "--nodes", "2", "--target", str(target), "--drafter-layers", "2",
+                "--dtype-bytes", "4", "--zero-stage", str(args.zero_stage), "--target-tok-per-s", f"{c / 2:.0f}",
+                "--drafter-tok-per-s", f"{c / 2:.0f}", "--token-budget", f"{r['padded_tokens_per_step'] / 2:.0f}",
+                "--padding-efficiency", f"{r['padding_efficiency']:.3f}", "--link-gbit-per-s", f"{_gbit(rate):g}"]
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            cli([*argv, "--json"])
+        mn = json.loads(buf.getvalue())["multinode"]
+        p = mn["best"]["per node" if r["layout"] == "per-node" else "target nodes"]
+        print("dflash-ds " + " ".join(argv))
         print(f"{r['layout']:<12} {rate}: predicted {p['tok_per_s']:,.0f} tok/s ({p['bound']}; hidden "
               f"{p['hidden_bytes_per_token']:,.0f} B/tok, ZeRO {p['zero_bytes_per_step']:,.0f} B/step), measured "
-              f"{r['tok_per_s']:,.0f} ({r['tok_per_s'] / p['tok_per_s']:.2f}x); unshaped {base[r['layout']]['tok_per_s']:,.0f}"
-              if r["layout"] in base else "", flush=True)
-
+              f"{r['tok_per_s']:,.0f} ({r['tok_per_s'] / p['tok_per_s']:.2f}x); unshaped {c:,.0f}", flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())
