@@ -51,7 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each node's inter-node NIC line rate in Gbit/s (needs --nodes >= 2 and the rates): "
                              "compares targets on every node (--targets-per-node) with targets on whole nodes "
                              "(hidden states cross), each at min(compute, link) tok/s; payload = 0.956 x line rate "
-                             "(1500-byte MTU framing, measured in docs/BENCHMARKS.md 'Across hosts')")
+                             "(1500-byte MTU framing, measured in docs/BENCHMARKS.md 'Across hosts'). Qwen3-8B, 2 "
+                             "nodes x 8 GPUs, a = b = 7,000, 16k-token micro-batches: targets on every node send 5.5 "
+                             "GB of ZeRO-2 per step over each NIC (3 x 7/8 x 1.05e9 x 2 B) and reach 46,794 / 50,985 "
+                             "/ 53,375 tok/s at 100 / 200 / 400 Gbit/s; targets on one node (49,168 B/token cross) "
+                             "stay at the compute's 56,000")
     parser.add_argument("--drafter-params", type=float, default=None,
                         help="the drafter's trainable parameters, which its ZeRO collectives move (default: the "
                              "memory model's Psi, 1.05e9 at Qwen3-8B with 5 layers)")
