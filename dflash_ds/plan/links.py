@@ -14,12 +14,13 @@ Bytes a node's NIC carries in its busiest direction (full duplex: in and out are
 - ZeRO, per optimizer step and node, for a ring over the n drafter ranks (nodes contiguous on it, so one rank
   pair carries each node boundary, and each rank sends (n - 1)/n of the tensor to its successor per pass):
   Z = passes x (n - 1)/n x P x z (P the drafter's trainable parameters, z bytes per element: bf16 2, fp32 4);
-  passes per step, as DeepSpeed 0.18 sends them: its ZeRO-1/2 reduce a gradient bucket with one all-reduce
+  passes per step, as DeepSpeed 0.19 sends them: its ZeRO-1/2 reduce a gradient bucket with one all-reduce
   (use_multi_rank_bucket_allreduce, on by default: 2 passes) rather than a reduce-scatter, then all-gather
   the updated parameters (1 pass): ZeRO-0: 2, ZeRO-1: 3 (gradients reduced once, at the step), ZeRO-2: 2A + 1
   (reduced after every one of the A micro-batches a drafter accumulates: the stage-2 hooks), ZeRO-3: 3A
   (parameters gathered for forward and backward, gradients reduce-scattered, every micro-batch). Measured on
-  two hosts at ZeRO-2, A = 1: 1.98 MB sent per step and host for 6 x 328,576 B = 1.97 MB (BENCHMARKS.md).
+  two hosts at ZeRO-2, A = 1 (the other stages are read from DeepSpeed's code, not measured):
+  1.98-2.01 MB sent per step and host for 3 x 1/2 x 328,576 x 4 B = 1.97 MB (BENCHMARKS.md).
   Per real token: Z / (n x A x B x E), B the token budget of a micro-batch;
 
 The two kinds of traffic cost differently. The hidden states are pipelined: targets send ahead while the
