@@ -126,7 +126,8 @@ def multinode(args: argparse.Namespace, p: dict[str, Any], a: float | None, b: f
     best = {name: max((o for o in layouts if o["layout"] == name), key=lambda o: o["tok_per_s"], default=None)
             for name in ("per node", "target nodes")}
     # a tie goes to per node: no hidden state leaves its node
-    winner = max(best.values(), key=lambda o: (o["tok_per_s"], o["layout"] == "per node"))
+    # (no per-node option when a target replica fills a node)
+    winner = max((o for o in best.values() if o), key=lambda o: (o["tok_per_s"], o["layout"] == "per node"))
     return {"line_gbit_per_s": args.link_gbit_per_s, "payload_bytes_per_s": rate, "zero": zero,
             "layouts": layouts, "best": best, "winner": winner}
 

@@ -315,6 +315,10 @@ def test_link_limits_per_layout_by_hand(capsys) -> None:
     assert target_node["tok_per_s"] == pytest.approx(min(2000, rate / wire))  # 385.2
     assert (per_node["bound"], target_node["bound"]) == ("compute + ZeRO", "link (hidden states)")
     assert mn["winner"] is not None and mn["winner"]["layout"] == "target nodes"
+    whole = plan_json(capsys, "--gpus", "4", "--nodes", "2", "--target-parallel", "2", "--target-tok-per-s", "1000",
+                      "--drafter-tok-per-s", "1000", "--drafter-params", "1e6", "--link-gbit-per-s", "0.01")
+    assert whole["multinode"]["best"]["per node"] is None  # a replica fills a node: only whole target nodes
+    assert whole["multinode"]["winner"]["layout"] == "target nodes"
     assert main(["plan", "--gpus", "4", "--target-tok-per-s", "1", "--drafter-tok-per-s", "1",
                  "--link-gbit-per-s", "1"]) == 2  # one node: nothing crosses
     assert "--nodes >= 2" in capsys.readouterr().err
