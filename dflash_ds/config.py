@@ -239,8 +239,8 @@ class TrainConfig:
     the walked rows; the walks' own mean is est_tau_walked. The ratio is what the walks are for: one
     response's walk varies by ~40% of the mean (0.39 on the demo's 478 rows) and the pool spans the
     drafter's last ~200 steps on 2 drafters (50 on 8), so the walks' own mean is noisy and lags, while the
-    ratio moves little (hard rows are hard by both counts). Demo: est_tau 3.76 at step 300 against 3.91
-    walked over all the training text with that step's weights (est_tau_walked 3.49), at most 4.3% between
+    ratio moves little (hard rows are hard by both counts). Demo: est_tau 3.76 at step 300 against 3.97
+    served on all the training prompts with that step's weights (est_tau_walked 3.49), at most 4.3% between
     records (docs/QUALITY.md). Under a noise schedule the training tau is of noised features, so est_tau
     reads low while noise is on. A resumed run reads its walks back from records/walks{d}.jsonl."""
     eval_interval: int = 0
