@@ -94,11 +94,14 @@ def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: tor
     def pick(lo: int) -> torch.Tensor:
         h = flat[lo:lo + chunk_blocks]
         unary = lm_head(h).argmax(-1)
-        drafted = unary if walk is None else walk(h, lm_head, anchor_ids[lo:lo + chunk_blocks])[0]
-        return torch.stack([drafted, unary], dim=-1)
+        if walk is None:  # DFlash drafts its argmax: one set of picks serves both
+            return unary[..., None]
+        return torch.stack([walk(h, lm_head, anchor_ids[lo:lo + chunk_blocks])[0], unary], dim=-1)
 
-    picks = torch.cat([pick(lo) for lo in range(0, r * a, chunk_blocks)]).view(r, a, bs - 1, 2)
-    return torch.stack([leading_run(picks[..., i] == labels, label_valid) for i in range(2)], dim=-1)
+    picks = torch.cat([pick(lo) for lo in range(0, r * a, chunk_blocks)])
+    picks = picks.view(r, a, bs - 1, picks.shape[-1])
+    runs = torch.stack([leading_run(picks[..., i] == labels, label_valid) for i in range(picks.shape[-1])], dim=-1)
+    return runs.expand(r, a, 2)  # [..., 0] as drafted, [..., 1] by the argmax (a view for DFlash)
 
 
 def decode_walk(runs: np.ndarray, loss_mask: np.ndarray, length: int) -> list[list[int]]:
