@@ -93,10 +93,11 @@ def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: tor
 
     def pick(lo: int) -> torch.Tensor:
         h = flat[lo:lo + chunk_blocks]
-        unary = lm_head(h).argmax(-1)
         if walk is None:  # DFlash drafts its argmax: one set of picks serves both
-            return unary[..., None]
-        return torch.stack([walk(h, lm_head, anchor_ids[lo:lo + chunk_blocks])[0], unary], dim=-1)
+            return lm_head(h).argmax(-1)[..., None]
+        drafted, candidates, _ = walk(h, lm_head, anchor_ids[lo:lo + chunk_blocks])
+        # the argmax is the first of the head's top-K candidates: the LM head runs once
+        return torch.stack([drafted, candidates[..., 0]], dim=-1)
 
     picks = torch.cat([pick(lo) for lo in range(0, r * a, chunk_blocks)])
     picks = picks.view(r, a, bs - 1, picks.shape[-1])
