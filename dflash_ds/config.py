@@ -56,8 +56,10 @@ class DrafterConfig:
     attention_backend: str = "auto"
     """Training attention: auto (flex_attention on CUDA, dense mask + SDPA on CPU), dense, or flex (CUDA only)."""
     kind: str = "dflash"
-    """dflash, or dflash2: DFlash plus grouped convolutions around each sublayer and a candidate selector (its
-    fields below; why these defaults at Qwen3-8B / Qwen3.6-27B: models/dflash2_arch.py)."""
+    """dflash; dflash2: DFlash plus grouped convolutions around each sublayer and a candidate selector (its
+    fields below; why these defaults at Qwen3-8B / Qwen3.6-27B: models/dflash2_arch.py); or dspark: DFlash plus
+    a sequential Markov head and a confidence head (models/dspark_arch.py; train it with configs/recipes_dspark.yaml's
+    dspark recipe: loss.lk l1, loss.lk_weight 0.9, loss.gamma 4)."""
     conv_kernel_size: int = 2
     """dflash2: taps of each in-block convolution (2: position i reads i and i - 1)."""
     conv_group_size: int = 64
@@ -72,6 +74,12 @@ class DrafterConfig:
     """dflash2: unary scores are cap * tanh(logit / cap); 0 = no cap."""
     input_embedding_scale: float = 1.0
     """dflash2: multiplies the embedded block inputs."""
+    markov_rank: int = 256
+    """dspark: rank of the Markov head (2 x vocab x rank parameters: 77.8 M at Qwen3-8B, models/dspark_arch.py)."""
+    enable_confidence_head: bool = True
+    """dspark: build the confidence head (an estimate that each drafted token is accepted; eval --confidence-stop)."""
+    confidence_head_with_markov: bool = True
+    """dspark: the confidence head also reads the previous token's Markov embedding."""
 
 
 @dataclass
@@ -95,7 +103,8 @@ class LossConfig:
     labels: str = "data"
     """Hard labels of the CE term: data (the data's next tokens) or target (the target's argmax at each position)."""
     lk: str = ""
-    """LK loss on the acceptance rate alpha = sum min(p_drafter, p_target): "" (off), log (-log alpha) or hybrid."""
+    """LK loss on the acceptance rate alpha = sum min(p_drafter, p_target): "" (off), log (-log alpha), hybrid, or
+    l1 (||p_drafter - p_target||_1 = 2 (1 - alpha): DeepSpec's DSpark term, 0.9 of it beside 0.1 CE)."""
     lk_weight: float = 1.0
     """Mix of the LK loss with the CE/KL term when lk is set: (1 - w) base + w LK (1 = LK alone, the paper's). LK
     alone trains the whole distribution: on the demo's uncertain target it gained 1.3 tau served with sampled
@@ -113,6 +122,9 @@ class LossConfig:
     """dflash2: weight of the selector term (K-way CE over the candidates given the gold predecessor)."""
     selector_detach: bool = False
     """dflash2: train the selector on detached hidden states (no selector gradient into the backbone)."""
+    confidence_weight: float = 1.0
+    """dspark: weight of the confidence head's BCE against the acceptance rate alpha = 1 - 0.5 ||p - q||_1
+    (detached; the greedy hit argmax == label when the batch carries no target distribution)."""
 
     @property
     def needs_last_hidden(self) -> bool:

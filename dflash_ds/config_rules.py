@@ -28,7 +28,8 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     *((f"model.{name}", "must be >= 1 (or null: the target's)", lambda v: v is None or v >= 1)
       for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")),
     ("model.attention_backend", "must be auto, dense or flex", lambda v: v in ("auto", "dense", "flex")),
-    ("model.kind", "must be dflash or dflash2", lambda v: v in ("dflash", "dflash2")),
+    ("model.kind", "must be dflash, dflash2 or dspark", lambda v: v in ("dflash", "dflash2", "dspark")),
+    ("model.markov_rank", "must be >= 1", lambda v: v >= 1),
     *((f"model.{name}", "must be >= 1", lambda v: v >= 1)
       for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
     ("model.output_multiplier", "must be > 0", lambda v: v > 0),
@@ -42,13 +43,14 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("loss.kl_temperature", "must be > 0", lambda v: v > 0),
     ("loss.streak_weight", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("loss.labels", "must be data or target", lambda v: v in ("data", "target")),
-    ("loss.lk", 'must be "" (off), log or hybrid', lambda v: v in ("", "log", "hybrid")),
+    ("loss.lk", 'must be "" (off), log, hybrid or l1', lambda v: v in ("", "log", "hybrid", "l1")),
     ("loss.lk_weight", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("loss.lk_kl_scale", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("loss.lk_kl_decay", "must be >= 0", lambda v: v >= 0),
     ("loss.position_weighting", "must be decay or dpace", lambda v: v in ("decay", "dpace")),
     ("loss.dpace_alpha", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("loss.selector_weight", "must be >= 0", lambda v: v >= 0),
+    ("loss.confidence_weight", "must be >= 0", lambda v: v >= 0),
     ("optim.lr", "must be > 0", lambda v: v > 0),
     ("optim.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("optim.warmup_steps", "must be >= 0", lambda v: v >= 0),
@@ -149,21 +151,28 @@ def _validate_layer_types(m: DrafterConfig) -> None:
         raise DFlashError("config: model.layer_types has sliding_attention layers: set model.sliding_window")
 
 
-# the DFlash2 fields (models/dflash2_arch.option_names; importing it here would make an import cycle)
+# the fields of each kind beyond DFlash (models/dflash2_arch.option_names, models/dspark_arch.option_names;
+# importing them here would make an import cycle)
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
                   "final_logit_softcapping", "input_embedding_scale")
+KIND_FIELDS = {"dflash2": DFLASH2_FIELDS,
+               "dspark": ("markov_rank", "enable_confidence_head", "confidence_head_with_markov")}
 
 
 def _validate_dflash2_fields(cfg: Config) -> None:
-    """A DFlash2 field set away from its default while model.kind = dflash -> one clear error (it would be ignored).
+    """A field of another kind set away from its default (a dflash2 field while model.kind = dflash or dspark, a
+    dspark field while it is not dspark) -> one clear error (it would be ignored).
 
     With --drafter the folder fixes the kind (model.kind may stay at its default on a dflash2 folder):
     runtime/job.check_dflash2_matches_drafter checks these fields against the folder instead."""
-    if cfg.model.kind != "dflash" or cfg.drafter:
+    if cfg.drafter:
         return
     defaults = type(cfg.model)()
-    for name in DFLASH2_FIELDS:
-        value = getattr(cfg.model, name)
-        if value != getattr(defaults, name):
-            raise DFlashError(f"config: model.{name} = {value!r} is a dflash2 field but model.kind = 'dflash' "
-                              f"ignores it: set model.kind = dflash2 or drop model.{name}")
+    for kind, names in KIND_FIELDS.items():
+        if cfg.model.kind == kind:
+            continue
+        for name in names:
+            value = getattr(cfg.model, name)
+            if value != getattr(defaults, name):
+                raise DFlashError(f"config: model.{name} = {value!r} is a {kind} field but model.kind = "
+                                  f"{cfg.model.kind!r} ignores it: set model.kind = {kind} or drop model.{name}")

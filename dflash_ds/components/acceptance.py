@@ -72,8 +72,8 @@ def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: tor
                   loss_mask: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
                   chunk_blocks: int) -> torch.Tensor:
     """Per block, how many leading positions the drafter gets right: [R, A, 2] long, [..., 0] as it drafts
-    (its argmax; DFlash2: its selector's walk), [..., 1] by its argmax alone (the training `tau`'s rule, the
-    same for DFlash).
+    (its argmax; DFlash2: its selector's walk; DSpark: its Markov chain), [..., 1] by the training `tau`'s rule
+    (the argmax alone; the same for DFlash and DSpark).
 
     Blocks are `[x_a, MASK...]` from input_ids; position k's label is label_ids[a + k] (the data, or
     the target's choice: `target_labels`), counted while it is a response position inside the row.
@@ -88,21 +88,26 @@ def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: tor
     hidden = drafter.forward_train(context, embed(blocks).to(context.dtype), anchors)
     r, a = anchors.shape
     flat = hidden[:, :, 1:].reshape(r * a, bs - 1, -1)
-    walk = getattr(drafter, "draft_tokens", None)  # DFlash2 (models/dflash2.py): what the selector's walk drafts
+    # DFlash2 (models/dflash2.py): what the selector's walk drafts; DSpark (models/dspark.py): its Markov chain
+    walk = getattr(drafter, "draft_tokens", None)
     anchor_ids = blocks[:, :, 0].reshape(r * a)
 
     def pick(lo: int) -> torch.Tensor:
         h = flat[lo:lo + chunk_blocks]
         if walk is None:  # DFlash drafts its argmax: one set of picks serves both
             return lm_head(h).argmax(-1)[..., None]
-        drafted, candidates, _ = walk(h, lm_head, anchor_ids[lo:lo + chunk_blocks])
+        draft = walk(h, lm_head, anchor_ids[lo:lo + chunk_blocks])
+        if draft.candidates is None:
+            # DSpark: the training tau's argmax is teacher-forced on the gold previous token, which the chain
+            # reads wherever it was right so far: the same leading run, one set of picks serves both
+            return draft.tokens[..., None]
         # the argmax is the first of the head's top-K candidates: the LM head runs once
-        return torch.stack([drafted, candidates[..., 0]], dim=-1)
+        return torch.stack([draft.tokens, draft.candidates[..., 0]], dim=-1)
 
     picks = torch.cat([pick(lo) for lo in range(0, r * a, chunk_blocks)])
     picks = picks.view(r, a, bs - 1, picks.shape[-1])
     runs = torch.stack([leading_run(picks[..., i] == labels, label_valid) for i in range(picks.shape[-1])], dim=-1)
-    return runs.expand(r, a, 2)  # [..., 0] as drafted, [..., 1] by the argmax (a view for DFlash)
+    return runs.expand(r, a, 2)  # [..., 0] as drafted, [..., 1] by the argmax (a view for DFlash and DSpark)
 
 
 def decode_walk(runs: np.ndarray, loss_mask: np.ndarray, length: int) -> list[list[int]]:

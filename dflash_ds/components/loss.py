@@ -24,7 +24,7 @@ from dflash_ds.components.weights import decay_weights, position_weights, streak
 from dflash_ds.config import LossConfig
 
 LK_EPS = 1e-8  # -log(alpha + eps): finite where alpha underflows; the gradient never switches off
-LABELS, LK_KINDS, POSITION_WEIGHTINGS = ("data", "target"), ("", "log", "hybrid"), ("decay", "dpace")
+LABELS, LK_KINDS, POSITION_WEIGHTINGS = ("data", "target"), ("", "log", "hybrid", "l1"), ("decay", "dpace")
 
 
 @dataclass
@@ -84,10 +84,13 @@ def lk_terms(spec: LossSpec, alpha: torch.Tensor, kl: torch.Tensor) -> tuple[tor
 
     log:    -log(alpha + eps)
     hybrid: w * KL + (1 - w) * (1 - alpha),  w = lk_kl_scale * exp(-lk_kl_decay * alpha), alpha detached in w
+    l1:     ||p_d - p_t||_1 = 2 (1 - alpha)  (DeepSpec's DSpark term)
     alpha = sum_v min(p_d, p_t) and KL = KL(p_t || p_d) at T = kl_temperature (no T^2 factor).
     """
     if spec.lk == "log":
         return -torch.log(alpha + LK_EPS), -1.0 / (alpha.detach() + LK_EPS), torch.zeros_like(kl)
+    if spec.lk == "l1":
+        return 2.0 * (1.0 - alpha), torch.full_like(alpha, -2.0), torch.zeros_like(kl)
     w = spec.lk_kl_scale * torch.exp(-spec.lk_kl_decay * alpha.detach())
     return w * kl + (1.0 - w) * (1.0 - alpha), -(1.0 - w), w
 
@@ -249,48 +252,63 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, labels, valid, target_hidden, head, spec, chunk, need_grad):  # noqa: D401
+    def forward(ctx, hidden, labels, valid, target_hidden, head, spec, chunk, need_grad, bias_embed, bias_w):
+        # bias_embed [N, K, r] and bias_w [V, r] (DSpark's Markov head, or None): logits = head(h) + e @ w^T,
+        # both differentiable, so the chunk's logits gradient also goes to e and w (a [V, r] sum over chunks)
         n = hidden.shape[0]
         grad = torch.zeros_like(hidden) if need_grad else None
+        biased = bias_embed is not None
+        grad_e = torch.zeros_like(bias_embed) if need_grad and biased else None
+        grad_w = torch.zeros_like(bias_w) if need_grad and biased else None
         num = torch.zeros((), dtype=torch.float32, device=hidden.device)
         weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         stats: list[list[torch.Tensor]] = [[], [], [], [], []]  # correct, top4, top8, alpha, argmax_alpha
         for lo in range(0, n, chunk):
             hi = min(lo + chunk, n)
             with torch.enable_grad():
-                h = hidden[lo:hi].detach().requires_grad_(need_grad)
-                logits = head(h)
+                inputs = [hidden[lo:hi].detach().requires_grad_(need_grad)]
+                logits = head(inputs[0])
+                if biased:
+                    inputs += [bias_embed[lo:hi].detach().requires_grad_(need_grad),
+                               bias_w.detach().requires_grad_(need_grad)]
+                    logits = logits + inputs[1] @ inputs[2].to(inputs[1].dtype).T
             target_logits = head(target_hidden[lo:hi]) if target_hidden is not None else None
             part, w, st, dz = _chunk_loss_and_grad(logits, labels[lo:hi], valid[lo:hi], spec, target_logits,
                                                    need_grad)
             del target_logits
             if need_grad:
-                grad[lo:hi] = torch.autograd.grad(logits, h, dz.to(logits.dtype))[0]
+                grads = torch.autograd.grad(logits, inputs, dz.to(logits.dtype))
+                grad[lo:hi] = grads[0]
+                if biased:
+                    grad_e[lo:hi] = grads[1]
+                    grad_w += grads[2]
             num += part
             weight_sum += w
             for acc, t in zip(stats, st):
                 acc.append(t)
-            del h, logits, dz
-        ctx.save_for_backward(grad)
+            del inputs, logits, dz
+        ctx.save_for_backward(grad, grad_e, grad_w)
         outs = (weight_sum, *(torch.cat(acc) for acc in stats))
         ctx.mark_non_differentiable(*outs)
         return (num, *outs)
 
     @staticmethod
     def backward(ctx, g_num, *_):
-        (grad,) = ctx.saved_tensors
-        return (grad * g_num.to(grad.dtype) if grad is not None else None), None, None, None, None, None, None, None
+        grads = [None if g is None else g * g_num.to(g.dtype) for g in ctx.saved_tensors]
+        return grads[0], None, None, None, None, None, None, None, grads[1], grads[2]
 
 
 def chunked_dflash_loss(hidden: torch.Tensor, head, labels: torch.Tensor, valid: torch.Tensor, /, *, gamma: float,
-                        target_hidden: torch.Tensor | None = None, chunk_blocks: int = 64, **knobs) -> LossTerms:
+                        target_hidden: torch.Tensor | None = None, chunk_blocks: int = 64,
+                        logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None, **knobs) -> LossTerms:
     """`dflash_loss(head(hidden), ...)` computed `chunk_blocks` blocks at a time (same value and gradient).
 
     hidden [N, K, H]: the drafter's final-normed states of the predicted positions; head maps
     [..., H] to vocabulary logits (the target's frozen LM head). target_hidden [N, K, H]: the
     target's final hidden state at the same positions, for the terms that read the target's
-    distribution (KL, LK, target labels; its logits are computed chunk by chunk too). `knobs`: the
-    other `LossSpec` fields. Peak memory is O(chunk_blocks x K x V) instead of O(N x K x V): about
+    distribution (KL, LK, target labels; its logits are computed chunk by chunk too). `logit_bias` (e [N, K, r],
+    w [V, r]): a low-rank bias e @ w^T added to the drafter's logits (DSpark's Markov head), never held whole;
+    both get gradients. `knobs`: the other `LossSpec` fields. Peak memory is O(chunk_blocks x K x V) instead of O(N x K x V): about
     8 bytes per (label position x vocabulary entry) of a chunk for CE, 16 with the target's
     distribution, 17 with LK (fp32 buffers; plus the heads' own outputs in the run dtype).
     """
@@ -299,9 +317,11 @@ def chunked_dflash_loss(hidden: torch.Tensor, head, labels: torch.Tensor, valid:
     spec = LossSpec(gamma, **knobs)
     if target_hidden is None or not spec.needs_target:
         spec, target_hidden = spec.without_target(), None
-    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or logit_bias is not None
+                                             and any(t.requires_grad for t in logit_bias))
     num, weight_sum, correct, in_top4, in_top8, alpha, argmax_alpha = _ChunkedHeadLoss.apply(
-        hidden, labels, valid, target_hidden, head, spec, chunk_blocks, need_grad)
+        hidden, labels, valid, target_hidden, head, spec, chunk_blocks, need_grad,
+        *(logit_bias if logit_bias is not None else (None, None)))
     has = target_hidden is not None
     return LossTerms(num / weight_sum.clamp(min=1e-12), correct, in_top4, in_top8, valid, weight_sum,
                      alpha if has else None, argmax_alpha if has else None)

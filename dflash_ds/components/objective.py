@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 from dflash_ds.components.anchors import block_inputs_and_labels, sample_anchors
+from dflash_ds.components.confidence import CONFIDENCE_SUMS, confidence_loss
 from dflash_ds.components.loss import LossTerms, acceptance_sums, chunked_dflash_loss, loss_knobs, metric_sums
 from dflash_ds.components.selector_loss import SELECTOR_SUMS, selector_loss
+from dflash_ds.components.weights import decay_weights
 from dflash_ds.config import LossConfig
 from dflash_ds.models.drafter import DFlashDrafter
 
@@ -60,17 +62,31 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
         pos = (anchors[:, :, None] + torch.arange(bs - 1, device=anchors.device)).clamp(max=context.shape[1] - 1)
         last = states.last_hidden
         target_hidden = torch.gather(last, 1, pos.reshape(b, -1, 1).expand(-1, -1, last.shape[-1])).view(n, bs - 1, -1)
-    terms = chunked_dflash_loss(hidden[:, :, 1:, :].reshape(n, bs - 1, -1), lm_head, labels.reshape(n, bs - 1),
-                                label_valid.reshape(n, bs - 1), target_hidden=target_hidden,
-                                chunk_blocks=loss_cfg.chunk_blocks, **loss_knobs(loss_cfg))
+    flat_hidden, flat_labels = hidden[:, :, 1:, :].reshape(n, bs - 1, -1), labels.reshape(n, bs - 1)
+    markov = getattr(drafter, "markov_head", None)  # DSpark (models/dspark.py): the Markov bias, teacher-forced
+    embed_prev = None
+    if markov is not None:
+        # position k reads the token before it: the anchor, then the gold labels (0 where there is none)
+        prev = torch.cat([blocks[:, :, :1].reshape(n, 1), flat_labels[:, :-1].clamp(min=0)], dim=1)
+        embed_prev = markov.embed(prev)
+    terms = chunked_dflash_loss(flat_hidden, lm_head, flat_labels, label_valid.reshape(n, bs - 1),
+                                target_hidden=target_hidden, chunk_blocks=loss_cfg.chunk_blocks,
+                                logit_bias=None if markov is None else (embed_prev, markov.markov_w2.weight),
+                                **loss_knobs(loss_cfg))
     sums = {**metric_sums(terms), **acceptance_sums(terms)}
     sums["anchors"] = valid.sum().float()
-    sums.update({k: torch.zeros((), device=dev) for k in SELECTOR_SUMS})
+    sums.update({k: torch.zeros((), device=dev) for k in (*SELECTOR_SUMS, *CONFIDENCE_SUMS)})
+    conf = None if markov is None else drafter.confidence_logits(flat_hidden, embed_prev)
+    if conf is not None and loss_cfg.confidence_weight > 0:
+        conf_loss, conf_sums = confidence_loss(conf, terms.alpha, terms.correct, terms.valid,
+                                               decay_weights(bs - 1, loss_cfg.gamma, dev))
+        terms.loss = terms.loss + loss_cfg.confidence_weight * conf_loss
+        sums.update(conf_sums)
     selector = getattr(drafter, "candidate_selector", None)  # DFlash2 (models/dflash2.py): the selector term
     if selector is not None and loss_cfg.selector_weight > 0:
         o = arch.dflash2
         sel_loss, sel_sums = selector_loss(
-            hidden[:, :, 1:, :].reshape(n, bs - 1, -1), lm_head, selector, labels.reshape(n, bs - 1),
+            flat_hidden, lm_head, selector, flat_labels,
             label_valid.reshape(n, bs - 1), blocks[:, :, 0].reshape(n), top_k=o.selector_top_k,
             output_multiplier=o.output_multiplier, softcap=o.final_logit_softcapping, gamma=loss_cfg.gamma,
             detach=loss_cfg.selector_detach, chunk_blocks=loss_cfg.chunk_blocks)

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from dflash_ds.errors import DFlashError
+from dflash_ds.eval.summary import SpecOutput, first_mismatch, summarize  # noqa: F401 - re-exported
 from dflash_ds.eval.tree import verify_tree
 from dflash_ds.eval.walk_draft import WalkDraft, walk_draft_fn
 from dflash_ds.models.drafter import DFlashDrafter, DrafterArch, DrafterCache
@@ -52,16 +52,6 @@ from dflash_ds.models.target import decoder_layers
 # token ids [B-1] (long) or logits over the vocabulary [B-1, V] (float) for block positions 1..B-1.
 # `new_context` holds the target features of the positions the drafter has not seen yet (up to start-1).
 DraftFn = Callable[[torch.Tensor | None, torch.Tensor, int], torch.Tensor]
-
-
-@dataclass
-class SpecOutput:
-    """One prompt's speculative generation."""
-
-    tokens: list[int]  # generated tokens (after the prompt), cut at max_new_tokens and the first eos
-    accept_lengths: list[int] = field(default_factory=list)  # tokens per decode step, bonus included
-    target_forwards: int = 0  # prefill + one per decode step + replay_forwards
-    replay_forwards: int = 0  # forwards that re-ran accepted tokens after restoring a cache that cannot be cut back
 
 
 def check_drafter_matches_target(arch: DrafterArch, target_cfg: dict, drafter_name: str, target_name: str) -> None:
@@ -309,11 +299,13 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
                          layer_ids: list[int] | None = None, mask_token_id: int | None = None,
                          max_new_tokens: int = 128, eos_ids: Iterable[int] = (), temperature: float = 0.0,
                          tree_budget: int | None = None, tree_top_k: int | None = None,
-                         generator: torch.Generator | None = None, draft_sample: str = "greedy") -> SpecOutput:
+                         generator: torch.Generator | None = None, draft_sample: str = "greedy",
+                         confidence_stop: float | None = None) -> SpecOutput:
     """Speculative decoding of one prompt; a tree_budget switches to tree drafting (temperature 0 only).
 
     `draft_sample` (temperature > 0): "greedy" drafts the argmax, as serving engines do by default, or
-    "probabilistic" samples the draft from the drafter's distribution (module docstring).
+    "probabilistic" samples the draft from the drafter's distribution (module docstring). `confidence_stop`
+    (a drafter with a confidence head): cut each draft where the running product of confidences falls below it.
 
     Block size, target layers and MASK id come from the drafter unless given; `draft_fn` replaces the
     drafter's drafting step (oracles in tests), `drafter` alone builds the real one.
@@ -323,11 +315,14 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
         block_size = a.block_size if block_size is None else block_size
         layer_ids = a.target_layer_ids if layer_ids is None else layer_ids
         mask_token_id = a.mask_token_id if mask_token_id is None else mask_token_id
-        walks = hasattr(drafter, "draft_tokens")  # DFlash2 (models/dflash2.py): its selector's walk drafts
-        draft_fn = draft_fn or (walk_draft_fn(drafter, target, temperature, draft_sample, generator) if walks
-                                else drafter_draft_fn(drafter, target))
+        walks = hasattr(drafter, "draft_tokens")  # DFlash2's selector walk or DSpark's Markov chain drafts
+        draft_fn = draft_fn or (walk_draft_fn(drafter, target, temperature, draft_sample, generator, confidence_stop)
+                                if walks else drafter_draft_fn(drafter, target))
         if walks and tree_budget is not None:
-            raise DFlashError("tree drafting is not implemented for a DFlash2 drafter: drop --tree-budget")
+            raise DFlashError(f"tree drafting is not implemented for a {drafter.kind} drafter: drop --tree-budget")
+        if confidence_stop is not None and getattr(drafter, "confidence_head", None) is None:
+            raise DFlashError("--confidence-stop needs a drafter with a confidence head (a dspark drafter built with "
+                              "enable_confidence_head)")
     if draft_fn is None or block_size is None:
         raise ValueError("speculative_generate needs a drafter, or a draft_fn and a block_size")
     if tree_budget is not None and temperature > 0:
@@ -347,7 +342,8 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
             block = torch.full((block_size,), mask_id, dtype=torch.long)
             block[0] = anchor
             draft_logits = _as_logits(draft_fn(new_ctx, block, start), vocab)
-            if draft_logits.shape[0] != block_size - 1:
+            cut = confidence_stop is not None and 0 < draft_logits.shape[0] < block_size - 1  # a confidence stop
+            if draft_logits.shape[0] != block_size - 1 and not cut:
                 raise ValueError(f"draft_fn returned {draft_logits.shape[0]} positions, expected {block_size - 1}")
             if tree_budget is None:
                 accepted, bonus, new_ctx = _verify_chain(tgt, anchor, draft_logits, start, temperature, generator,
@@ -358,43 +354,13 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
             out.replay_forwards += tgt.replays
             tgt.replays = 0
             out.accept_lengths.append(len(accepted) + 1)
+            out.drafted_tokens += draft_logits.shape[0]
+            if isinstance(draft_logits, WalkDraft) and draft_logits.confidence is not None:
+                judged = draft_logits.confidence[: len(accepted) + 1]  # the accepted ones and the first rejected
+                out.confidence += [(c, int(k < len(accepted))) for k, c in enumerate(judged)]
             out.tokens += accepted + [bonus]
             start += len(accepted) + 1
             if tgt.length != start:
                 raise RuntimeError(f"target cache holds {tgt.length} positions after a step, expected {start}")
     out.tokens = _finish(out.tokens, max_new_tokens, eos)
     return out
-
-
-def first_mismatch(spec: list[int], reference: list[int]) -> int | None:
-    """Index of the first generated token where two outputs differ (a length difference counts), or None."""
-    for i, (a, b) in enumerate(zip(spec, reference)):
-        if a != b:
-            return i
-    return None if len(spec) == len(reference) else min(len(spec), len(reference))
-
-
-def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
-    """tau, accepted-length histogram, per-position acceptance and target forwards per token over prompts.
-
-    `tau` is the public reference benchmark's "average acceptance length": the mean over prompts of each
-    prompt's mean accepted length (prompts without a decode step have none and are left out). `tau_pooled`
-    is the mean over all decode steps together, which weighs long prompts more.
-    """
-    lengths = [n for o in outputs for n in o.accept_lengths]
-    steps = max(len(lengths), 1)
-    per_prompt = [sum(o.accept_lengths) / len(o.accept_lengths) for o in outputs if o.accept_lengths]
-    tokens = sum(len(o.tokens) for o in outputs)
-    hist = [sum(1 for n in lengths if n == k) for k in range(1, block_size + 1)]
-    return {
-        "tau": sum(per_prompt) / max(len(per_prompt), 1),
-        "tau_pooled": sum(lengths) / steps,
-        "decode_steps": len(lengths),
-        "generated_tokens": tokens,
-        # histogram[i] = steps that yielded i+1 tokens (i accepted draft tokens + the bonus)
-        "accept_length_histogram": hist,
-        # per_position_acceptance[k-1] = P(draft position k accepted) = P(accept length >= k + 1)
-        "per_position_acceptance": [sum(1 for n in lengths if n >= k + 1) / steps for k in range(1, block_size)],
-        "target_forwards_per_token": sum(o.target_forwards for o in outputs) / max(tokens, 1),
-        "replay_forwards": sum(o.replay_forwards for o in outputs),
-    }

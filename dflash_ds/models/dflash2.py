@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ds.models.dflash2_selector import CandidateSelector, unary_candidates, walk
-from dflash_ds.models.drafter import DFlashDrafter, DrafterLayer
+from dflash_ds.models.drafter import BlockDraft, DFlashDrafter, DrafterLayer
 from dflash_ds.models.drafter_arch import DrafterArch
 
 
@@ -127,8 +127,8 @@ class DFlash2Drafter(DFlashDrafter):
         return ids, self.candidate_selector.edge_scores(hidden, ids, unary, anchor_ids)
 
     def draft_tokens(self, hidden: torch.Tensor, lm_head, anchor_ids: torch.Tensor, temperature: float = 0.0,
-                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The walk's drafts [N, L], the candidates [N, L, K] and the walked K-way score rows [N, L, K]."""
+                     generator: torch.Generator | None = None) -> BlockDraft:
+        """The walk's drafts [N, L], the walked K-way score rows [N, L, K] and their candidates [N, L, K]."""
         ids, scores = self.block_scores(hidden, lm_head, anchor_ids)
         tokens, rows = walk(scores, ids, temperature, generator)
-        return tokens, ids, rows
+        return BlockDraft(tokens, rows, None, ids)

@@ -23,9 +23,7 @@ from typing import Any
 from dflash_ds.config import DrafterConfig as _M  # the one source of the defaults
 from dflash_ds.errors import DFlashError
 
-DFLASH, DFLASH2 = "dflash", "dflash2"
-KINDS = (DFLASH, DFLASH2)
-ARCHITECTURES = {DFLASH: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}
+from dflash_ds.models.kinds import ARCHITECTURES, DFLASH, DFLASH2, KINDS  # noqa: F401 - re-exported
 
 
 @dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,18 @@ from dflash_ds.models.block_mask import (
 from dflash_ds.models.drafter_arch import (  # noqa: F401 - re-exported: the drafter's public names
     CONFIG_NAME, FULL, SAFETENSORS_NAME, SLIDING, DrafterArch, default_target_layer_ids, read_drafter_arch,
 )
+
+
+class BlockDraft(NamedTuple):
+    """What a drafter that drafts sequentially (`draft_tokens`: DFlash2's walk, DSpark's Markov chain) returns for
+    N blocks of L drafted positions: tokens [N, L]; the logits each token was drawn from [N, L, C], over the
+    `candidates` [N, L, C] ids (DFlash2's top-K) or, when that is None, over the whole vocabulary (DSpark, bias
+    included); the confidence head's probabilities [N, L] (None: no head)."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    confidence: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ds.errors import DFlashError, read_json_file
-from dflash_ds.models.dflash2_arch import ARCHITECTURES, DFLASH, DFLASH2, DFlash2Options
+from dflash_ds.models.dflash2_arch import DFlash2Options
+from dflash_ds.models.dspark_arch import DSparkOptions
+from dflash_ds.models.kinds import ARCHITECTURES, DFLASH, DFLASH2, DSPARK
 
 SAFETENSORS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -97,12 +99,17 @@ class DrafterArch:
     sliding_window: int | None = None
     """Window of the sliding layers, counting the query itself (HF convention)."""
     dflash2: DFlash2Options | None = None
-    """The DFlash2 parts (convolutions, candidate selector); None = a DFlash drafter."""
+    """The DFlash2 parts (convolutions, candidate selector); None = not a DFlash2 drafter."""
+    dspark: DSparkOptions | None = None
+    """The DSpark parts (Markov head, confidence head); None = not a DSpark drafter."""
 
     def __post_init__(self) -> None:
         self.layer_types = resolve_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
-        if self.dflash2 is not None:
-            self.dflash2.check(self.hidden_size, self.vocab_size)
+        if self.dflash2 is not None and self.dspark is not None:
+            raise DFlashError("a drafter is dflash2 or dspark, not both")
+        for opts in (self.dflash2, self.dspark):
+            if opts is not None:
+                opts.check(self.hidden_size, self.vocab_size)
         if SLIDING not in self.layer_types:
             self.sliding_window = None  # meaningless without a sliding layer; keeps exports canonical
 
@@ -113,13 +120,18 @@ class DrafterArch:
 
     @property
     def kind(self) -> str:
-        """dflash or dflash2 (models/dflash2_arch.KINDS)."""
-        return DFLASH if self.dflash2 is None else DFLASH2
+        """dflash, dflash2 or dspark (models/kinds.KINDS)."""
+        return DFLASH2 if self.dflash2 is not None else DSPARK if self.dspark is not None else DFLASH
 
     @property
     def dflash2_options(self) -> dict[str, Any] | None:
-        """The DFlash2 options as a plain dict (checkpoints record it); None for DFlash."""
+        """The DFlash2 options as a plain dict (checkpoints record it); None for another kind."""
         return None if self.dflash2 is None else asdict(self.dflash2)
+
+    @property
+    def dspark_options(self) -> dict[str, Any] | None:
+        """The DSpark options as a plain dict (checkpoints record it); None for another kind."""
+        return None if self.dspark is None else asdict(self.dspark)
 
     @property
     def has_sliding(self) -> bool:
@@ -161,6 +173,10 @@ class DrafterArch:
         if self.dflash2 is not None:  # vLLM reads block_size from dflash_config too (the export's block)
             cfg["architectures"] = [ARCHITECTURES[DFLASH2]]
             cfg["dflash_config"].update(block_size=self.block_size, **self.dflash2.to_config())
+        if self.dspark is not None:  # the DSpark keys at the top level, where vLLM reads them
+            cfg["architectures"] = [ARCHITECTURES[DSPARK]]
+            cfg["dflash_config"].update(block_size=self.block_size)
+            cfg.update(self.dspark.to_config())
         rope_type = self.rope_parameters.get("rope_type", "default")
         if rope_type != "default":
             # transformers-4.x loaders (and SGLang's get_rope_config on them) read only rope_scaling.
@@ -196,6 +212,8 @@ class DrafterArch:
                 layer_types=cfg.get("layer_types"), sliding_window=None if window is None else int(window),
                 dflash2=(DFlash2Options.from_config(dcfg, where)
                          if ARCHITECTURES[DFLASH2] in (cfg.get("architectures") or []) else None),
+                dspark=(DSparkOptions.from_config(cfg, where)
+                        if ARCHITECTURES[DSPARK] in (cfg.get("architectures") or []) else None),
             )
         except KeyError as exc:
             raise DFlashError(f"{where}: missing field {exc.args[0]!r} of a DFlash drafter config") from None

@@ -12,6 +12,7 @@ import torch
 
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.dflash2_arch import DFlash2Options
+from dflash_ds.models.dspark_arch import DSparkOptions
 from dflash_ds.models.drafter_arch import DrafterArch, default_target_layer_ids
 from dflash_ds.models.target import read_target_config
 
@@ -48,10 +49,11 @@ def drafter_arch_from_target(target_dir: str | Path, *, num_layers: int = 5, blo
                              mask_token_id: int | None = None, target_layer_ids: list[int] | None = None,
                              layer_types: list[str] | None = None,
                              sliding_window: int | None = None, dflash2: DFlash2Options | None = None,
+                             dspark: DSparkOptions | None = None,
                              **shape: int | None) -> DrafterArch:
     """Width, heads, vocab and RoPE from the target; target_layer_ids by the default rule (docs/DESIGN.md §2).
 
-    `dflash2` (None = a DFlash drafter) makes it a DFlash2 drafter of those options.
+    `dflash2` / `dspark` (None = a DFlash drafter) make it a DFlash2 / DSpark drafter of those options.
     `shape` may set any of SHAPE_OVERRIDES (None = the target's): the heads, head width and MLP width
     of the draft layers need not be the target's (z-lab's Qwen3.6-27B drafter: 32 / 8 heads of 128 on a
     target of 24 / 4 heads of 256). The hidden size is the target's: the drafter reads its hidden states
@@ -104,7 +106,7 @@ def drafter_arch_from_target(target_dir: str | Path, *, num_layers: int = 5, blo
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)), rope_parameters=rope,
             block_size=block_size, num_target_layers=n_target, mask_token_id=int(mask_token_id),
             target_layer_ids=list(layer_ids), layer_types=layer_types, sliding_window=sliding_window,
-            dflash2=dflash2,
+            dflash2=dflash2, dspark=dspark,
         )
     except DFlashError as exc:  # the layer-type rules: name the config fields they come from
         raise DFlashError(f"model.{exc}") from None

@@ -217,7 +217,7 @@ def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, 
 # Checkpoints written before the head and MLP widths were recorded lack those keys: not checked there.
 ARCH_KEYS = ("block_size", "target_layer_ids", "num_hidden_layers", "hidden_size", "vocab_size", "mask_token_id",
              "layer_types", "sliding_window", "num_attention_heads", "num_key_value_heads", "head_dim",
-             "intermediate_size", "kind", "dflash2_options")
+             "intermediate_size", "kind", "dflash2_options", "dspark_options")
 
 
 def trainer_state(cfg: Config, arch, num_drafters: int, global_batch: int, zero_stage: int, dtype, step: int,

@@ -10,7 +10,9 @@ import torch
 
 from dflash_ds.config import Config, DrafterConfig
 from dflash_ds.errors import DFlashError
-from dflash_ds.models.dflash2_arch import DFlash2Options, option_names
+from dflash_ds.models import dflash2_arch, dspark_arch
+from dflash_ds.models.dflash2_arch import DFlash2Options
+from dflash_ds.models.dspark_arch import DSparkOptions
 from dflash_ds.models.drafter_arch import DrafterArch, read_drafter_arch
 from dflash_ds.models.from_target import SHAPE_OVERRIDES, drafter_arch_from_target
 
@@ -28,6 +30,7 @@ def resolve_arch(cfg: Config) -> DrafterArch:
                                     mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids,
                                     layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window,
                                     dflash2=DFlash2Options.from_model_config(cfg.model),
+                                    dspark=DSparkOptions.from_model_config(cfg.model),
                                     **{name: getattr(cfg.model, name) for name in SHAPE_OVERRIDES})
 
 
@@ -61,23 +64,26 @@ def check_model_matches_drafter(cfg: Config, arch: DrafterArch) -> None:
 
 
 def check_dflash2_matches_drafter(cfg: Config, arch: DrafterArch, defaults: DrafterConfig) -> None:
-    """A DFlash2 model.* field set (away from its default) to another value than --drafter's -> one clear error.
+    """A DFlash2 or DSpark model.* field set (away from its default) to another value than --drafter's -> one clear
+    error.
 
     The folder fixes the kind too, so config_rules lets these through with --drafter (kind may stay at its
     default on a dflash2 folder) and this is where a DFlash2 field on a dflash folder is caught."""
-    for name in option_names():
-        asked = getattr(cfg.model, name)
-        if asked == getattr(defaults, name):  # the default: not asked
-            continue
-        if arch.dflash2 is None:
-            raise DFlashError(f"model.{name} = {asked} but --drafter {cfg.drafter} is a dflash drafter (kind = "
-                              f"dflash, no {name}): drop model.{name} or start from a dflash2 drafter "
-                              "(dflash-ds init-drafter --kind dflash2)")
-        has = getattr(arch.dflash2, name)
-        if asked != has:
-            raise DFlashError(f"model.{name} = {asked} but --drafter {cfg.drafter} has {name} = {has}: the "
-                              f"drafter's config.json fixes the shape; drop model.{name} or start from a drafter "
-                              "of that shape (dflash-ds init-drafter)")
+    for kind, opts, names in (("dflash2", arch.dflash2, dflash2_arch.option_names()),
+                              ("dspark", arch.dspark, dspark_arch.option_names())):
+        for name in names:
+            asked = getattr(cfg.model, name)
+            if asked == getattr(defaults, name):  # the default: not asked
+                continue
+            if opts is None:
+                raise DFlashError(f"model.{name} = {asked} but --drafter {cfg.drafter} is a {arch.kind} drafter "
+                                  f"(no {name}): drop model.{name} or start from a {kind} drafter "
+                                  f"(dflash-ds init-drafter --kind {kind})")
+            has = getattr(opts, name)
+            if asked != has:
+                raise DFlashError(f"model.{name} = {asked} but --drafter {cfg.drafter} has {name} = {has}: the "
+                                  f"drafter's config.json fixes the shape; drop model.{name} or start from a "
+                                  "drafter of that shape (dflash-ds init-drafter)")
 
 
 def torch_dtype(cfg: Config, cuda: bool) -> torch.dtype:

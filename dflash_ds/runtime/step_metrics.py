@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_ds.components.acceptance import WALK_SUMS, calibrated_walk, walk_metrics
+from dflash_ds.components.confidence import CONFIDENCE_SUMS, confidence_metrics
 from dflash_ds.components.loss import ACCEPTANCE_SUMS, metrics_from_sums
 from dflash_ds.components.selector_loss import SELECTOR_SUMS, selector_metrics
 from dflash_ds.runtime.memory import compiled_graphs, peak_memory_bytes, reserved_memory_bytes, reset_peak_memory
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 # Sums of the loss statistics (components/loss.metric_sums and acceptance_sums + the objective's "anchors").
 LOSS_SUMS = ("valid_positions", "correct", "top4", "top8", "blocks", "streak", "tree_streak4", "tree_streak8",
-             "anchors", *ACCEPTANCE_SUMS, *SELECTOR_SUMS)
+             "anchors", *ACCEPTANCE_SUMS, *SELECTOR_SUMS, *CONFIDENCE_SUMS)
 # Per-step values summed over steps and drafters (divided by their count when logged).
 STEP_SUMS = ("loss", "steps", "real_tokens", "padded_tokens", "num_seqs", "queue_depth", "tgt_batch_per_s",
              "tgt_forward_s", "grad_norm", "lr", "noise_std")
@@ -213,6 +214,9 @@ class WindowTotals:
             # DFlash2: the selector's accuracy given the gold predecessor beside the unary (top-1) accuracy on the
             # same positions, how often the top-K holds the gold token, and the selector term
             **(selector_metrics(s) if s["selector_positions"] > 0 else {}),
+            # DSpark: the confidence head's calibration against the teacher-forced greedy hit (ECE over 10 bins,
+            # Brier), its mean error against its BCE target and the BCE term (components/confidence.py)
+            **confidence_metrics(s),
             # greedy decoding walked over the response (components/acceptance.py): est_tau at every record when
             # train.est_tau_rows > 0, val_* on the validation split at an evaluation step
             **self.walks(float(m["tau"])),

@@ -9,31 +9,52 @@ from pathlib import Path
 
 from dflash_ds.config_parse import class_field_docs
 from dflash_ds.errors import DFlashError
-from dflash_ds.models.dflash2_arch import KINDS, DFlash2Options, option_names
+from dflash_ds.models import dflash2_arch, dspark_arch
+from dflash_ds.models.dflash2_arch import DFlash2Options
 from dflash_ds.models.drafter import DFlashDrafter
+from dflash_ds.models.dspark_arch import DSparkOptions
 from dflash_ds.models.from_target import SHAPE_OVERRIDES, drafter_arch_from_target, target_dtype
+from dflash_ds.models.kinds import KINDS
+from dflash_ds.models.warm_start import warm_start
 
 
 def init_drafter(target_dir: str | Path, out_dir: str | Path, *, num_layers: int = 5, block_size: int = 16,
                  mask_token_id: int | None = None, seed: int = 0, force: bool = False,
                  layer_types: list[str] | None = None, sliding_window: int | None = None,
-                 dflash2: DFlash2Options | None = None, **shape: int | None) -> DFlashDrafter:
+                 dflash2: DFlash2Options | None = None, dspark: DSparkOptions | None = None,
+                 **shape: int | None) -> DFlashDrafter:
     """Build, seed-init and save a drafter for `target_dir` into `out_dir` (atomically), in the target's dtype.
 
     The export's dtype is what SGLang / vLLM run under --dtype auto, so a bf16 target's drafter
     says bfloat16 (a float32 config would be served as float16 by SGLang). `shape`: the heads, head
-    width and MLP width when not the target's (models/from_target.SHAPE_OVERRIDES). `dflash2`: a DFlash2
-    drafter of those options (None = DFlash).
+    width and MLP width when not the target's (models/from_target.SHAPE_OVERRIDES). `dflash2` / `dspark`: a
+    drafter of that kind and those options (None = DFlash).
     """
-    out = Path(out_dir)
     arch = drafter_arch_from_target(target_dir, num_layers=num_layers, block_size=block_size,
                                     mask_token_id=mask_token_id, layer_types=layer_types,
-                                    sliding_window=sliding_window, dflash2=dflash2, **shape)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise DFlashError(f"output folder {out} is not empty (use --force to overwrite)")
+                                    sliding_window=sliding_window, dflash2=dflash2, dspark=dspark, **shape)
+    _check_out(Path(out_dir), force)
     model = DFlashDrafter(arch)
     model.init_weights(seed)  # drawn in fp32, then cast: the same numbers whatever the dtype
-    model = model.to(target_dtype(target_dir))
+    return save_atomically(model.to(target_dtype(target_dir)), Path(out_dir))
+
+
+def warm_start_drafter(source_dir: str | Path, out_dir: str | Path, kind: str,
+                       options: DFlash2Options | DSparkOptions | None = None, seed: int = 0,
+                       force: bool = False) -> DFlashDrafter:
+    """A `kind` drafter from the export in `source_dir` (models/warm_start.py), saved into `out_dir`."""
+    _check_out(Path(out_dir), force)
+    source = DFlashDrafter.from_pretrained(source_dir)
+    return save_atomically(warm_start(source, kind, options, seed), Path(out_dir))
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and any(out.iterdir()) and not force:
+        raise DFlashError(f"output folder {out} is not empty (use --force to overwrite)")
+
+
+def save_atomically(model: DFlashDrafter, out: Path) -> DFlashDrafter:
+    """Write the export into a temporary folder beside `out`, then put it in place (never half-written)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
     try:
@@ -48,7 +69,12 @@ def init_drafter(target_dir: str | Path, out_dir: str | Path, *, num_layers: int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="local HF folder of the target model (Qwen3 / Llama)")
+    p.add_argument("--target", help="local HF folder of the target model (Qwen3 / Llama); not with --from")
+    p.add_argument("--from", dest="source", default=None,
+                   help="warm start: build --kind from this trained DFlash export (ours, or a released one in the "
+                        "reference format), its backbone copied and the added parts at identity / zero, so that "
+                        "step 0 drafts exactly as it (the shape flags are the export's; only --kind's own flags "
+                        "apply). Train it with --drafter OUT")
     p.add_argument("--out", required=True, help="folder to write the drafter export (config.json, model.safetensors)")
     p.add_argument("--num-layers", type=int, default=5, help="draft decoder layers (default 5)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block incl. the anchor (default 16)")
@@ -68,23 +94,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intermediate-size", type=int, default=None,
                    help="MLP width of each draft layer (default: the target's)")
     p.add_argument("--kind", choices=KINDS, default="dflash",
-                   help="dflash, or dflash2 (grouped convolutions + candidate selector; DFlash2DraftModel export)")
-    defaults, docs = DFlash2Options(), class_field_docs(DFlash2Options)
-    for name in option_names():
-        value = getattr(defaults, name)
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
-                       help=f"dflash2: {docs[name][0].lower()}{docs[name][1:].rstrip('.')} (default {value})")
+                   help="dflash; dflash2 (grouped convolutions + candidate selector; DFlash2DraftModel export); or "
+                        "dspark (Markov head + confidence head; Qwen3DSparkModel export)")
+    for kind, cls, names in (("dflash2", DFlash2Options, dflash2_arch.option_names()),
+                             ("dspark", DSparkOptions, dspark_arch.option_names())):
+        defaults, docs = cls(), class_field_docs(cls)
+        for name in names:
+            value = getattr(defaults, name)
+            text = " ".join(docs[name].split())
+            kw = ({"type": lambda v: v.lower() in ("1", "true", "yes"), "metavar": "BOOL"}
+                  if isinstance(value, bool) else {"type": type(value)})
+            p.add_argument(f"--{name.replace('_', '-')}", default=value, **kw,
+                           help=f"{kind}: {text[0].lower()}{text[1:].rstrip('.')} (default {value})")
     p.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
 
 
 def run(args: argparse.Namespace) -> int:
-    types = [t.strip() for t in args.layer_types.split(",") if t.strip()] or None
-    model = init_drafter(args.target, args.out, num_layers=args.num_layers, block_size=args.block_size,
-                         mask_token_id=args.mask_token_id, seed=args.seed, force=args.force,
-                         layer_types=types, sliding_window=args.sliding_window,
-                         dflash2=DFlash2Options.from_model_config(args),
-                         **{name: getattr(args, name) for name in SHAPE_OVERRIDES})
+    if args.source:
+        if args.target:
+            raise DFlashError("init-drafter: --from takes the shape from the export; drop --target")
+        options = DFlash2Options.from_model_config(args) or DSparkOptions.from_model_config(args)
+        model = warm_start_drafter(args.source, args.out, args.kind, options, seed=args.seed, force=args.force)
+    elif not args.target:
+        raise DFlashError("init-drafter: give --target (a new drafter) or --from (a warm start from an export)")
+    else:
+        types = [t.strip() for t in args.layer_types.split(",") if t.strip()] or None
+        model = init_drafter(args.target, args.out, num_layers=args.num_layers, block_size=args.block_size,
+                             mask_token_id=args.mask_token_id, seed=args.seed, force=args.force,
+                             layer_types=types, sliding_window=args.sliding_window,
+                             dflash2=DFlash2Options.from_model_config(args),
+                             dspark=DSparkOptions.from_model_config(args),
+                             **{name: getattr(args, name) for name in SHAPE_OVERRIDES})
     n = sum(p.numel() for p in model.parameters())
     a = model.arch
     print(f"drafter: {a.num_hidden_layers} layers, hidden {a.hidden_size}, heads {a.num_attention_heads} / "
@@ -92,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
           f"target layers {a.target_layer_ids}, mask token {a.mask_token_id}, {n / 1e6:.2f} M params -> {args.out}")
     if a.dflash2 is not None:
         print(f"dflash2: {a.dflash2_options}")
+    if a.dspark is not None:
+        print(f"dspark: {a.dspark_options}")
     if a.has_sliding:
         print(f"layer types {a.layer_types}, sliding window {a.sliding_window}")
     return 0

@@ -74,7 +74,8 @@ def test_vllm_loads_dflash2_export_and_agrees(vllm_python: str, tiny_target: Pat
                 torch.testing.assert_close(pre.reshape(-1, h), v_pre, atol=TOL, rtol=TOL)
                 torch.testing.assert_close(post.reshape(-1, h), v_post, atol=TOL, rtol=TOL)
         head = lambda x: x @ _target_head(tiny_target).T  # noqa: E731
-        tokens, ids, _ = drafter.draft_tokens(inputs["hidden"], head, inputs["anchor_ids"])
+        draft = drafter.draft_tokens(inputs["hidden"], head, inputs["anchor_ids"])
+        tokens, ids = draft.tokens, draft.candidates
         _, scores = drafter.block_scores(inputs["hidden"], head, inputs["anchor_ids"])
     assert torch.equal(ids, got["candidate_ids"])
     torch.testing.assert_close(scores, got["scores"], atol=TOL, rtol=TOL)

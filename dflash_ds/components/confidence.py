@@ -1,0 +1,58 @@
+"""DSpark's confidence term and its calibration: BCE of the head's logit against the acceptance rate.
+
+DeepSpec's rule (`deepspec/modeling/dspark/loss.py`): the target of position k is alpha_k = 1 - 0.5
+||p_k - q_k||_1 = sum_v min(p, q), the chance that speculative sampling accepts a token drawn from the
+drafter's q_k (Markov bias included, teacher-forced), detached; the BCE is weighted by the same position
+decay as the rest of the loss. Without the target's distribution in the batch the target is the greedy hit
+(argmax == label), what greedy decoding of the data accepts.
+
+Calibration, logged per record (additive sums, for all-reduce): the expected calibration error of
+sigmoid(logit) against the teacher-forced greedy hit over 10 equal-width bins (what `eval` measures against
+real acceptance), the Brier score, and the mean |confidence - alpha| (DeepSpec's confidence_abs_error).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+BINS = 10
+CONFIDENCE_SUMS = ("conf_loss_sum", "conf_weight_sum", "conf_positions", "conf_brier", "conf_abs_err",
+                   *(f"conf_bin{b}_{k}" for b in range(BINS) for k in ("n", "p", "hit")))
+
+
+def confidence_loss(logits: torch.Tensor, alpha: torch.Tensor | None, hit: torch.Tensor, valid: torch.Tensor,
+                    weights: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted mean BCE over valid positions and the calibration sums (CONFIDENCE_SUMS).
+
+    logits / hit / valid [N, K]; alpha [N, K] or None (then the target is `hit`); weights [K] or [N, K]
+    (the position decay).
+    """
+    target = (alpha if alpha is not None else hit.float()).detach().clamp(0.0, 1.0)
+    w = weights.float() * valid.float()
+    bce = F.binary_cross_entropy_with_logits(logits.float(), target, reduction="none")
+    loss = (bce * w).sum() / w.sum().clamp(min=1e-12)
+    with torch.no_grad():
+        p, v, h = torch.sigmoid(logits.float()), valid.float(), hit.float()
+        sums = {"conf_loss_sum": (bce * w).sum(), "conf_weight_sum": w.sum(), "conf_positions": v.sum(),
+                "conf_brier": (((p - h) ** 2) * v).sum(), "conf_abs_err": ((p - target).abs() * v).sum()}
+        idx = (p * BINS).long().clamp(max=BINS - 1)
+        for b in range(BINS):
+            m = (idx == b).float() * v
+            sums.update({f"conf_bin{b}_n": m.sum(), f"conf_bin{b}_p": (p * m).sum(), f"conf_bin{b}_hit": (h * m).sum()})
+    return loss, sums
+
+
+def confidence_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """confidence_ece, confidence_brier (against the teacher-forced greedy hit), confidence_abs_error (against the
+    BCE's target) and confidence_loss, from summed CONFIDENCE_SUMS."""
+    n = float(sums.get("conf_positions", 0.0))
+    if n <= 0:
+        return {}
+    ece = sum(abs(float(sums[f"conf_bin{b}_p"]) - float(sums[f"conf_bin{b}_hit"])) for b in range(BINS)) / n
+    w = float(sums["conf_weight_sum"])
+    return {"confidence_ece": ece, "confidence_brier": float(sums["conf_brier"]) / n,
+            "confidence_abs_error": float(sums["conf_abs_err"]) / n,
+            "confidence_loss": float(sums["conf_loss_sum"]) / w if w > 0 else math.nan}

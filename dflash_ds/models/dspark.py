@@ -1,0 +1,103 @@
+"""The DSpark drafter: the DFlash backbone, a sequential Markov head and an acceptance-confidence head.
+
+What the engine runs, read in vLLM 0.32 (`qwen3_dspark.py`, `spec_decode/dspark/speculator.py`
+`_sample_sequential`): the backbone drafts the block's hidden states h_1..h_{B-1} in one pass, as DFlash;
+then, left to right, position k's logits are
+
+    z_k = lm_head(h_k) + markov_w2 @ markov_w1[x_{k-1}]
+
+with x_0 the anchor and x_{k-1} the token drafted at k-1 (argmax at T = 0; a draw from softmax(z_k / T) when
+drafts are sampled), and the confidence that x_k is accepted is sigmoid(proj([h_k, markov_w1[x_{k-1}]]))
+(`confidence_head_with_markov`; proj over h_k alone otherwise). Training teacher-forces x_{k-1} to the gold
+token (DeepSpec), which is what the sequential draft reads wherever the draft so far was right, so the
+training accuracy's leading run is the greedy acceptance. A fresh or warm-started drafter has markov_w2 = 0:
+no bias, it drafts as its DFlash backbone until training moves it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_ds.models.drafter import BlockDraft, DFlashDrafter
+from dflash_ds.models.drafter_arch import DrafterArch
+
+
+class MarkovHead(nn.Module):
+    """`markov_w1` (an embedding of the previous token, vocab x r) and `markov_w2` (a bias-free head, r -> vocab)."""
+
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """[...] previous token ids -> [..., r] Markov embeddings."""
+        return self.markov_w1(prev_ids)
+
+    def bias(self, embed: torch.Tensor) -> torch.Tensor:
+        """[..., r] Markov embeddings -> [..., V] logit biases."""
+        return self.markov_w2(embed)
+
+
+class ConfidenceHead(nn.Module):
+    """`proj`: one logit from the hidden state (and the Markov embedding), computed in fp32 as vLLM does."""
+
+    def __init__(self, input_dim: int, with_markov: bool) -> None:
+        super().__init__()
+        self.with_markov = with_markov
+        self.proj = nn.Linear(input_dim, 1, bias=True)
+
+    def forward(self, hidden: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+        """Confidence logits [...] of hidden [..., H] and Markov embeddings [..., r]."""
+        x = torch.cat([hidden, embed.to(hidden.dtype)], dim=-1) if self.with_markov else hidden
+        w, b = self.proj.weight, self.proj.bias
+        return torch.nn.functional.linear(x.float(), w.float(), b.float()).squeeze(-1)
+
+
+class DSparkDrafter(DFlashDrafter):
+    """DSpark: DFlash layers, `markov_head`, optional `confidence_head`; DFlash's forwards, export and loading."""
+
+    kind = "dspark"
+
+    def __init__(self, arch: DrafterArch) -> None:
+        if arch.dspark is None:
+            raise ValueError("DSparkDrafter needs arch.dspark (the DSpark options)")
+        super().__init__(arch)
+        o = arch.dspark
+        self.markov_head = MarkovHead(arch.vocab_size, o.markov_rank)
+        self.confidence_head = None
+        if o.enable_confidence_head:
+            dim = arch.hidden_size + (o.markov_rank if o.confidence_head_with_markov else 0)
+            self.confidence_head = ConfidenceHead(dim, o.confidence_head_with_markov)
+
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """As DFlash's, then markov_w2 = 0: no bias, so a new DSpark drafter drafts as its backbone."""
+        super().init_weights(seed, std)
+        with torch.no_grad():
+            self.markov_head.markov_w2.weight.zero_()
+
+    def confidence_logits(self, hidden: torch.Tensor, embed: torch.Tensor) -> torch.Tensor | None:
+        """The confidence head's logits [...] (None without the head)."""
+        return None if self.confidence_head is None else self.confidence_head(hidden, embed)
+
+    def draft_tokens(self, hidden: torch.Tensor, lm_head, anchor_ids: torch.Tensor, temperature: float = 0.0,
+                     generator: torch.Generator | None = None) -> BlockDraft:
+        """The sequential draft of final-normed hidden states [N, L, H] after anchors [N]: vLLM's rule (module doc)."""
+        base = lm_head(hidden).float()
+        prev = anchor_ids
+        tokens, logits, embeds = [], [], []
+        for pos in range(hidden.shape[1]):
+            embed = self.markov_head.embed(prev)
+            z = base[:, pos] + self.markov_head.bias(embed).float()
+            if temperature > 0:
+                probs = torch.softmax(z.double() / temperature, dim=-1)
+                prev = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            else:
+                prev = z.argmax(dim=-1)
+            tokens.append(prev)
+            logits.append(z)
+            embeds.append(embed)
+        conf = self.confidence_logits(hidden, torch.stack(embeds, dim=1))
+        return BlockDraft(torch.stack(tokens, dim=1), torch.stack(logits, dim=1),
+                          None if conf is None else torch.sigmoid(conf))

@@ -1,0 +1,87 @@
+"""The DSpark fields of a drafter's shape and of its export's config.json.
+
+Names and places are vLLM 0.32's (`qwen3_dspark.py`, `config/speculative.py`, `spec_decode/dspark/`):
+`markov_rank`, `enable_confidence_head` and `confidence_head_with_markov` are top-level config keys; the
+DFlash keys stay in `dflash_config`, which vLLM reads first. dflash-ds trains DSpark in the DFlash block
+layout (`[anchor, MASK x (B-1)]`, the anchor is the bonus token, positions 1..B-1 predict), so the export
+says `sample_from_anchor: false` (vLLM's DSpark speculator otherwise defaults to DeepSpec's
+anchor-as-first layout, where every one of B query positions predicts the next token). That layout is what
+lets a trained DFlash drafter warm-start a DSpark one, drafting exactly as before at step 0.
+
+Defaults (config.DrafterConfig holds them), at the real shape:
+- markov_rank 256 (DeepSpec's Qwen3 configs): markov_w1 (target vocab x r) + markov_w2 (draft vocab x r) =
+  2 x 151,936 x 256 = 77.8 M parameters at Qwen3-8B (7% of a 5-layer 1.05 B drafter; 1.24 GB of fp32
+  AdamW state with master weights), 2 x 248,320 x 256 = 127.1 M at Qwen3.6-27B. Serving reads one w1 row
+  and all of w2 per drafted position: 151,936 x 256 x 2 bytes = 78 MB of bf16 per position, the same
+  order as the LM head's own 1.24 GB read once per block (vLLM's `dspark_draft_topk` gathers k rows only).
+- enable_confidence_head true, confidence_head_with_markov true (DeepSpec's config): one logit from
+  [h, w1[prev]] (H + r inputs, 4,353 parameters at Qwen3-8B).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from dflash_ds.config import DrafterConfig as _M  # the one source of the defaults
+from dflash_ds.errors import DFlashError
+from dflash_ds.models.kinds import DSPARK
+
+# Top-level keys of a DSpark export beside the DFlash ones: fixed by the block layout dflash-ds trains.
+LAYOUT_KEYS = {"sample_from_anchor": False, "dspark_bonus_anchor": True}
+
+
+@dataclass
+class DSparkOptions:
+    """Shape of the DSpark parts: the Markov head and the confidence head."""
+
+    markov_rank: int = _M.markov_rank
+    """Rank r of the Markov head: markov_w1 (vocab x r) embeds the previous token, markov_w2 (vocab x r) maps
+    it to a logit bias."""
+    enable_confidence_head: bool = _M.enable_confidence_head
+    """Build the confidence head (a sigmoid estimate that each drafted token is accepted)."""
+    confidence_head_with_markov: bool = _M.confidence_head_with_markov
+    """The confidence head reads the previous token's Markov embedding beside the hidden state."""
+
+    def check(self, hidden_size: int, vocab_size: int, where: str = "") -> "DSparkOptions":
+        """One clear error naming the field that cannot build a drafter."""
+        where = f"{where}." if where else ""
+        if int(self.markov_rank) < 1:
+            raise DFlashError(f"{where}markov_rank = {self.markov_rank}: must be >= 1")
+        return self
+
+    def to_config(self) -> dict[str, Any]:
+        """The top-level keys this adds to the export's config.json."""
+        return {**asdict(self), **LAYOUT_KEYS}
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], where: str) -> "DSparkOptions":
+        """Read them back from a config.json (markov_rank must be there; the heads' switches default off, as
+        vLLM reads them)."""
+        if cfg.get("markov_rank") is None:
+            raise DFlashError(f"{where}: config of a Qwen3DSparkModel lacks 'markov_rank'")
+        if cfg.get("sample_from_anchor", True) is not False:
+            raise DFlashError(f"{where}: sample_from_anchor is not false: dflash-ds trains and evaluates DSpark in "
+                              "the DFlash block layout (the anchor is the bonus token); an anchor-as-first "
+                              "checkpoint (DeepSpec's) cannot be loaded here")
+        return cls(markov_rank=int(cfg["markov_rank"]),
+                   enable_confidence_head=bool(cfg.get("enable_confidence_head", False)),
+                   confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", False)))
+
+    @classmethod
+    def from_model_config(cls, model: Any) -> "DSparkOptions | None":
+        """From a run's `model.*` section (or init-drafter's flags): None unless the kind is dspark."""
+        if getattr(model, "kind", "") != DSPARK:
+            return None
+        return cls(**{f.name: getattr(model, f.name) for f in fields(cls)})
+
+
+def option_names() -> list[str]:
+    """The DSpark field names (config model.*, init-drafter flags, config.json keys)."""
+    return [f.name for f in fields(DSparkOptions)]
+
+
+def dspark_params(hidden_size: int, vocab_size: int, opts: DSparkOptions) -> int:
+    """Parameters of the Markov head (2 x vocab x rank) and the confidence head (inputs + bias)."""
+    conf = hidden_size + (opts.markov_rank if opts.confidence_head_with_markov else 0) + 1
+    return 2 * vocab_size * opts.markov_rank + (conf if opts.enable_confidence_head else 0)
