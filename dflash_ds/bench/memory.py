@@ -44,10 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a local HF target folder instead of --preset (its config.json, text_config when present)")
     parser.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (= target layers read)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block, the anchor included")
-    parser.add_argument("--kind", choices=["dflash", "dflash2"], default="dflash",
+    parser.add_argument("--kind", choices=["dflash", "dflash2", "dspark"], default="dflash",
                         help="drafter kind (model.kind) of the full-width prediction: dflash2 adds its convolutions, "
                              "selector codebooks and their saved activations at config.py's defaults (taps 2, group "
-                             "64, rank 64, top-K 8); the measured widths run a DFlash drafter either way")
+                             "64, rank 64, top-K 8); dspark its Markov head (2 x V x 256) and the loss's bias "
+                             "buffers; the measured widths run a DFlash drafter either way")
     parser.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch")
     parser.add_argument("--seq-len", type=int, default=2048,
                         help="tokens per sequence; the batch is token-budget // seq-len sequences, all response tokens")

@@ -11,6 +11,10 @@ padding blocks are computed too):
 
 DFlash2 (`DrafterShape.kind`): its two convolutions per layer count in the layer's parameters and add
 DFLASH2_SAVED_H H-wide values to a_tok; the selector counts in Psi and its kept K x rank rows in the loss.
+DSpark: its Markov head (2 x V x r) and confidence head count in Psi; the loss adds, per chunk, the bias
+product e @ w2^T and the head's output beside their sum (2 more [c, K, V] buffers of the run dtype), the
+[V, r] fp32 gradient accumulator of markov_w2 and the P x r Markov embeddings. At Qwen3-8B, r 256, chunk
+64 blocks of 15 positions, bf16: 2 x 960 x 151,936 x 2 = 0.58 GB + 0.16 GB + P x 512 bytes.
 
 The micro-step's peak is `held + max(forward, loss, backward)`:
 
@@ -98,6 +102,7 @@ class DrafterShape:
     conv_group_size: int = 64
     selector_rank: int = 64
     selector_top_k: int = 8
+    markov_rank: int = 256  # dspark
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,11 @@ def selector_params(d: DrafterShape) -> int:
     return (2 * d.vocab + d.hidden) * d.selector_rank if d.kind == "dflash2" else 0
 
 
+def markov_params(d: DrafterShape) -> int:
+    """DSpark's Markov head (two V x rank matrices) and confidence head ([h, e] -> 1, with bias) (0: other kinds)."""
+    return 2 * d.vocab * d.markov_rank + d.hidden + d.markov_rank + 1 if d.kind == "dspark" else 0
+
+
 def layer_params(d: DrafterShape) -> int:
     """Parameters of one draft layer: q/k/v/o, q/k norms, SwiGLU, two RMSNorms (+ DFlash2's two convs)."""
     h, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
@@ -142,8 +152,9 @@ def layer_params(d: DrafterShape) -> int:
 
 
 def drafter_params(d: DrafterShape) -> int:
-    """Psi: trainable parameters (layers, fc over n*H, hidden_norm, final norm, DFlash2's selector)."""
-    return d.num_layers * layer_params(d) + d.num_read * d.hidden * d.hidden + 2 * d.hidden + selector_params(d)
+    """Psi: trainable parameters (layers, fc over n*H, hidden_norm, final norm, DFlash2's selector, DSpark's heads)."""
+    return (d.num_layers * layer_params(d) + d.num_read * d.hidden * d.hidden + 2 * d.hidden + selector_params(d)
+            + markov_params(d))
 
 
 def anchors_per_row(batch: int, seq_len: int, block_size: int, num_anchors: int, max_anchors: int) -> int:
@@ -214,6 +225,10 @@ def micro_step_terms(d: DrafterShape, s: StepShape, param_grads: bool = True) ->
         # the selector loss keeps K x rank codebook rows per label position for backward; its top-K
         # vocabulary chunks run without grad after the DFlash loss's chunks are freed (below this moment)
         loss["selector_edges"] = p * d.selector_top_k * d.selector_rank * b
+    if d.kind == "dspark":
+        # the chunk's head output and bias product beside their sum, markov_w2's fp32 gradient accumulator,
+        # the teacher-forced Markov embeddings of every label position
+        loss["markov_bias"] = 2 * chunk * b + 4 * d.vocab * d.markov_rank + p * d.markov_rank * b
     # The end of forward, before the loss: without checkpointing the boolean mask is still alive.
     forward = {**({} if s.checkpointing else embeddings), "final_norm": loss["final_norm"],
                **({"attention_mask_bool": mask_entries} if mask_entries and not s.checkpointing else {})}
@@ -246,8 +261,10 @@ def _backward_phase(d: DrafterShape, s: StepShape, param_grads: bool, a_tok: int
             "grads_in_flight": t * b * (MLP_GRAD_I * d.intermediate + GRAD_H * h) + c * h * b,
             "param_grads": (later + 1) * grad_layer,
         }
-        if param_grads and d.kind == "dflash2":
-            terms["selector_grads"] = selector_params(d) * b  # made by the loss's backward, first
+        if param_grads and d.kind in ("dflash2", "dspark"):
+            # made by the loss's backward, first
+            terms["selector_grads" if d.kind == "dflash2" else "markov_grads"] = (
+                selector_params(d) + markov_params(d)) * b
 
         if s.checkpointing:
             terms["layer_inputs_released"] = -later * t * h * b

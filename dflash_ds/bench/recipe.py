@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from dflash_ds.bench.recipe_warm import warm_flags
 from dflash_ds.errors import DFlashError
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -65,8 +66,9 @@ def read_recipes(path: str | Path, config: str | None = None, shared: list[str] 
     seen: set[str] = set()
     for i, r in enumerate(recipes):
         where = f"--recipes {path}: entry {i + 1}"
-        if not isinstance(r, dict) or set(r) - {"name", "set"} or "name" not in r:
-            raise DFlashError(f"{where}: expected {{name: ..., set: {{section.key: value}}}}, got {r!r}")
+        if not isinstance(r, dict) or set(r) - {"name", "set", "from"} or "name" not in r:
+            raise DFlashError(f"{where}: expected {{name: ..., set: {{section.key: value}}, from: (optional, "
+                              f"bench/recipe_warm.py)}}, got {r!r}")
         name, overrides = str(r["name"]), r.get("set") or {}
         if not NAME.match(name) or name in seen:
             raise DFlashError(f"{where}: name {name!r} must be unique and use only letters, digits, _ . -")
@@ -94,7 +96,7 @@ def train_command(args: argparse.Namespace, recipe: dict, seed: int, run_dir: Pa
     cmd += ["--target", str(args.target), "--data", str(args.data), "--output-dir", str(run_dir),
             "--max-steps", str(args.steps), "--topology.colocate", "true", "--train.seed", str(seed),
             "--train.save_interval", str(args.save_interval), "--wandb.enabled", "false"]
-    return cmd + shared_flags(args.set) + override_flags(recipe["set"])
+    return cmd + shared_flags(args.set) + override_flags(recipe["set"]) + warm_flags(recipe, seed, run_dir)
 
 
 def shared_flags(items: list[str]) -> list[str]:
@@ -172,7 +174,7 @@ def run_settings(args: argparse.Namespace, recipe: dict, seed: int) -> dict[str,
     return {"target": where(args.target), "data": where(args.data), "config": where(args.config),
             "set": list(args.set), "recipe": recipe["set"], "seed": seed, "steps": args.steps, "ranks": args.ranks,
             "eval_data": where(args.eval_data), "num_prompts": args.num_prompts,
-            "max_new_tokens": args.max_new_tokens}
+            "max_new_tokens": args.max_new_tokens, **({"from": recipe["from"]} if recipe.get("from") else {})}
 
 
 def check_settings(run_dir: Path, settings: dict[str, Any]) -> None:

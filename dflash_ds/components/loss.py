@@ -393,7 +393,9 @@ def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float | list[f
         "tree_streak4": ratio("tree_streak4", "blocks"),
         "tree_streak8": ratio("tree_streak8", "blocks"),
         "accuracy_per_position": pos_acc,
-        **({"alpha": ratio("alpha", "alpha_positions"), "alpha_tau": 1.0 + ratio("alpha_streak", "blocks"),
+        # tv_distance = 1 - alpha = 0.5 ||p_d - p_t||_1: the L1 term (lk l1, DSpark's) halved
+        **({"alpha": ratio("alpha", "alpha_positions"), "tv_distance": 1.0 - ratio("alpha", "alpha_positions"),
+            "alpha_tau": 1.0 + ratio("alpha_streak", "blocks"),
             "argmax_alpha": ratio("argmax_alpha", "alpha_positions"),
             "argmax_alpha_tau": 1.0 + ratio("argmax_alpha_streak", "blocks")}
            if float(sums.get("alpha_positions", 0.0)) > 0 else {}),

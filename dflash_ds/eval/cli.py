@@ -89,21 +89,25 @@ def parse_budgets(text: str) -> list[int]:
 
 
 def evaluate(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-             tree_budgets: Sequence[int] = (), seed: int = 0, log=print, draft_sample: str = "greedy") -> dict:
-    """Run every prompt through greedy, single-path and tree decoding; return the results dict."""
+             tree_budgets: Sequence[int] = (), seed: int = 0, log=print, draft_sample: str = "greedy",
+             confidence_stop: float | None = None) -> dict:
+    """Run every prompt through greedy, single-path and tree decoding (and single-path under a confidence stop);
+    return the results dict."""
     eos = eos_token_ids(target)
     block = drafter.arch.block_size
-    runs: dict[str, list[SpecOutput]] = {"chain": [], **{f"tree{b}": [] for b in tree_budgets}}
+    runs: dict[str, list[SpecOutput]] = {"chain": [], **{f"tree{b}": [] for b in tree_budgets},
+                                         **({"stop": []} if confidence_stop is not None else {})}
     mismatches: list[dict] = []
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
         reference = greedy_generate(target, prompt, max_new_tokens, eos) if temperature <= 0 else None
         for name in runs:
-            budget = None if name == "chain" else int(name[4:])
+            budget = int(name[4:]) if name.startswith("tree") else None
             gen = torch.Generator().manual_seed(seed + i)  # the same prompt samples the same way across runs
             out = speculative_generate(target, prompt, drafter=drafter, max_new_tokens=max_new_tokens, eos_ids=eos,
                                        temperature=temperature, tree_budget=budget, generator=gen,
-                                       draft_sample=draft_sample)
+                                       draft_sample=draft_sample,
+                                       confidence_stop=confidence_stop if name == "stop" else None)
             runs[name].append(out)
             at = None if reference is None else first_mismatch(out.tokens, reference)
             if at is not None:
@@ -118,6 +122,10 @@ def evaluate(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, 
                **({"draft_sample": draft_sample} if temperature > 0 else {}),
                **summarize(runs["chain"], block),
                "tree": {str(b): summarize(runs[f"tree{b}"], block) for b in tree_budgets},
+               # each draft cut where the running product of the confidence head's estimates falls below the
+               # threshold: fewer verified tokens per accepted one, at what cost in tau
+               **({"confidence_stop": {"threshold": confidence_stop, **summarize(runs["stop"], block)}}
+                  if confidence_stop is not None else {}),
                "mismatches": mismatches}
     return results
 
@@ -133,6 +141,11 @@ def format_table(r: dict) -> str:
     lines.append("accepted length histogram (1.." + str(r["block_size"]) + "): "
                  + " ".join(str(n) for n in r["accept_length_histogram"]))
     lines.append("P(position k accepted), k = 1..: " + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]))
+    for name, x in (("", r), ("with --confidence-stop: ", r.get("confidence_stop"))):
+        if x and "confidence_calibration" in x:
+            c = x["confidence_calibration"]
+            lines.append(f"{name}confidence head: ECE {c['ece']:.3f}, Brier {c['brier']:.3f} over {c['judged_tokens']} "
+                         f"judged tokens; drafted per accepted {x['drafted_per_accepted']:.2f}, tau {x['tau']:.3f}")
     return "\n".join(lines)
 
 
@@ -152,6 +165,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the draft and accepts with min(1, p/q) (vLLM's draft_sample_method probabilistic)")
     parser.add_argument("--tree-budget", default="", help="comma-separated draft-node budgets for tree drafting, "
                         "e.g. 16,64,256 (default: single path only)")
+    parser.add_argument("--confidence-stop", type=float, default=None, metavar="P",
+                        help="a drafter with a confidence head (dspark): also decode with each draft cut before the "
+                             "first token whose running product of confidences falls below P (one token always "
+                             "drafted); the JSON's confidence_stop has tau, drafted_per_accepted and "
+                             "target_forwards_per_token beside the uncut run's")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for --temperature > 0 (default 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -178,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature < 0:
         raise DFlashError(f"--temperature {args.temperature}: must be >= 0")
     budgets = parse_budgets(args.tree_budget)
+    if args.confidence_stop is not None and not 0 < args.confidence_stop < 1:
+        raise DFlashError(f"--confidence-stop {args.confidence_stop}: must be in (0, 1)")
     if args.engine == "vllm" and budgets:
         raise DFlashError("--engine vllm measures single-path acceptance: no --tree-budget")
     if args.engine == "vllm":
@@ -199,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
           f"temperature {args.temperature}, tree budgets {budgets or 'none'}", flush=True)
     results = evaluate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        tree_budgets=budgets, seed=args.seed, log=lambda s: print(s, flush=True),
-                       draft_sample=args.draft_sample)
+                       draft_sample=args.draft_sample, confidence_stop=args.confidence_stop)
     results.update({"target": str(args.target), "drafter": str(args.drafter), "data": str(args.data)})
     print(format_table(results))
     if args.engine == "vllm":

@@ -10,8 +10,9 @@ with x_0 the anchor and x_{k-1} the token drafted at k-1 (argmax at T = 0; a dra
 drafts are sampled), and the confidence that x_k is accepted is sigmoid(proj([h_k, markov_w1[x_{k-1}]]))
 (`confidence_head_with_markov`; proj over h_k alone otherwise). Training teacher-forces x_{k-1} to the gold
 token (DeepSpec), which is what the sequential draft reads wherever the draft so far was right, so the
-training accuracy's leading run is the greedy acceptance. A fresh or warm-started drafter has markov_w2 = 0:
-no bias, it drafts as its DFlash backbone until training moves it.
+training accuracy's leading run is the greedy acceptance. A fresh drafter's Markov head is drawn like its
+other weights (std 0.02: a bias of ~r x 4e-4, nothing against the head's logits, but both factors get
+gradients); a warm-started one has markov_w2 = 0 and drafts exactly as its DFlash source (models/warm_start.py).
 """
 
 from __future__ import annotations
@@ -71,11 +72,6 @@ class DSparkDrafter(DFlashDrafter):
             dim = arch.hidden_size + (o.markov_rank if o.confidence_head_with_markov else 0)
             self.confidence_head = ConfidenceHead(dim, o.confidence_head_with_markov)
 
-    def init_weights(self, seed: int, std: float = 0.02) -> None:
-        """As DFlash's, then markov_w2 = 0: no bias, so a new DSpark drafter drafts as its backbone."""
-        super().init_weights(seed, std)
-        with torch.no_grad():
-            self.markov_head.markov_w2.weight.zero_()
 
     def confidence_logits(self, hidden: torch.Tensor, embed: torch.Tensor) -> torch.Tensor | None:
         """The confidence head's logits [...] (None without the head)."""

@@ -47,7 +47,9 @@ def warm_start(source: DFlashDrafter, kind: str, options: DFlash2Options | DSpar
     missing = drafter.load_state_dict(state, strict=False)
     if missing.unexpected_keys:  # pragma: no cover - a dflash backbone is a subset of every kind's
         raise DFlashError(f"warm start: tensors {missing.unexpected_keys[:3]} have no place in a {kind} drafter")
-    if kind == DFLASH2:
-        with torch.no_grad():
+    with torch.no_grad():
+        if kind == DFLASH2:
             drafter.candidate_selector.successor_codebook.zero_()
+        else:
+            drafter.markov_head.markov_w2.weight.zero_()
     return drafter.to(next(source.parameters()).dtype)

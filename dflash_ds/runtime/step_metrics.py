@@ -210,7 +210,8 @@ class WindowTotals:
             # distribution (loss.kl_weight > 0, loss.lk or loss.labels = target); alpha_tau: 1 + the expected
             # accepted drafts of a block under speculative sampling (sum_k prod_{j<=k} alpha_j), uniform anchors;
             # argmax_alpha(_tau): the same for the drafter's argmax drafted (vLLM's and SGLang's default)
-            **({k: m[k] for k in ("alpha", "alpha_tau", "argmax_alpha", "argmax_alpha_tau")} if "alpha" in m else {}),
+            **({k: m[k] for k in ("alpha", "tv_distance", "alpha_tau", "argmax_alpha", "argmax_alpha_tau")}
+               if "alpha" in m else {}),
             # DFlash2: the selector's accuracy given the gold predecessor beside the unary (top-1) accuracy on the
             # same positions, how often the top-K holds the gold token, and the selector term
             **(selector_metrics(s) if s["selector_positions"] > 0 else {}),

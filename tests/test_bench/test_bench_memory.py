@@ -179,3 +179,35 @@ def test_bench_memory_on_cuda_flex_bf16(tiny_target: Path, tmp_path: Path) -> No
     assert (res["dtype"], res["mask"], res["activation_checkpointing"]) == ("bf16", "flex", True)
     for row in res["rows"]:
         assert row["measured_peak_bytes"] > 0 and row["mfu"] is not None and row["mfu"] > 0
+
+
+def test_dspark_parts_in_psi_and_the_loss() -> None:
+    """DSpark adds its Markov head (2 x V x 256) and confidence head (H + 256 + 1) to Psi, equal to the real module;
+    the loss holds the bias buffers of a chunk, markov_w2's fp32 gradient and the Markov embeddings."""
+    from dataclasses import replace
+
+    from dflash_ds.bench.memory import drafter_shape
+    from dflash_ds.models.drafter import DFlashDrafter, DrafterArch
+    from dflash_ds.models.dspark_arch import DSparkOptions, dspark_params
+    from dflash_ds.models.presets import PRESETS
+
+    hand = {"qwen3-8b": 2 * 151936 * 256 + 4096 + 256 + 1, "qwen3.6-27b": 2 * 248320 * 256 + 5120 + 256 + 1}
+    assert hand == {"qwen3-8b": 77_795_585, "qwen3.6-27b": 127_145_217}  # the figures models/dspark_arch.py states
+    step = mm.StepShape(batch=8, seq_len=2048, anchors_per_row=256, chunk_blocks=64, dtype_bytes=2,
+                        checkpointing=True, dense_mask=False, cuda=True)
+    for name, h in (("qwen3-8b", 4096), ("qwen3.6-27b", 5120)):
+        d = drafter_shape(PRESETS[name], h, 5, 16)
+        ds = replace(d, kind="dspark")
+        assert mm.drafter_params(ds) - mm.drafter_params(d) == hand[name]
+        assert dspark_params(h, d.vocab, DSparkOptions()) == hand[name]
+        loss = mm.micro_step_terms(ds, step, False)["loss"]
+        assert loss["markov_bias"] == 2 * 64 * 15 * d.vocab * 2 + 4 * d.vocab * 256 + 30720 * 256 * 2
+    small = drafter_shape(PRESETS["qwen3-8b"], 256, 2, 16, kind="dspark")
+    arch = DrafterArch(hidden_size=256, intermediate_size=small.intermediate, num_hidden_layers=2,
+                       num_attention_heads=small.heads, num_key_value_heads=small.kv_heads, head_dim=small.head_dim,
+                       vocab_size=small.vocab, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}, block_size=16,
+                       num_target_layers=36, mask_token_id=0, target_layer_ids=[1, 34], dspark=DSparkOptions())
+    with torch.device("meta"):
+        drafter = DFlashDrafter(arch)
+    assert sum(p.numel() for p in drafter.parameters()) == mm.drafter_params(small)

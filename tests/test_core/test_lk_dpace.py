@@ -357,7 +357,7 @@ def test_config_round_trip_and_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--loss.lk", "exp"], "loss.lk = 'exp' must be \"\" (off), log or hybrid"),
+    (["--loss.lk", "exp"], "loss.lk = 'exp' must be \"\" (off), log, hybrid or l1"),
     (["--loss.labels", "gold"], "loss.labels = 'gold' must be data or target"),
     (["--loss.position_weighting", "linear"], "loss.position_weighting = 'linear' must be decay or dpace"),
     (["--loss.dpace_alpha", "1.5"], "loss.dpace_alpha = 1.5 must be in [0, 1]"),

@@ -105,7 +105,7 @@ def test_config_and_resume_refuse_a_kind_change(tiny_target: Path) -> None:
 
     cfg = Config()
     cfg.model.kind = "dflash3"
-    with pytest.raises(DFlashError, match="model.kind = 'dflash3' must be dflash or dflash2"):
+    with pytest.raises(DFlashError, match="model.kind = 'dflash3' must be dflash, dflash2 or dspark"):
         validate(cfg)
     saved = {"arch": {k: getattr(_arch(tiny_target, None), k) for k in ARCH_KEYS}}
     assert saved["arch"]["kind"] == "dflash"

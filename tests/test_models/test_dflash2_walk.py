@@ -1,6 +1,7 @@
-"""A fitted DFlash2 drafter drafts by its selector's walk everywhere: speculative decoding is lossless at T = 0,
-and, as a law, at T > 0 (the sampled walk); the train-time est_tau (components/acceptance.py, through the walk)
-equals a plain one-block-at-a-time loop of the walk and the served decode steps on the same rows."""
+"""A fitted DFlash2 drafter drafts by its selector's walk everywhere, a fitted DSpark drafter by its Markov chain
+(both sequential: `draft_tokens`): speculative decoding is lossless at T = 0, and, as a law, at T > 0 (the sampled
+walk / chain); the train-time est_tau (components/acceptance.py, through the walk) equals a plain
+one-block-at-a-time loop of the walk and the served decode steps on the same rows."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from dflash_ds.errors import DFlashError
 BS = 8
 
 
-@pytest.fixture(scope="module")
-def fitted2(tiny_target: Path):
-    """A 1-layer DFlash2 drafter fitted 40 steps (DFlash + selector loss) to the target's greedy answers."""
+@pytest.fixture(scope="module", params=["dflash2", "dspark"])
+def fitted2(request, tiny_target: Path):
+    """A 1-layer DFlash2 drafter fitted 40 steps (DFlash + selector loss) to the target's greedy answers; or a DSpark
+    one (DeepSpec's objective: 0.1 CE + 0.9 L1 to the target's distribution + the confidence BCE, gamma 4)."""
     from transformers import AutoTokenizer
 
     from dflash_ds.components.objective import TargetStates
@@ -44,10 +46,20 @@ def fitted2(tiny_target: Path):
         ids[i, :len(p) + len(a)] = torch.tensor(p + a)
         mask[i, len(p):len(p) + len(a)] = 1
     lengths = torch.tensor([len(p) + len(a) for p, a in seqs])
+    from dflash_ds.models.dspark_arch import DSparkOptions
+
+    dspark = request.param == "dspark"
     arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=BS,
-                                    dflash2=DFlash2Options(conv_group_size=32, selector_rank=16, selector_top_k=4))
+                                    dflash2=None if dspark else DFlash2Options(conv_group_size=32, selector_rank=16,
+                                                                               selector_top_k=4),
+                                    dspark=DSparkOptions(markov_rank=16) if dspark else None)
+    loss_cfg = LossConfig(num_anchors=32, gamma=4.0, **({"lk": "l1", "lk_weight": 0.9} if dspark else {}))
     drafter = DFlashDrafter(arch)
     drafter.init_weights(0)
+    if dspark:  # a Markov head that starts large: 40 steps on 3 answers leave a small one without effect on drafts
+        with torch.no_grad():
+            for p in drafter.markov_head.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
     parts = target_parts(target)
     module = DrafterTrainModule(drafter, parts.embed, parts.head)
     context, last = capture_hidden(target, ids, (torch.arange(width)[None] < lengths[:, None]).long(),
@@ -55,7 +67,7 @@ def fitted2(tiny_target: Path):
     states = TargetStates(ids, mask, lengths, context, last)
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     for step in range(40):
-        terms, _ = module(states, LossConfig(num_anchors=32, gamma=4.0), step, 0.0, 0)
+        terms, _ = module(states, loss_cfg, step, 0.0, 0)
         opt.zero_grad()
         terms.loss.backward()
         opt.step()
@@ -96,6 +108,7 @@ def test_walk_drafts_lossless_and_est_tau_through_the_walk(fitted2, tiny_target,
 
     target, module, prompts, states = fitted2
     reference, differ = walk_loop(module, states)
+    print(f"{module.drafter.kind}: {differ} drafted tokens differ from the argmax")
     assert differ > 0  # measured 77: the walk is not the argmax here, so the equalities below are the walk's
     assert max(max(w) for w in reference) >= 3  # the fitted walk gets whole runs right: a real test
     tensors = {"input_ids": states.input_ids, "loss_mask": states.loss_mask, "lengths": states.lengths,
@@ -111,29 +124,41 @@ def test_walk_drafts_lossless_and_est_tau_through_the_walk(fitted2, tiny_target,
         runs = accepted_runs(module.drafter, *args)
         plain = accepted_runs(SimpleNamespace(arch=module.drafter.arch, forward_train=module.drafter.forward_train),
                               *args)
-    assert torch.equal(runs[..., 1], plain[..., 0]) and torch.equal(plain[..., 0], plain[..., 1])
-    assert not torch.equal(runs[..., 0], runs[..., 1])  # the walk accepts other lengths than the argmax
+    assert torch.equal(plain[..., 0], plain[..., 1])
+    if module.drafter.kind == "dflash2":
+        assert torch.equal(runs[..., 1], plain[..., 0])
+        assert not torch.equal(runs[..., 0], runs[..., 1])  # the walk accepts other lengths than the argmax
+    else:  # DSpark's teacher-forced argmax (training tau) reads what the chain reads while it is right
+        assert torch.equal(runs[..., 0], runs[..., 1]) and not torch.equal(runs[..., 0], plain[..., 0])
     assert sums["steps"] == sum(len(w) for w in reference) and sums["tau_sum"] == pytest.approx(sum(per_row))
     eos = eos_token_ids(target)
     served = [speculative_generate(target, p, drafter=module.drafter, max_new_tokens=32, eos_ids=eos) for p in prompts]
     for prompt, out, walk in zip(prompts, served, reference):
         assert out.tokens == greedy_generate(target, prompt, 32, eos)  # lossless at T = 0
         assert out.accept_lengths[:-1] == walk[:-1] and out.accept_lengths[-1] >= walk[-1]
-    print(f"DFlash2 est_tau {sum(per_row) / 3:.3f}, served tau {summarize(served, BS)['tau']:.3f}")
+    print(f"{module.drafter.kind} est_tau {sum(per_row) / 3:.3f}, served tau {summarize(served, BS)['tau']:.3f}")
     # The same through an export and `dflash-ds eval`, greedy (checked lossless against plain greedy decoding) and
     # sampled with the walk at T > 0 (its law: test_sampled_walk_decodes_with_the_targets_law).
     export = module.drafter.save_pretrained(tmp_path / "export")
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in tiny_prompts(3)))
-    for extra in ([], ["--temperature", "0.03", "--draft-sample", "probabilistic"]):
+    stop = ["--confidence-stop", "0.5"] if module.drafter.kind == "dspark" else []
+    for extra in (stop, ["--temperature", "0.03", "--draft-sample", "probabilistic"]):
         assert main(["eval", "--target", str(tiny_target), "--drafter", str(export), "--data", str(data),
                      "--num-prompts", "3", "--max-new-tokens", "32", "--json", str(tmp_path / "r.json"),
                      "--device", "cpu", *extra]) == 0
         r = json.loads((tmp_path / "r.json").read_text())
-        assert r["mismatches"] == [] and r["lossless_checked"] == (not extra), r
-        if not extra:  # tau of the export = the in-memory drafter's = the walk's but each response's last step
+        greedy = "--temperature" not in extra
+        assert r["mismatches"] == [] and r["lossless_checked"] == greedy, r
+        if greedy:  # tau of the export = the in-memory drafter's = the walk's but each response's last step
             assert r["tau"] == pytest.approx(summarize(served, BS)["tau"]), r
-    with pytest.raises(DFlashError, match="tree drafting is not implemented for a DFlash2 drafter"):
+        if greedy and stop:  # the confidence head against real acceptance, with and without cutting the drafts
+            c, cut = r["confidence_calibration"], r["confidence_stop"]
+            assert 0 <= c["ece"] <= 1 and 0 <= c["brier"] <= 1 and c["judged_tokens"] >= r["decode_steps"], c
+            assert cut["drafted_per_accepted"] < r["drafted_per_accepted"], (cut, r)
+            print(f"dspark confidence: ECE {c['ece']:.3f} Brier {c['brier']:.3f}; stop 0.5: tau {cut['tau']:.3f} vs "
+                  f"{r['tau']:.3f}, drafted/accepted {cut['drafted_per_accepted']:.2f} vs {r['drafted_per_accepted']:.2f}")
+    with pytest.raises(DFlashError, match=f"tree drafting is not implemented for a {module.drafter.kind} drafter"):
         speculative_generate(target, prompts[0], drafter=module.drafter, tree_budget=8)
 
 
@@ -211,7 +236,10 @@ def test_sampled_walk_decodes_with_the_targets_law(fitted2, monkeypatch) -> None
     from dflash_ds.eval import speculative as spec
 
     target, module, prompts, _ = fitted2
-    prompt, temperature, n = prompts[0], 0.03, 3000
+    # DSpark: the prompt its chain drafts best (greedy tau 5.2 there, 2.2 on the first), so that the first step's
+    # second position is verified in hundreds of runs
+    prompt = prompts[2 if module.drafter.kind == "dspark" else 0]
+    temperature, n = 0.03, 3000
 
     def decode(runs: int) -> tuple[Counter, Counter]:
         seqs, first_steps = Counter(), Counter()

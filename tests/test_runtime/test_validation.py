@@ -132,7 +132,12 @@ def run_args(setup, out, *extra):
     return [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(out), "--zero-stage", "3",
             "--data.val_fraction", "0.1", "--train.eval_interval", "4", "--train.save_interval", "6",
             "--train.keep_last", "1", "--loss.max_anchors_per_batch", "24", "--train.est_tau_interval", "3",
-            "--train.est_tau_window", "16", *extra]
+            "--train.est_tau_window", "16", *DSPARK, *extra]
+
+
+# The runs of this file train a DSpark drafter with DeepSpec's objective (its end-to-end run: DeepSpeed ZeRO-3 over
+# the Markov and confidence heads, est_tau and val_* through its Markov chain, a resume of its kind).
+DSPARK = ("--model.kind", "dspark", "--model.markov_rank", "16", "--loss.lk", "l1", "--loss.lk_weight", "0.9")
 
 
 def pooled_walks(out, done: int, tau: float) -> dict[str, float]:
@@ -171,8 +176,20 @@ def test_records_carry_est_tau_and_val_figures_at_evaluations(validated) -> None
             assert rec[key] == pytest.approx(want[key]), (rec["step"], key)
         has_val = rec["step"] % 4 == 0
         assert {"val_est_tau", "val_est_tau_pooled", "val_tau"} <= rec.keys() if has_val else "val_tau" not in rec
+        # DSpark: the L1 term's half (1 - alpha) and the confidence head's calibration, logged apart
+        assert rec["tv_distance"] == pytest.approx(1 - rec["alpha"]) and 0 <= rec["confidence_ece"] <= 1, rec
+        assert 0 <= rec["confidence_brier"] <= 1 and rec["confidence_loss"] > 0, rec
+    from dflash_ds.models.drafter import DFlashDrafter
+    from dflash_ds.runtime import checkpoint as ckpt
+
+    last = validated / "checkpoints" / "step_00000012"
+    assert ckpt.read_state(last)["arch"]["kind"] == "dspark"
+    assert ckpt.read_state(last)["arch"]["dspark_options"]["markov_rank"] == 16
+    assert json.loads((last / "export" / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
+    assert DFlashDrafter.from_pretrained(last / "export").kind == "dspark"
     logged = wandb_history_keys(next(validated.glob("wandb/offline-run-*/run-*.wandb")))
-    assert {"train/tau", "train/est_tau", "train/est_tau_pooled", "val/val_est_tau", "val/val_tau"} <= logged
+    assert {"train/tau", "train/est_tau", "train/est_tau_pooled", "val/val_est_tau", "val/val_tau",
+            "train/confidence_ece"} <= logged
     # The drafters' per-batch records hold their training batches only, one per step.
     for d in (0, 1):
         assert [x["batch_id"] for x in read_jsonl(validated / "records" / f"drafter{d}.jsonl")] == \

@@ -1,0 +1,133 @@
+"""DSpark (models/dspark.py): the objective against a hand computation and autograd, the sequential rule by hand,
+the export's config and the errors of a wrong one, the config rules of the kind."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_ds.errors import DFlashError
+from dflash_ds.models.drafter import DFlashDrafter
+from dflash_ds.models.dspark_arch import DSparkOptions
+from dflash_ds.models.from_target import drafter_arch_from_target
+
+
+def test_l1_term_and_confidence_bce_by_hand() -> None:
+    """One position, vocabulary 3: 0.1 CE + 0.9 ||p - q||_1 (DeepSpec's weights), and the BCE against alpha."""
+    from dflash_ds.components.confidence import confidence_loss
+    from dflash_ds.components.loss import dflash_loss
+
+    z, t = torch.tensor([[[1.0, 0.0, -1.0]]]), torch.tensor([[[0.0, 2.0, 0.0]]])
+    q, p = torch.softmax(z[0, 0], -1), torch.softmax(t[0, 0], -1)
+    label, valid = torch.tensor([[1]]), torch.tensor([[True]])
+    terms = dflash_loss(z, label, valid, gamma=4.0, target_logits=t, lk="l1", lk_weight=0.9)
+    l1 = float((q - p).abs().sum())
+    assert float(terms.loss) == pytest.approx(0.1 * -math.log(float(q[1])) + 0.9 * l1, rel=1e-6)
+    alpha = float(torch.minimum(q, p).sum())
+    assert alpha == pytest.approx(1 - 0.5 * l1) and float(terms.alpha[0, 0]) == pytest.approx(alpha)
+    logit = torch.tensor([[0.3]])
+    loss, sums = confidence_loss(logit, terms.alpha, terms.correct, valid, torch.ones(1))
+    s = 1 / (1 + math.exp(-0.3))
+    assert float(loss) == pytest.approx(-(alpha * math.log(s) + (1 - alpha) * math.log(1 - s)), rel=1e-6)
+    assert float(sums["conf_brier"]) == pytest.approx(s ** 2)  # the argmax (token 0) misses: hit 0
+    assert float(sums["conf_bin5_n"]) == 1 and float(sums["conf_bin5_p"]) == pytest.approx(s)
+
+
+def test_chunked_loss_with_markov_bias_equals_autograd() -> None:
+    """The chunked loss's hand-made gradient through a low-rank bias e @ w^T equals autograd's on whole logits."""
+    from dflash_ds.components.loss import chunked_dflash_loss, dflash_loss
+
+    gen = torch.Generator().manual_seed(0)
+    n, k, h, v, r = 5, 3, 6, 11, 4
+    head_w = torch.randn(v, h, generator=gen)
+    hidden = torch.randn(n, k, h, generator=gen, requires_grad=True)
+    w1 = torch.randn(v, r, generator=gen, requires_grad=True)
+    w2 = torch.randn(v, r, generator=gen, requires_grad=True)
+    prev = torch.randint(0, v, (n, k), generator=gen)
+    labels = torch.randint(0, v, (n, k), generator=gen)
+    valid = torch.rand(n, k, generator=gen) > 0.2
+    target_hidden = torch.randn(n, k, h, generator=gen)
+    knobs = {"gamma": 4.0, "lk": "l1", "lk_weight": 0.9, "streak_weight": 0.3}
+    got = chunked_dflash_loss(hidden, lambda x: x @ head_w.T, labels, valid, target_hidden=target_hidden,
+                              chunk_blocks=2, logit_bias=(w1[prev], w2), **knobs)
+    grads = torch.autograd.grad(got.loss, (hidden, w1, w2))
+    ref = dflash_loss(hidden @ head_w.T + w1[prev] @ w2.T, labels, valid, target_logits=target_hidden @ head_w.T,
+                      **knobs)
+    ref_grads = torch.autograd.grad(ref.loss, (hidden, w1, w2))
+    torch.testing.assert_close(got.loss, ref.loss, atol=1e-6, rtol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert torch.equal(got.correct, ref.correct) and torch.allclose(got.alpha, ref.alpha, atol=1e-6)
+
+
+def _dspark(tiny_target: Path, **kw) -> DFlashDrafter:
+    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, dspark=DSparkOptions(markov_rank=2, **kw))
+    drafter = DFlashDrafter(arch)
+    drafter.init_weights(0)
+    return drafter
+
+
+def test_sequential_rule_by_hand(tiny_target: Path) -> None:
+    """Position k's logits are the head's plus w2 @ w1[x_{k-1}], x_0 the anchor, x_{k-1} the token drafted before."""
+    drafter = _dspark(tiny_target, enable_confidence_head=False)
+    v = drafter.arch.vocab_size
+    head = lambda x: x  # noqa: E731 - hidden states of width V are the logits themselves
+    base = torch.zeros(1, 3, v)
+    base[0, :, 10] = 1.0  # the backbone alone drafts 10, 10, 10
+    with torch.no_grad():
+        drafter.markov_head.markov_w1.weight.zero_()
+        drafter.markov_head.markov_w1.weight[5] = torch.tensor([1.0, 0.0])  # the anchor
+        drafter.markov_head.markov_w1.weight[20] = torch.tensor([0.0, 1.0])
+        drafter.markov_head.markov_w2.weight.zero_()
+        drafter.markov_head.markov_w2.weight[20] = torch.tensor([2.0, 0.0])  # after the anchor: 20
+        drafter.markov_head.markov_w2.weight[30] = torch.tensor([0.0, 3.0])  # after 20: 30
+    draft = drafter.draft_tokens(base, head, torch.tensor([5]))
+    assert draft.tokens.tolist() == [[20, 30, 10]]  # after 30 no bias: the backbone's 10
+    assert float(draft.logits[0, 1, 30]) == 3.0 and float(draft.logits[0, 2, 10]) == 1.0
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.zero_()  # a warm start's bias: the backbone's argmax
+    assert drafter.draft_tokens(base, head, torch.tensor([5])).tokens.tolist() == [[10, 10, 10]]
+
+
+def test_export_config_and_its_errors(tiny_target: Path, tmp_path: Path) -> None:
+    drafter = _dspark(tiny_target, enable_confidence_head=False)
+    out = drafter.save_pretrained(tmp_path / "d")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["markov_rank"] == 2
+    assert cfg["enable_confidence_head"] is False and cfg["sample_from_anchor"] is False
+    assert cfg["dflash_config"]["block_size"] == 4 and "mask_token_id" in cfg["dflash_config"]
+    back = DFlashDrafter.from_pretrained(out)
+    assert back.kind == "dspark" and back.confidence_head is None and back.arch.dspark == drafter.arch.dspark
+    cfg["sample_from_anchor"] = True  # DeepSpec's anchor-as-first layout: not what the backbone was trained for
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match="sample_from_anchor is not false"):
+        DFlashDrafter.from_pretrained(out)
+    del cfg["markov_rank"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match="lacks 'markov_rank'"):
+        DFlashDrafter.from_pretrained(out)
+
+
+def test_config_rules_and_resume_of_the_kind(tiny_target: Path) -> None:
+    from dflash_ds.config import Config, validate
+    from dflash_ds.runtime.checkpoint import ARCH_KEYS
+    from dflash_ds.runtime.resume import check_resume_state
+
+    cfg = Config()
+    cfg.model.markov_rank = 64
+    with pytest.raises(DFlashError, match="model.markov_rank = 64 is a dspark field but model.kind = 'dflash'"):
+        validate(cfg)
+    cfg.model.kind = "dspark"
+    validate(cfg)
+    cfg.model.selector_rank = 8
+    with pytest.raises(DFlashError, match="is a dflash2 field but model.kind = 'dspark'"):
+        validate(cfg)
+    saved = {"arch": {k: getattr(_dspark(tiny_target).arch, k) for k in ARCH_KEYS}}
+    assert saved["arch"]["kind"] == "dspark" and saved["arch"]["dspark_options"]["markov_rank"] == 2
+    with pytest.raises(DFlashError, match="has kind = dspark but this run has dflash"):
+        check_resume_state(saved, drafter_arch_from_target(tiny_target, num_layers=1, block_size=4), Path("ckpt"))
