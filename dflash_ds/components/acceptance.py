@@ -91,12 +91,14 @@ def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: tor
     # DFlash2 (models/dflash2.py): what the selector's walk drafts; DSpark (models/dspark.py): its Markov chain
     walk = getattr(drafter, "draft_tokens", None)
     anchor_ids = blocks[:, :, 0].reshape(r * a)
+    # DSpark: its Markov head read once, so the chunks make no module calls (their count differs across ranks)
+    tables = {"tables": drafter.draft_tables()} if hasattr(drafter, "draft_tables") else {}
 
     def pick(lo: int) -> torch.Tensor:
         h = flat[lo:lo + chunk_blocks]
         if walk is None:  # DFlash drafts its argmax: one set of picks serves both
             return lm_head(h).argmax(-1)[..., None]
-        draft = walk(h, lm_head, anchor_ids[lo:lo + chunk_blocks])
+        draft = walk(h, lm_head, anchor_ids[lo:lo + chunk_blocks], **tables)
         if draft.candidates is None:
             # DSpark: the training tau's argmax is teacher-forced on the gold previous token, which the chain
             # reads wherever it was right so far: the same leading run, one set of picks serves both
@@ -182,10 +184,11 @@ def calibrated_walk(sums: dict[str, float], tau: float) -> dict[str, float]:
     A few walked rows say little by themselves (one response's walk varies by ~40% of the mean, and the pool
     spans the drafter's last hundreds of steps), but the ratio is steady: hard rows are hard by both counts.
     `est_tau_walked` keeps the walks' own mean. Without uniform blocks the walks' figures are returned as
-    they are."""
+    they are. Never below 1."""
     out = walk_metrics(sums, "")
     if "est_tau" not in out or sums.get("blocks", 0) <= 0 or not math.isfinite(tau):
         return out
     scale = tau / (1.0 + sums["streak"] / sums["blocks"])
-    return {"est_tau": out["est_tau"] * scale, "est_tau_pooled": out["est_tau_pooled"] * scale,
+    # never below 1: a step yields at least its bonus token (a drafter that accepts nothing scales to ~1 - eps)
+    return {"est_tau": max(1.0, out["est_tau"] * scale), "est_tau_pooled": max(1.0, out["est_tau_pooled"] * scale),
             "est_tau_walked": out["est_tau"]}

@@ -253,8 +253,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, labels, valid, target_hidden, head, spec, chunk, need_grad, bias_embed, bias_w):
-        # bias_embed [N, K, r] and bias_w [V, r] (DSpark's Markov head, or None): logits = head(h) + e @ w^T,
-        # both differentiable, so the chunk's logits gradient also goes to e and w (a [V, r] sum over chunks)
+        # bias_embed [N, K, r] and bias_w [r, V] (DSpark's Markov head, or None): logits = head(h) + e @ w,
+        # both differentiable, so the chunk's logits gradient also goes to e and w (an [r, V] sum over chunks)
         n = hidden.shape[0]
         grad = torch.zeros_like(hidden) if need_grad else None
         biased = bias_embed is not None
@@ -271,7 +271,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 if biased:
                     inputs += [bias_embed[lo:hi].detach().requires_grad_(need_grad),
                                bias_w.detach().requires_grad_(need_grad)]
-                    logits = logits + inputs[1] @ inputs[2].to(inputs[1].dtype).T
+                    logits = logits + inputs[1] @ inputs[2].to(inputs[1].dtype)
             target_logits = head(target_hidden[lo:hi]) if target_hidden is not None else None
             part, w, st, dz = _chunk_loss_and_grad(logits, labels[lo:hi], valid[lo:hi], spec, target_logits,
                                                    need_grad)
@@ -307,7 +307,7 @@ def chunked_dflash_loss(hidden: torch.Tensor, head, labels: torch.Tensor, valid:
     [..., H] to vocabulary logits (the target's frozen LM head). target_hidden [N, K, H]: the
     target's final hidden state at the same positions, for the terms that read the target's
     distribution (KL, LK, target labels; its logits are computed chunk by chunk too). `logit_bias` (e [N, K, r],
-    w [V, r]): a low-rank bias e @ w^T added to the drafter's logits (DSpark's Markov head), never held whole;
+    w [r, V]): a low-rank bias e @ w added to the drafter's logits (DSpark's Markov head), never held whole;
     both get gradients. `knobs`: the other `LossSpec` fields. Peak memory is O(chunk_blocks x K x V) instead of O(N x K x V): about
     8 bytes per (label position x vocabulary entry) of a chunk for CE, 16 with the target's
     distribution, 17 with LK (fp32 buffers; plus the heads' own outputs in the run dtype).

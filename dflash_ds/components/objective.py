@@ -69,9 +69,14 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
         # position k reads the token before it: the anchor, then the gold labels (0 where there is none)
         prev = torch.cat([blocks[:, :, :1].reshape(n, 1), flat_labels[:, :-1].clamp(min=0)], dim=1)
         embed_prev = markov.embed(prev)
+    bias = None
+    if markov is not None:
+        # markov_w2 as [r, V] through the module's own forward (bias of the identity), never its .weight: under
+        # ZeRO-3 a parameter is whole only inside its module's forward, and its gradient must flow back through it
+        eye = torch.eye(embed_prev.shape[-1], device=dev, dtype=embed_prev.dtype)
+        bias = (embed_prev, markov.bias(eye))
     terms = chunked_dflash_loss(flat_hidden, lm_head, flat_labels, label_valid.reshape(n, bs - 1),
-                                target_hidden=target_hidden, chunk_blocks=loss_cfg.chunk_blocks,
-                                logit_bias=None if markov is None else (embed_prev, markov.markov_w2.weight),
+                                target_hidden=target_hidden, chunk_blocks=loss_cfg.chunk_blocks, logit_bias=bias,
                                 **loss_knobs(loss_cfg))
     sums = {**metric_sums(terms), **acceptance_sums(terms)}
     sums["anchors"] = valid.sum().float()

@@ -50,10 +50,10 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(input_dim, 1, bias=True)
 
     def forward(self, hidden: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
-        """Confidence logits [...] of hidden [..., H] and Markov embeddings [..., r]."""
+        """Confidence logits [...] of hidden [..., H] and Markov embeddings [..., r] (fp32 out)."""
         x = torch.cat([hidden, embed.to(hidden.dtype)], dim=-1) if self.with_markov else hidden
-        w, b = self.proj.weight, self.proj.bias
-        return torch.nn.functional.linear(x.float(), w.float(), b.float()).squeeze(-1)
+        # through proj's own forward (ZeRO-3 gathers a parameter only inside its module's forward)
+        return self.proj(x.to(self.proj.weight.dtype)).float().squeeze(-1)
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -77,15 +77,26 @@ class DSparkDrafter(DFlashDrafter):
         """The confidence head's logits [...] (None without the head)."""
         return None if self.confidence_head is None else self.confidence_head(hidden, embed)
 
+    def draft_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """markov_w1 [V, r] and markov_w2 as [r, V], each through its module's forward: a caller that drafts many
+        chunks of blocks (est_tau) then makes a fixed number of module calls, as ZeRO-3's gathers need on every rank."""
+        w1 = self.markov_head.markov_w1.weight
+        rows = torch.arange(w1.shape[0] if w1.numel() else self.arch.vocab_size, device=w1.device)
+        eye = torch.eye(self.arch.dspark.markov_rank, device=w1.device, dtype=w1.dtype)
+        return self.markov_head.embed(rows), self.markov_head.bias(eye)
+
     def draft_tokens(self, hidden: torch.Tensor, lm_head, anchor_ids: torch.Tensor, temperature: float = 0.0,
-                     generator: torch.Generator | None = None) -> BlockDraft:
-        """The sequential draft of final-normed hidden states [N, L, H] after anchors [N]: vLLM's rule (module doc)."""
+                     generator: torch.Generator | None = None,
+                     tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> BlockDraft:
+        """The sequential draft of final-normed hidden states [N, L, H] after anchors [N]: vLLM's rule (module doc).
+
+        With `tables` (`draft_tables`) the Markov head is read from them and no confidence is computed."""
         base = lm_head(hidden).float()
         prev = anchor_ids
         tokens, logits, embeds = [], [], []
         for pos in range(hidden.shape[1]):
-            embed = self.markov_head.embed(prev)
-            z = base[:, pos] + self.markov_head.bias(embed).float()
+            embed = self.markov_head.embed(prev) if tables is None else tables[0][prev]
+            z = base[:, pos] + (self.markov_head.bias(embed) if tables is None else embed @ tables[1]).float()
             if temperature > 0:
                 probs = torch.softmax(z.double() / temperature, dim=-1)
                 prev = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -94,6 +105,6 @@ class DSparkDrafter(DFlashDrafter):
             tokens.append(prev)
             logits.append(z)
             embeds.append(embed)
-        conf = self.confidence_logits(hidden, torch.stack(embeds, dim=1))
+        conf = None if tables is not None else self.confidence_logits(hidden, torch.stack(embeds, dim=1))
         return BlockDraft(torch.stack(tokens, dim=1), torch.stack(logits, dim=1),
                           None if conf is None else torch.sigmoid(conf))

@@ -86,8 +86,11 @@ def estimate(engine, tensors: dict, cfg: Config, dtype: torch.dtype, rows: int =
                 label_ids = target_labels(states.input_ids, states.last_hidden.to(dtype), module.lm_head, chunk)
             per = max(1, (cfg.loss.max_anchors_per_batch or DEFAULT_MAX_BLOCKS) // anchors.shape[0])
             chunks = [slice(lo, lo + per) for lo in range(0, anchors.shape[1], per)]
+            # The count is agreed before any forward: under ZeRO-3 every forward gathers parameters with the other
+            # drafters, so a drafter with more chunks must not run them while another waits in the agreement.
+            total = _agree_forwards(len(chunks))
             runs = [engine(states, cfg.loss, blocks=(anchors[:, c], valid[:, c], label_ids)) for c in chunks]
-            for _ in range(_agree_forwards(len(chunks)) - len(chunks)):
+            for _ in range(total - len(chunks)):
                 _idle_forward(engine, module, cfg, dtype, states.context.device)
     finally:
         module.train(was_training)

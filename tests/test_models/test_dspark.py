@@ -54,7 +54,7 @@ def test_chunked_loss_with_markov_bias_equals_autograd() -> None:
     target_hidden = torch.randn(n, k, h, generator=gen)
     knobs = {"gamma": 4.0, "lk": "l1", "lk_weight": 0.9, "streak_weight": 0.3}
     got = chunked_dflash_loss(hidden, lambda x: x @ head_w.T, labels, valid, target_hidden=target_hidden,
-                              chunk_blocks=2, logit_bias=(w1[prev], w2), **knobs)
+                              chunk_blocks=2, logit_bias=(w1[prev], w2.T), **knobs)
     grads = torch.autograd.grad(got.loss, (hidden, w1, w2))
     ref = dflash_loss(hidden @ head_w.T + w1[prev] @ w2.T, labels, valid, target_logits=target_hidden @ head_w.T,
                       **knobs)
