@@ -15,11 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ds.components.anchors import (  # noqa: F401  (re-exported: they lived here)
-    anchor_quotas,
-    block_inputs_and_labels,
-    sample_anchors,
-    water_fill,
-)
+    anchor_quotas, block_inputs_and_labels, sample_anchors, water_fill)
 from dflash_ds.components.weights import decay_weights, position_weights, streak_weights  # noqa: F401
 from dflash_ds.config import LossConfig
 
