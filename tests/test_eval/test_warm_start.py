@@ -59,3 +59,7 @@ def test_warm_start_refusals(trained_drafter, tmp_path: Path, capsys) -> None:
         assert main(["init-drafter", *args]) != 0
         assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    # A drafter of the same kind (a released DSpark drafter, say) is taken as it is, to fine-tune.
+    assert main(["init-drafter", "--from", str(tmp_path / "ds"), "--kind", "dspark", "--out", str(tmp_path / "ds2")]) == 0
+    a, b = (DFlashDrafter.from_pretrained(tmp_path / name).state_dict() for name in ("ds", "ds2"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
