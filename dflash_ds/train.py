@@ -138,6 +138,7 @@ def _merge(into: dict, other: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Validate everything cheap, then join the role groups and run this rank's role."""
     from dflash_ds.errors import DFlashError
+    from dflash_ds.redact import redact
 
     argv = sys.argv[1:] if argv is None else argv
     rank = os.environ.get("RANK", "?")
@@ -146,12 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_ds.runtime.launch import run_job
 
         return run_job(cfg)
-    except DFlashError as exc:
-        print(f"dflash-ds train (rank {rank}): error: {exc}", file=sys.stderr, flush=True)
+    except DFlashError as exc:  # an error may quote a flag's value: a secret's shows as *** (dflash_ds/redact.py)
+        print(redact(f"dflash-ds train (rank {rank}): error: {exc}"), file=sys.stderr, flush=True)
         return exc.exit_code
     except Exception as exc:  # noqa: BLE001 - name the rank, then fail non-zero
-        traceback.print_exc()
-        print(f"dflash-ds train (rank {rank}): failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(redact(traceback.format_exc()), file=sys.stderr, end="", flush=True)
+        print(redact(f"dflash-ds train (rank {rank}): failed: {type(exc).__name__}: {exc}"), file=sys.stderr,
+              flush=True)
         return 1
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from dflash_ds.distributed.credentials import is_secret_name, secrets_of, write_credentials
 from dflash_ds.errors import DFlashError
 
 _HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]@]+$")  # hostnames, IPv4/IPv6 addresses, user@host
@@ -63,27 +64,48 @@ FORWARD_NAMES = ("PATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_VI
 FORWARD_PREFIXES = ("HF_", "TRANSFORMERS_", "WANDB_", "DFLASH_", "TORCH_", "TORCHINDUCTOR_", "TRITON_")
 
 
-def deepspeed_env_text(environ: dict[str, str], user_files: list[Path]) -> str:
-    """The lines of an env file for the deepspeed launcher: the user's files' lines first (theirs win), then
-    every variable of `environ` the job uses that they do not set. Values with a newline cannot travel."""
-    lines: list[str] = []
+def _user_lines(user_files: list[Path]) -> list[tuple[str, str]]:
+    """(name, line) of the user's env files, first file first, each name once (the first wins)."""
+    out: list[tuple[str, str]] = []
     seen: set[str] = set()
     for f in user_files:
         if f.is_file():
             for line in f.read_text().splitlines():
-                if "=" in line and line.split("=", 1)[0].strip() not in seen:
-                    seen.add(line.split("=", 1)[0].strip())
-                    lines.append(line)
+                key = line.split("=", 1)[0].strip()
+                if "=" in line and key not in seen:
+                    seen.add(key)
+                    out.append((key, line))
+    return out
+
+
+def deepspeed_env_text(environ: dict[str, str], user_files: list[Path], extra: dict[str, str] | None = None) -> str:
+    """The lines of an env file for the deepspeed launcher: the user's files' lines first (theirs win), then
+    every variable of `environ` the job uses that they do not set, then `extra`. No secret is written
+    (credentials.is_secret_name): they travel by path (`secret_variables`). Values with a newline cannot travel."""
+    lines: list[str] = []
+    seen: set[str] = set()
+    for key, line in _user_lines(user_files):
+        seen.add(key)
+        if not is_secret_name(key):
+            lines.append(line)
     for key in sorted(environ):
-        if key in seen or "\n" in environ[key]:
+        if key in seen or "\n" in environ[key] or is_secret_name(key):
             continue
         if key in FORWARD_NAMES or key.startswith(FORWARD_PREFIXES):
             lines.append(f"{key}={environ[key]}")
+    lines += [f"{k}={v}" for k, v in (extra or {}).items() if k not in seen]
     return "".join(f"{line}\n" for line in lines)
 
 
+def secret_variables(environ: dict[str, str], user_files: list[Path]) -> dict[str, str]:
+    """The secrets the ranks need: those of the user's env files (theirs win), then this environment's."""
+    found = {k: line.split("=", 1)[1].strip() for k, line in _user_lines(user_files) if is_secret_name(k)}
+    return {**secrets_of(environ), **found}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dflash_ds.distributed.hostfile env-file OUT`: write the deepspeed launcher's env file."""
+    """`python -m dflash_ds.distributed.hostfile env-file OUT [--credentials-dir DIR]`: write the deepspeed
+    launcher's env file (mode 0600, no secret) and the credentials; print the secret variables' names."""
     import argparse
     import os
 
@@ -92,11 +114,23 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("env-file", help="write OUT: the lines of the user's .deepspeed_env (~ and the working "
                                         "directory; theirs win), then the job's variables from this environment "
-                                        "(PATH, HF_*, WANDB_*, GLOO_SOCKET_IFNAME, ...) so they reach every host")
-    p.add_argument("out", help="the file to write (point DS_ENV_FILE at it)")
+                                        "(PATH, HF_*, WANDB_*, GLOO_SOCKET_IFNAME, ...) so they reach every host; "
+                                        "no secret (*TOKEN, *API_KEY, *SECRET*, *PASSWORD*): those go to "
+                                        "--credentials-dir, and OUT names them by path")
+    p.add_argument("out", help="the file to write, mode 0600 (point DS_ENV_FILE at it)")
+    p.add_argument("--credentials-dir", default=None,
+                   help="a folder on the shared filesystem (mode 0700) for the secrets, files of mode 0600: "
+                        "hf_token (forwarded as HF_TOKEN_PATH) and secrets.env (DFLASH_SECRETS_FILE); "
+                        "without it secrets are not forwarded at all")
     args = parser.parse_args(argv)
     user = [Path(".deepspeed_env"), Path.home() / ".deepspeed_env"]  # the launcher reads ~ first, . wins
-    Path(args.out).write_text(deepspeed_env_text(dict(os.environ), user))
+    secrets = secret_variables(dict(os.environ), user)
+    forward = write_credentials(args.credentials_dir, secrets) if args.credentials_dir and secrets else {}
+    fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # mktemp's file is 0600 already; a path of the user's may not be
+    with os.fdopen(fd, "w") as f:
+        f.write(deepspeed_env_text(dict(os.environ), user, forward))
+    print(" ".join(sorted(secrets_of(dict(os.environ)))))  # for the script to unset: the launcher must not see them
     return 0
 
 

@@ -6,6 +6,7 @@ import os
 import sys
 
 from dflash_ds.config import Config
+from dflash_ds.distributed.credentials import load_secrets_file
 from dflash_ds.distributed.launch_env import read_launch_env
 from dflash_ds.distributed.layout import Layout, make_layout
 from dflash_ds.distributed.topology import init_role_groups, shutdown, warm_up_bridge
@@ -55,6 +56,9 @@ def validate_job(cfg: Config, world_size: int, local_world_size: int | None) -> 
 
 def run_job(cfg: Config) -> int:
     """This rank's whole life in the job."""
+    # Secrets reach a rank on another host by path, never by value (distributed/credentials.py): W&B and the
+    # rest read them from the environment, as on the launching host.
+    load_secrets_file()
     env = read_launch_env()
     layout = validate_job(cfg, env.world_size, env.local_world_size)
     from dflash_ds.data.stream import open_data

@@ -1,0 +1,91 @@
+"""Credentials on several hosts: never by value on a command line, in a log or in a file others can read.
+
+The deepspeed launcher forwards variables to other hosts as `export K=V;` on pdsh's command line (visible in
+`ps` on every host) and prints that command in its log. So `launch/train_deepspeed.sh` forwards no secret by
+value: it writes each one into a folder of mode 0700 on the shared filesystem (files of mode 0600, removed
+when the job ends) and forwards only paths, which the libraries read on each host:
+
+- `HF_TOKEN` (or `HUGGING_FACE_HUB_TOKEN`) -> the file `hf_token`, named by `HF_TOKEN_PATH` (huggingface_hub
+  reads the token from that file itself);
+- every other secret (`WANDB_API_KEY`, ...) -> the file `secrets.env`, named by `DFLASH_SECRETS_FILE`; each rank
+  loads it into its own environment as it starts (`load_secrets_file`), where W&B and the rest read it.
+
+A secret is a variable whose name ends in TOKEN or API_KEY (APIKEY), or holds SECRET or PASSWORD (PASSWD) as a
+word, except names that hold a path (`*_PATH`, `*_FILE`, `*_DIR`): `HF_TOKEN`, `WANDB_API_KEY`, `CLIENT_SECRET`,
+`AWS_SECRET_ACCESS_KEY`, `DB_PASSWORD` are; `TOKENIZERS_PARALLELISM`, `HF_TOKEN_PATH`, a `token_budget` are not.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+SECRETS_FILE_VAR = "DFLASH_SECRETS_FILE"
+HF_TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # huggingface_hub's own names, HF_TOKEN first
+_WORDS = re.compile(r"[_.\-]+")
+_PATHS = ("PATH", "FILE", "DIR")
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a variable (or flag, or config key) named `name` holds a credential: its value must not travel."""
+    words = [w for w in _WORDS.split(name.upper()) if w]
+    if not words or words[-1] in _PATHS:
+        return False
+    return (words[-1].endswith("TOKEN") or words[-1] == "APIKEY" or words[-2:] == ["API", "KEY"]
+            or any(w in ("SECRET", "PASSWORD", "PASSWD") for w in words))
+
+
+def secrets_of(environ: dict[str, str]) -> dict[str, str]:
+    """The secret variables of `environ` that have a value."""
+    return {k: v for k, v in environ.items() if v and is_secret_name(k)}
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Create `path` with mode 0600 from the start (never readable by others, not even for a moment)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def write_credentials(folder: str | Path, secrets: dict[str, str]) -> dict[str, str]:
+    """Write `secrets` into `folder` (made 0700 if missing; files 0600); returns the variables to forward instead:
+    HF_TOKEN_PATH for the HF token, DFLASH_SECRETS_FILE for the rest (none when there is nothing to forward)."""
+    folder = Path(folder)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)  # a folder made by mktemp -d is 0700 already; one given by the user may not be
+    forward: dict[str, str] = {}
+    rest = dict(secrets)
+    hf = next((rest.pop(k) for k in HF_TOKEN_VARS if k in rest), None)
+    for k in HF_TOKEN_VARS:  # a second HF name would only repeat the token
+        rest.pop(k, None)
+    if hf is not None:
+        _write_private(folder / "hf_token", hf)
+        forward["HF_TOKEN_PATH"] = str(folder.resolve() / "hf_token")
+    lines = [f"{k}={v}" for k, v in sorted(rest.items()) if "\n" not in v]
+    if lines:
+        _write_private(folder / "secrets.env", "".join(f"{line}\n" for line in lines))
+        forward[SECRETS_FILE_VAR] = str(folder.resolve() / "secrets.env")
+    return forward
+
+
+def load_secrets_file(environ: os._Environ | dict[str, str] = os.environ) -> list[str]:
+    """Set the variables of $DFLASH_SECRETS_FILE that `environ` lacks (a rank, as it starts); returns their names.
+    The values are never printed."""
+    path = environ.get(SECRETS_FILE_VAR)
+    if not path:
+        return []
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:  # the path only: never a value
+        print(f"[dflash-ds] warning: cannot read {SECRETS_FILE_VAR}={path} ({exc.strerror}): no credentials from it",
+              file=sys.stderr, flush=True)
+        return []
+    loaded = []
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key and key not in environ:
+            environ[key] = value
+            loaded.append(key)
+    return loaded
