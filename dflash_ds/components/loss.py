@@ -8,7 +8,6 @@ Anchor sampling and block labels live in components/anchors.py (re-exported here
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,8 @@ import torch.nn.functional as F
 
 from dflash_ds.components.anchors import (  # noqa: F401  (re-exported: they lived here)
     anchor_quotas, block_inputs_and_labels, sample_anchors, water_fill)
+from dflash_ds.components.loss_metrics import (  # noqa: F401  (re-exported: they lived here)
+    ACCEPTANCE_SUMS, acceptance_sums, leading_run, metric_sums, metrics_from_sums)
 from dflash_ds.components.weights import decay_weights, position_weights, streak_weights  # noqa: F401
 from dflash_ds.config import LossConfig
 
@@ -37,6 +38,9 @@ class LossTerms:
     # [N, K] float: p_t(argmax p_d) where valid, else 0 (None: no target): the chance that sampling at T accepts
     # the drafter's argmax, which is how vLLM and SGLang draft by default
     argmax_alpha: torch.Tensor | None = None
+    # (ids [N, K, k], logits [N, K, k], the label's logit [N, K]) of the head's top-k, fp32, when asked for
+    # (`chunked_dflash_loss(top_k=k)`: DFlash2's selector reads its candidates here, not from a second head pass)
+    candidates: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -248,7 +252,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, labels, valid, target_hidden, head, spec, chunk, need_grad, bias_embed, bias_w):
+    def forward(ctx, hidden, labels, valid, target_hidden, head, spec, chunk, need_grad, top_k, bias_embed, bias_w):
         # bias_embed [N, K, r] and bias_w [r, V] (DSpark's Markov head, or None): logits = head(h) + e @ w,
         # both differentiable, so the chunk's logits gradient also goes to e and w (an [r, V] sum over chunks)
         n = hidden.shape[0]
@@ -259,6 +263,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         num = torch.zeros((), dtype=torch.float32, device=hidden.device)
         weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         stats: list[list[torch.Tensor]] = [[], [], [], [], []]  # correct, top4, top8, alpha, argmax_alpha
+        cands: list[list[torch.Tensor]] = [[], [], []]  # the head's top-k ids and logits, the label's logit
         for lo in range(0, n, chunk):
             hi = min(lo + chunk, n)
             with torch.enable_grad():
@@ -268,6 +273,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     inputs += [bias_embed[lo:hi].detach().requires_grad_(need_grad),
                                bias_w.detach().requires_grad_(need_grad)]
                     logits = logits + inputs[1] @ inputs[2].to(inputs[1].dtype)
+            if top_k:
+                with torch.no_grad():
+                    z = logits.detach().float()
+                    values, ids = z.topk(top_k, dim=-1)
+                    gold = z.gather(-1, labels[lo:hi].clamp(min=0, max=z.shape[-1] - 1)[..., None]).squeeze(-1)
+                for acc, t in zip(cands, (ids, values, gold)):
+                    acc.append(t)
+                del z
             target_logits = head(target_hidden[lo:hi]) if target_hidden is not None else None
             part, w, st, dz = _chunk_loss_and_grad(logits, labels[lo:hi], valid[lo:hi], spec, target_logits,
                                                    need_grad)
@@ -284,19 +297,20 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 acc.append(t)
             del inputs, logits, dz
         ctx.save_for_backward(grad, grad_e, grad_w)
-        outs = (weight_sum, *(torch.cat(acc) for acc in stats))
+        outs = (weight_sum, *(torch.cat(acc) for acc in stats), *(torch.cat(acc) for acc in cands if acc))
         ctx.mark_non_differentiable(*outs)
         return (num, *outs)
 
     @staticmethod
     def backward(ctx, g_num, *_):
         grads = [None if g is None else g * g_num.to(g.dtype) for g in ctx.saved_tensors]
-        return grads[0], None, None, None, None, None, None, None, grads[1], grads[2]
+        return grads[0], None, None, None, None, None, None, None, None, grads[1], grads[2]
 
 
 def chunked_dflash_loss(hidden: torch.Tensor, head, labels: torch.Tensor, valid: torch.Tensor, /, *, gamma: float,
                         target_hidden: torch.Tensor | None = None, chunk_blocks: int = 64,
-                        logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None, **knobs) -> LossTerms:
+                        logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None, top_k: int = 0,
+                        **knobs) -> LossTerms:
     """`dflash_loss(head(hidden), ...)` computed `chunk_blocks` blocks at a time (same value and gradient).
 
     hidden [N, K, H]: the drafter's final-normed states of the predicted positions; head maps
@@ -304,7 +318,8 @@ def chunked_dflash_loss(hidden: torch.Tensor, head, labels: torch.Tensor, valid:
     target's final hidden state at the same positions, for the terms that read the target's
     distribution (KL, LK, target labels; its logits are computed chunk by chunk too). `logit_bias` (e [N, K, r],
     w [r, V]): a low-rank bias e @ w added to the drafter's logits (DSpark's Markov head), never held whole;
-    both get gradients. `knobs`: the other `LossSpec` fields. Peak memory is O(chunk_blocks x K x V) instead of O(N x K x V): about
+    both get gradients. `top_k` > 0 also returns each position's top-k of the logits and its label's logit
+    (`LossTerms.candidates`), taken from the chunk's logits. `knobs`: the other `LossSpec` fields. Peak memory is O(chunk_blocks x K x V) instead of O(N x K x V): about
     8 bytes per (label position x vocabulary entry) of a chunk for CE, 16 with the target's
     distribution, 17 with LK (fp32 buffers; plus the heads' own outputs in the run dtype).
     """
@@ -315,84 +330,9 @@ def chunked_dflash_loss(hidden: torch.Tensor, head, labels: torch.Tensor, valid:
         spec, target_hidden = spec.without_target(), None
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or logit_bias is not None
                                              and any(t.requires_grad for t in logit_bias))
-    num, weight_sum, correct, in_top4, in_top8, alpha, argmax_alpha = _ChunkedHeadLoss.apply(
-        hidden, labels, valid, target_hidden, head, spec, chunk_blocks, need_grad,
+    num, weight_sum, correct, in_top4, in_top8, alpha, argmax_alpha, *cands = _ChunkedHeadLoss.apply(
+        hidden, labels, valid, target_hidden, head, spec, chunk_blocks, need_grad, top_k,
         *(logit_bias if logit_bias is not None else (None, None)))
     has = target_hidden is not None
     return LossTerms(num / weight_sum.clamp(min=1e-12), correct, in_top4, in_top8, valid, weight_sum,
-                     alpha if has else None, argmax_alpha if has else None)
-
-
-def leading_run(hits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Per block: number of leading positions that are valid and hit (stops at the first miss)."""
-    return (hits & valid).long().cumprod(dim=-1).sum(dim=-1)
-
-
-def metric_sums(terms: LossTerms) -> dict[str, torch.Tensor]:
-    """Additive statistics (sums and counts) so ranks can all-reduce before dividing."""
-    blocks = terms.valid[:, 0]
-    k = terms.valid.shape[1]
-    return {
-        "valid_positions": terms.valid.sum().float(),
-        "correct": terms.correct.sum().float(),
-        "top4": terms.in_top4.sum().float(),
-        "top8": terms.in_top8.sum().float(),
-        "blocks": blocks.sum().float(),
-        # Multiplied by the block mask, not indexed with it: boolean indexing syncs with the host.
-        "streak": (leading_run(terms.correct, terms.valid) * blocks).sum().float(),
-        "tree_streak4": (leading_run(terms.in_top4, terms.valid) * blocks).sum().float(),
-        "tree_streak8": (leading_run(terms.in_top8, terms.valid) * blocks).sum().float(),
-        "pos_correct": terms.correct.sum(0).float() if k else terms.correct.new_zeros(0).float(),
-        "pos_valid": terms.valid.sum(0).float() if k else terms.valid.new_zeros(0).float(),
-    }
-
-
-# What acceptance_sums returns (runtime/step_metrics sums them over a record's window).
-ACCEPTANCE_SUMS = ("alpha", "alpha_positions", "alpha_streak", "argmax_alpha", "argmax_alpha_streak")
-
-
-def acceptance_sums(terms: LossTerms) -> dict[str, torch.Tensor]:
-    """Sum of the acceptance estimate alpha over valid positions, and their count (0, 0 without the target's
-    distributions): alpha = sum_v min(p_drafter, p_target), the chance that speculative sampling accepts
-    a draft sampled from the drafter at T = loss.kl_temperature. And alpha's expected streak summed over
-    blocks: sum_k prod_{j<=k} alpha_j, the expected number of a block's drafts speculative sampling accepts
-    (alpha is 0 at an invalid position, which ends the product). The same two for the drafter's argmax
-    drafted (argmax_alpha = p_target(argmax p_drafter): how vLLM and SGLang draft by default). Device
-    tensors, no host read."""
-    if terms.alpha is None:
-        zero = terms.valid.new_zeros((), dtype=torch.float32)
-        return {key: zero.clone() for key in ACCEPTANCE_SUMS}
-    blocks = terms.valid[:, 0]
-    out = {"alpha_positions": terms.valid.sum().float()}
-    for name, rate in (("alpha", terms.alpha), ("argmax_alpha", terms.argmax_alpha)):
-        out[name] = rate.sum().float()
-        out[f"{name}_streak"] = (rate.float().cumprod(dim=-1).sum(dim=-1) * blocks).sum()
-    return out
-
-
-def metrics_from_sums(sums: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:
-    """accuracy, per-position accuracy, mean streak, tau = 1 + streak, top-k, tree streaks; alpha and alpha_tau
-    (1 + alpha's expected streak: tau's form for speculative sampling) when summed."""
-    def ratio(a: str, b: str) -> float:
-        den = float(sums[b])
-        return float(sums[a]) / den if den > 0 else math.nan
-
-    streak = ratio("streak", "blocks")
-    pos_valid = sums["pos_valid"]
-    pos_acc = [float(c) / float(n) if float(n) > 0 else math.nan for c, n in zip(sums["pos_correct"], pos_valid)]
-    return {
-        "accuracy": ratio("correct", "valid_positions"),
-        "top4_accuracy": ratio("top4", "valid_positions"),
-        "top8_accuracy": ratio("top8", "valid_positions"),
-        "avg_streak": streak,
-        "tau": 1.0 + streak,
-        "tree_streak4": ratio("tree_streak4", "blocks"),
-        "tree_streak8": ratio("tree_streak8", "blocks"),
-        "accuracy_per_position": pos_acc,
-        # tv_distance = 1 - alpha = 0.5 ||p_d - p_t||_1: the L1 term (lk l1, DSpark's) halved
-        **({"alpha": ratio("alpha", "alpha_positions"), "tv_distance": 1.0 - ratio("alpha", "alpha_positions"),
-            "alpha_tau": 1.0 + ratio("alpha_streak", "blocks"),
-            "argmax_alpha": ratio("argmax_alpha", "alpha_positions"),
-            "argmax_alpha_tau": 1.0 + ratio("argmax_alpha_streak", "blocks")}
-           if float(sums.get("alpha_positions", 0.0)) > 0 else {}),
-    }
+                     alpha if has else None, argmax_alpha if has else None, tuple(cands) if cands else None)

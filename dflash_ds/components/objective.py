@@ -64,20 +64,20 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
         target_hidden = torch.gather(last, 1, pos.reshape(b, -1, 1).expand(-1, -1, last.shape[-1])).view(n, bs - 1, -1)
     flat_hidden, flat_labels = hidden[:, :, 1:, :].reshape(n, bs - 1, -1), labels.reshape(n, bs - 1)
     markov = getattr(drafter, "markov_head", None)  # DSpark (models/dspark.py): the Markov bias, teacher-forced
-    embed_prev = None
+    embed_prev = bias = None
     if markov is not None:
         # position k reads the token before it: the anchor, then the gold labels (0 where there is none)
         prev = torch.cat([blocks[:, :, :1].reshape(n, 1), flat_labels[:, :-1].clamp(min=0)], dim=1)
         embed_prev = markov.embed(prev)
-    bias = None
-    if markov is not None:
         # markov_w2 as [r, V] through the module's own forward (bias of the identity), never its .weight: under
         # ZeRO-3 a parameter is whole only inside its module's forward, and its gradient must flow back through it
         eye = torch.eye(embed_prev.shape[-1], device=dev, dtype=embed_prev.dtype)
         bias = (embed_prev, markov.bias(eye))
+    selector = getattr(drafter, "candidate_selector", None)  # DFlash2 (models/dflash2.py): the selector term
+    selecting = selector is not None and loss_cfg.selector_weight > 0
     terms = chunked_dflash_loss(flat_hidden, lm_head, flat_labels, label_valid.reshape(n, bs - 1),
                                 target_hidden=target_hidden, chunk_blocks=loss_cfg.chunk_blocks, logit_bias=bias,
-                                **loss_knobs(loss_cfg))
+                                top_k=arch.dflash2.selector_top_k if selecting else 0, **loss_knobs(loss_cfg))
     sums = {**metric_sums(terms), **acceptance_sums(terms)}
     sums["anchors"] = valid.sum().float()
     sums.update({k: torch.zeros((), device=dev) for k in (*SELECTOR_SUMS, *CONFIDENCE_SUMS)})
@@ -87,14 +87,13 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
                                                decay_weights(bs - 1, loss_cfg.gamma, dev))
         terms.loss = terms.loss + loss_cfg.confidence_weight * conf_loss
         sums.update(conf_sums)
-    selector = getattr(drafter, "candidate_selector", None)  # DFlash2 (models/dflash2.py): the selector term
-    if selector is not None and loss_cfg.selector_weight > 0:
+    if selecting:  # its candidates are the DFlash loss's top-K: the head runs once per step
         o = arch.dflash2
         sel_loss, sel_sums = selector_loss(
             flat_hidden, lm_head, selector, flat_labels,
             label_valid.reshape(n, bs - 1), blocks[:, :, 0].reshape(n), top_k=o.selector_top_k,
             output_multiplier=o.output_multiplier, softcap=o.final_logit_softcapping, gamma=loss_cfg.gamma,
-            detach=loss_cfg.selector_detach, chunk_blocks=loss_cfg.chunk_blocks)
+            detach=loss_cfg.selector_detach, chunk_blocks=loss_cfg.chunk_blocks, candidates=terms.candidates)
         terms.loss = terms.loss + loss_cfg.selector_weight * sel_loss
         sums.update(sel_sums)
     return terms, sums

@@ -44,10 +44,16 @@ def candidates_with_gold(logits: torch.Tensor, labels: torch.Tensor, top_k: int
     Returns ids [..., K], their logits [..., K], the gold's index [...] and whether top-K held it [...].
     """
     values, ids = logits.topk(top_k, dim=-1)
+    return gold_into_top_k(ids, values, logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1), labels)
+
+
+def gold_into_top_k(ids: torch.Tensor, values: torch.Tensor, gold_logit: torch.Tensor, labels: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`candidates_with_gold` from a top-K already taken (ids / values [..., K]) and the gold's logit [...]."""
+    top_k = ids.shape[-1]
     hit = ids == labels.unsqueeze(-1)
     found = hit.any(-1)
     last = torch.full_like(labels, top_k - 1)
-    gold_logit = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     ids = torch.cat([ids[..., :-1], torch.where(found, ids[..., -1], labels).unsqueeze(-1)], dim=-1)
     values = torch.cat([values[..., :-1], torch.where(found, values[..., -1], gold_logit).unsqueeze(-1)], dim=-1)
     return ids, values, torch.where(found, hit.float().argmax(-1), last), found
@@ -55,13 +61,16 @@ def candidates_with_gold(logits: torch.Tensor, labels: torch.Tensor, top_k: int
 
 def selector_loss(hidden: torch.Tensor, head, selector, labels: torch.Tensor, valid: torch.Tensor,
                   anchor_ids: torch.Tensor, *, top_k: int, output_multiplier: float = 1.0, softcap: float = 0.0,
-                  gamma: float = 7.0, detach: bool = False, chunk_blocks: int = 64
+                  gamma: float = 7.0, detach: bool = False, chunk_blocks: int = 64,
+                  candidates: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted mean selector CE over valid positions, and its additive statistics (SELECTOR_SUMS).
 
     hidden [N, L, H]: the drafter's final-normed states of the drafted positions; head: the target's LM
     head; selector: a models/dflash2_selector.CandidateSelector; labels / valid [N, L]; anchor_ids [N].
-    Vocabulary logits exist for `chunk_blocks` blocks at a time, without grad.
+    `candidates` (ids [N, L, K], logits [N, L, K], the label's logit [N, L]: `LossTerms.candidates` of the
+    DFlash loss's chunks) are the head's top-K already taken: the head does not run again. Without them,
+    vocabulary logits exist for `chunk_blocks` blocks at a time, without grad.
     """
     n, length, _ = hidden.shape
     weights = torch.exp(-torch.arange(length, device=hidden.device, dtype=torch.float32) / gamma)
@@ -73,9 +82,12 @@ def selector_loss(hidden: torch.Tensor, head, selector, labels: torch.Tensor, va
     for lo in range(0, n, chunk_blocks):
         hi = min(n, lo + chunk_blocks)
         with torch.no_grad():
-            logits = head(hidden[lo:hi].detach()).float()
-            ids, values, gold, found = candidates_with_gold(logits, safe_labels[lo:hi], top_k)
-            del logits
+            if candidates is not None:
+                ids, values, gold, found = gold_into_top_k(*(t[lo:hi] for t in candidates), safe_labels[lo:hi])
+            else:
+                logits = head(hidden[lo:hi].detach()).float()
+                ids, values, gold, found = candidates_with_gold(logits, safe_labels[lo:hi], top_k)
+                del logits
             unary = soft_cap(values * output_multiplier, softcap)
         pairs = selector.pair_scores(h_sel[lo:hi], prev[lo:hi].unsqueeze(-1), ids).squeeze(-2)
         scores = unary + pairs

@@ -174,3 +174,50 @@ def test_objective_adds_the_weighted_selector_term(tiny_target: Path) -> None:
     assert sel["selector_positions"].item() == 6 * 3 and run[0.0, 64][1]["selector_positions"].item() == 0
     assert run[0.5, 64][0] == pytest.approx(run[0.0, 64][0] + 0.5 * term, rel=1e-5)
     assert run[0.5, 1][0] == pytest.approx(run[0.5, 64][0], rel=1e-5)
+
+
+def test_the_head_runs_once_per_step_and_the_selector_term_is_unchanged(tiny_target: Path) -> None:
+    """DFlash2's selector reads its top-K candidates from the DFlash loss's chunks (LossTerms.candidates): the LM head
+    runs once per chunk of blocks, not twice, and the selector term, its gradient and statistics are those of its
+    own head pass."""
+    from dflash_ds.components.loss import chunked_dflash_loss
+    from dflash_ds.components.objective import TargetStates, drafter_objective
+    from dflash_ds.components.selector_loss import selector_loss
+    from dflash_ds.config import LossConfig
+    from dflash_ds.models.drafter import DFlashDrafter
+    from dflash_ds.models.target import capture_hidden, load_target, target_parts
+
+    target = load_target(tiny_target)
+    arch = _arch(tiny_target, DFlash2Options(conv_group_size=32, selector_rank=8, selector_top_k=4))
+    drafter = DFlashDrafter(arch)
+    drafter.init_weights(0)
+    parts = target_parts(target)
+    calls = []
+
+    def head(h):
+        calls.append(h.shape[0])
+        return parts.head(h)
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 500, (2, 48), generator=gen)
+    mask = torch.zeros_like(ids)
+    mask[:, 8:] = 1
+    context, last = capture_hidden(target, ids, None, arch.target_layer_ids)
+    states = TargetStates(ids, mask, torch.tensor([48, 40]), context, last)
+    cfg = LossConfig(num_anchors=16, chunk_blocks=5)
+    drafter_objective(drafter, parts.embed, head, states, cfg, anchor_gen=torch.Generator().manual_seed(1))
+    assert len(calls) == 7 and sum(calls) == 32  # 32 blocks, chunks of 5: one pass over the blocks
+    hidden = torch.randn(9, arch.block_size - 1, arch.hidden_size, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 512, (9, arch.block_size - 1), generator=gen)
+    valid = torch.rand(9, arch.block_size - 1, generator=gen) > 0.2
+    anchor = torch.randint(0, 512, (9,), generator=gen)
+    terms = chunked_dflash_loss(hidden, parts.head, labels, valid, gamma=4.0, chunk_blocks=4, top_k=4)
+    kw = {"top_k": 4, "gamma": 4.0, "chunk_blocks": 4}
+    got = selector_loss(hidden, parts.head, drafter.candidate_selector, labels, valid, anchor,
+                        candidates=terms.candidates, **kw)
+    want = selector_loss(hidden, parts.head, drafter.candidate_selector, labels, valid, anchor, **kw)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+    g_got = torch.autograd.grad(got[0], hidden)[0]
+    g_want = torch.autograd.grad(want[0], hidden)[0]
+    assert torch.equal(g_got, g_want) and float(want[1]["candidate_hits"]) < float(want[1]["selector_positions"])
