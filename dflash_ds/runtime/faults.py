@@ -17,7 +17,9 @@ DFLASH_EXIT_STATUS_DIR     every rank writes rank{R}.json there, {"rank", "statu
                            before it exits (time.time()); a rank SIGKILLed by the faults above writes status -9
                            and the time of the kill, a hanging rank writes rank{R}.hang as it starts to hang.
                            "threads": the Python threads other than the caller still running when the rank
-                           leaves through the interpreter's teardown (none are expected: see record_exit)
+                           leaves through the interpreter's teardown (none are expected: see record_exit);
+                           "credentials": sha256 digests of the credentials as the libraries read them here
+                           (huggingface_hub.get_token(), W&B's WANDB_API_KEY; null where none), never the values
 """
 
 from __future__ import annotations
@@ -57,9 +59,27 @@ def record_exit(status: int, teardown: bool = True) -> None:
     me = threading.current_thread()
     threads = sorted(t.name for t in threading.enumerate() if t is not me and t.is_alive()) if teardown else []
     path = os.path.join(folder, f"rank{rank}.json")
+    record = {"rank": int(rank), "status": status, "time": time.time(), "threads": threads,
+              "credentials": _credential_digests()}
     with open(path + ".tmp", "w") as f:
-        json.dump({"rank": int(rank), "status": status, "time": time.time(), "threads": threads}, f)
+        json.dump(record, f)
     os.replace(path + ".tmp", path)  # a reader never sees half a file
+
+
+def _credential_digests() -> dict[str, str | None]:
+    """What a test may know of this rank's credentials: a digest of each, as its library reads it."""
+    import hashlib
+
+    def digest(value: str | None) -> str | None:
+        return hashlib.sha256(value.encode()).hexdigest() if value else None
+
+    try:
+        from huggingface_hub import get_token
+
+        hf = get_token()
+    except Exception:  # noqa: BLE001 - no huggingface_hub, or an unreadable token file: none
+        hf = None
+    return {"hf_token": digest(hf), "wandb_api_key": digest(os.environ.get("WANDB_API_KEY"))}
 
 
 def _kill_self() -> None:

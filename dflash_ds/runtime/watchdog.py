@@ -5,11 +5,17 @@ Every rank runs one daemon thread that, once a second:
 - turns a local SIGTERM/SIGINT into the job-wide stop request `dflash/stop`;
 - sees a stop request from any other rank and sets this rank's stop event;
 - notices a peer whose counter has not moved for `heartbeat_timeout_s` and ends this
-  rank (non-zero) after printing which rank was lost and at which step;
+  rank (non-zero) after printing which ranks were lost (every peer silent by then: a lost
+  host's ranks together) and at which step;
 - notices that its launcher is gone (a torchrun agent or deepspeed launcher killed with
   SIGKILL cannot stop its ranks) and turns that into a job-wide stop like a SIGTERM: the
   drafters checkpoint at an agreed step if they still can, and after `launcher_grace_s` the
   rank exits regardless, so no rank outlives its launcher.
+
+A second thread, the store guard, ends the rank when the heartbeat thread has not finished a round
+with the store for `heartbeat_timeout_s`: across a cut link a store call does not fail, it blocks
+(TCPStore's timeout does not bound `check`; measured: a client of a stopped server waited 60+ s with
+a 3 s timeout), so the ranks cut off from global rank 0 would otherwise wait out gloo's timeouts.
 
 Counters, not wall-clock times, so clocks of different nodes never need to agree.
 """
@@ -165,6 +171,8 @@ class Watchdog:
         self._closed = threading.Event()
         self._wake = threading.Event()  # a signal came: publish it now, not at the next beat
         self._thread = threading.Thread(target=self._run, name="dflash-watchdog", daemon=True)
+        self._round_done = time.monotonic()  # when the thread last finished a round with the store
+        self._guard = threading.Thread(target=self._guard_store, name="dflash-store-guard", daemon=True)
         self.launcher = LauncherWatch()
         self.launcher_grace_s = launcher_grace_s
         self._orphan_deadline: float | None = None
@@ -177,7 +185,9 @@ class Watchdog:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
         self._beat()
+        self._round_done = time.monotonic()
         self._thread.start()
+        self._guard.start()
         return self
 
     def _on_signal(self, signum, _frame) -> None:
@@ -224,6 +234,7 @@ class Watchdog:
                 self._check_peers()
                 for hook in self.tick_hooks:
                     hook()
+                self._round_done = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - the store is gone: its host (global rank 0) died
             if self._closed.is_set():
                 return
@@ -233,6 +244,14 @@ class Watchdog:
                 hard_exit(EXIT_LOST_LAUNCHER)
             self._die(0, f"lost contact with the job store on {self.describe_rank(0)} ({type(exc).__name__}); "
                          f"rank 0 is probably lost")
+
+    def _guard_store(self) -> None:
+        """End this rank when a round with the store has not finished for heartbeat_timeout_s (see module doc)."""
+        while not self._closed.wait(self.interval_s):
+            silent = time.monotonic() - self._round_done
+            if silent > self.timeout_s and not self._closed.is_set():
+                self._die(0, f"lost contact with the job store on {self.describe_rank(0)}: no answer for "
+                             f"{silent:.0f}s; rank 0 is probably lost")
 
     def _publish_stop(self) -> None:
         """This rank's signal becomes the job-wide stop (the targets stop only on it; drafters may agree sooner)."""
@@ -258,6 +277,7 @@ class Watchdog:
     def _check_peers(self) -> None:
         now = time.monotonic()
         limit = min(self.timeout_s, CHECKOUT_STALL_S) if self._done else self.timeout_s
+        silent: dict[int, tuple[float, str]] = {}  # peer -> (seconds without a beat, its last step)
         for peer in range(self.world):
             if peer == self.rank:
                 continue
@@ -268,17 +288,27 @@ class Watchdog:
             last = self._seen.get(peer)
             if last is None or last[0] != int(beats):
                 self._seen[peer] = (int(beats), now)
-            elif now - last[1] > limit:
-                if self.store.check([f"dflash/done/{peer}"]):
-                    continue  # finished normally
-                message = f"lost {self.describe_rank(peer)}: no heartbeat for {now - last[1]:.0f}s " \
-                          f"(its last step was {step})"
-                if not self._done:
-                    self._die(peer, message)
-                elif peer not in self.lost:  # rank 0, past its work, waiting for the others to check out
-                    print(f"[dflash-ds] rank {self.rank} at step {self.step}: {message}; not waiting for it",
-                          file=sys.stderr, flush=True)
-                    self.lost.add(peer)
+            elif not self.store.check([f"dflash/done/{peer}"]):  # a peer that finished normally is not lost
+                silent[peer] = (now - last[1], step)
+        lost = [p for p, (age, _) in silent.items() if age > limit]
+        if not lost:
+            return
+        if not self._done:
+            # A lost host's ranks went silent together, their last beats up to an interval apart: name every
+            # peer silent for a few beats, not only the first past the limit.
+            named = sorted(p for p, (age, _) in silent.items() if age > limit or age > 2.5 * self.interval_s)
+            for peer in named:
+                age, step = silent[peer]
+                print(f"[dflash-ds] rank {self.rank} at step {self.step}: lost {self.describe_rank(peer)}: "
+                      f"no heartbeat for {age:.0f}s (its last step was {step})", file=sys.stderr, flush=True)
+            self._die(lost[0], f"{len(named)} rank(s) lost")
+        for peer in lost:
+            if peer not in self.lost:  # rank 0, past its work, waiting for the others to check out
+                age, step = silent[peer]
+                print(f"[dflash-ds] rank {self.rank} at step {self.step}: lost {self.describe_rank(peer)}: no "
+                      f"heartbeat for {age:.0f}s (its last step was {step}); not waiting for it",
+                      file=sys.stderr, flush=True)
+                self.lost.add(peer)
 
     def stalled_peers(self, min_age_s: float = 3.0) -> list[int]:
         """Peers whose heartbeat has not moved for `min_age_s` (for naming the culprit after a failure)."""
@@ -320,6 +350,8 @@ class Watchdog:
         self._closed.set()
         self._wake.set()
         self._thread.join(timeout=5)
+        if self._guard.is_alive():
+            self._guard.join(timeout=5)
         try:
             self._publish_stop()
         except Exception:  # noqa: BLE001 - the store is gone: its host has left, there is nobody to tell

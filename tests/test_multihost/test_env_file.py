@@ -69,3 +69,65 @@ def test_logs_show_secrets_as_stars():
                                  "TOKENIZERS_PARALLELISM=false")
     assert redact_argv(["--wandb-api-key", "k", "--max-steps", "5", "in hf_SENTINEL_1"], env) == \
         ["--wandb-api-key", "***", "--max-steps", "5", "in ***"]
+
+
+STUB = """\
+import json, os, signal, stat, sys, time
+env_file = os.environ["DS_ENV_FILE"]
+creds = {k: v for k, v in (line.split("=", 1) for line in open(env_file).read().splitlines())
+         if k in ("HF_TOKEN_PATH", "DFLASH_SECRETS_FILE")}
+secret_env = sorted(k for k in os.environ if "SENTINEL" in os.environ[k] and k != "STUB_ECHO")
+json.dump({"argv": sys.argv[1:], "secret_env": secret_env,
+           "env_file": open(env_file).read(), "env_mode": stat.S_IMODE(os.stat(env_file).st_mode),
+           "modes": {k: stat.S_IMODE(os.stat(v).st_mode) for k, v in creds.items()},
+           "dir_mode": stat.S_IMODE(os.stat(os.path.dirname(creds["HF_TOKEN_PATH"])).st_mode),
+           "files": [env_file, os.path.dirname(creds["HF_TOKEN_PATH"])]}, open(os.environ["STUB_OUT"], "w"))
+print("launcher: --hf-token", os.environ.get("STUB_ECHO", ""), flush=True)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+time.sleep(float(os.environ["STUB_SLEEP"]))
+sys.exit(3)
+"""
+
+
+def test_launch_script_writes_no_secret_removes_its_files_and_passes_signals_on(tmp_path):
+    """launch/train_deepspeed.sh over ssh with a stub launcher: the launcher sees no secret in its environment, its
+    arguments or the env file (0600), the credentials are files of mode 0600 in a 0700 folder; its output shows a
+    secret as ***; its status is the script's, a SIGTERM to the script reaches it (75 back), and on either exit
+    the env file and the credentials are gone."""
+    import json
+    import signal
+    import time
+    from pathlib import Path
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "deepspeed").write_text(f"#!{sys.executable}\n{STUB}")
+    (bin_dir / "deepspeed").chmod(0o755)
+    (bin_dir / "python").symlink_to(sys.executable)
+    (tmp_path / "hostfile").write_text("h0 slots=1\nh1 slots=1\n")
+    repo = Path(__file__).resolve().parents[2]
+    sentinel = "hf_SENTINEL_launch"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(repo), "HOSTFILE": str(tmp_path / "hostfile"), "TMPDIR": str(tmp_path),
+           "HF_TOKEN": sentinel, "WANDB_API_KEY": "wb_SENTINEL_launch", "STUB_OUT": str(tmp_path / "stub.json"),
+           "STUB_ECHO": sentinel}
+    script = ["bash", str(repo / "launch/train_deepspeed.sh"), "--max-steps", "5"]
+    r = subprocess.run(script, env={**env, "STUB_SLEEP": "0"}, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 3, r.stderr
+    seen = json.loads((tmp_path / "stub.json").read_text())
+    assert seen["argv"][-2:] == ["--max-steps", "5"] and seen["secret_env"] == []
+    assert "SENTINEL" not in seen["env_file"] and seen["env_mode"] == 0o600 and seen["dir_mode"] == 0o700
+    assert seen["modes"] == {"HF_TOKEN_PATH": 0o600, "DFLASH_SECRETS_FILE": 0o600}
+    assert "launcher: --hf-token ***" in r.stdout and "SENTINEL" not in r.stdout + r.stderr
+    assert not any(os.path.exists(f) for f in seen["files"])
+    proc = subprocess.Popen(script, env={**env, "STUB_SLEEP": "60"}, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "stub.json").exists() or json.loads((tmp_path / "stub.json").read_text())["files"] == \
+            seen["files"]:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    files = json.loads((tmp_path / "stub.json").read_text())["files"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 75
+    assert not any(os.path.exists(f) for f in files)

@@ -95,8 +95,14 @@ def test_a_replica_of_two_trains_like_one_target_stops_on_sigterm_and_resumes(jo
     assert "1 target replica(s) of 2 ranks [[1, 2]]" in r1.stdout, r1.stdout[-3000:]
     assert r1.stdout.count("(tensor-parallel shard of 2: ") == 2, r1.stdout[-3000:]
     assert "stop requested (SIGTERM on rank 2)" in r1.stdout, r1.stdout[-3000:]
+    # The drafter finishes the step it is in and no more (the stop reaches it within a micro-batch) and checkpoints
+    # the next. The hold makes that at most 2; the target's step 3 needs its batches 0-2 received or posted, which
+    # the drafter's prefetch (up to 2 x depth + 1 = 5 batches leased ahead, sources.py) allows while the drafter
+    # is still in step 0: at least 1. The bound, as 8e323f5 gave the reliability table's (exact was racy there).
     stopped = int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
-    assert stopped == 2, stopped  # step 1 finished, no more: the stop reached the drafter within a micro-batch
+    assert 1 <= stopped <= 2, stopped
+    assert f"checkpoint at step {stopped}" in r1.stdout, r1.stdout[-3000:]
+    assert max(x["step"] for x in per_batch(out).values()) == stopped - 1
     r2 = run(3, out, "--num-target-ranks", "2", "--target-parallel", "2")
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-5000:]
     got = per_batch(out)
