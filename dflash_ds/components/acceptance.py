@@ -91,7 +91,8 @@ def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: tor
     # DFlash2 (models/dflash2.py): what the selector's walk drafts; DSpark (models/dspark.py): its Markov chain
     walk = getattr(drafter, "draft_tokens", None)
     anchor_ids = blocks[:, :, 0].reshape(r * a)
-    # DSpark: its Markov head read once, so the chunks make no module calls (their count differs across ranks)
+    # DFlash2's selector, DSpark's Markov head: read once, so the chunks make no module call (ZeRO-3: their count
+    # differs across ranks)
     tables = {"tables": drafter.draft_tables()} if hasattr(drafter, "draft_tables") else {}
 
     def pick(lo: int) -> torch.Tensor:

@@ -77,6 +77,7 @@ def selector_loss(hidden: torch.Tensor, head, selector, labels: torch.Tensor, va
     prev = torch.cat([anchor_ids.view(n, 1), labels[:, :-1]], dim=1)
     safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
     h_sel = hidden.detach() if detach else hidden
+    tables = selector()  # once: the chunks make no module call (ZeRO-3: their count differs across ranks)
     num = hidden.new_zeros((), dtype=torch.float32)
     stats = {k: torch.zeros((), device=hidden.device) for k in SELECTOR_SUMS}
     for lo in range(0, n, chunk_blocks):
@@ -89,7 +90,7 @@ def selector_loss(hidden: torch.Tensor, head, selector, labels: torch.Tensor, va
                 ids, values, gold, found = candidates_with_gold(logits, safe_labels[lo:hi], top_k)
                 del logits
             unary = soft_cap(values * output_multiplier, softcap)
-        pairs = selector.pair_scores(h_sel[lo:hi], prev[lo:hi].unsqueeze(-1), ids).squeeze(-2)
+        pairs = selector.pair_scores(h_sel[lo:hi], prev[lo:hi].unsqueeze(-1), ids, tables).squeeze(-2)
         scores = unary + pairs
         ce = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view(hi - lo, length)
         w = weights * valid[lo:hi].float()

@@ -121,14 +121,18 @@ class DFlash2Drafter(DFlashDrafter):
         o = self.arch.dflash2
         return unary_candidates(hidden, lm_head, o.selector_top_k, o.output_multiplier, o.final_logit_softcapping)
 
-    def block_scores(self, hidden: torch.Tensor, lm_head, anchor_ids: torch.Tensor):
+    def block_scores(self, hidden: torch.Tensor, lm_head, anchor_ids: torch.Tensor, tables: tuple | None = None):
         """Candidates [N, L, K] and edge scores [N, L, K, K] of the drafted positions' hidden states [N, L, H]."""
         ids, unary = self.candidates(hidden, lm_head)
-        return ids, self.candidate_selector.edge_scores(hidden, ids, unary, anchor_ids)
+        return ids, self.candidate_selector.edge_scores(hidden, ids, unary, anchor_ids, tables)
+
+    def draft_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The selector's tables, read once for a caller that drafts many chunks (dflash2_selector.CandidateSelector)."""
+        return self.candidate_selector()
 
     def draft_tokens(self, hidden: torch.Tensor, lm_head, anchor_ids: torch.Tensor, temperature: float = 0.0,
-                     generator: torch.Generator | None = None) -> BlockDraft:
+                     generator: torch.Generator | None = None, tables: tuple | None = None) -> BlockDraft:
         """The walk's drafts [N, L], the walked K-way score rows [N, L, K] and their candidates [N, L, K]."""
-        ids, scores = self.block_scores(hidden, lm_head, anchor_ids)
+        ids, scores = self.block_scores(hidden, lm_head, anchor_ids, tables)
         tokens, rows = walk(scores, ids, temperature, generator)
         return BlockDraft(tokens, rows, None, ids)

@@ -52,19 +52,32 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
-    def pair_scores(self, hidden: torch.Tensor, prev_ids: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The selector's tables through its own forward: the two codebooks [V, r] and the hidden projection as an
+        [H, r] matrix. ZeRO-3 gathers a module's parameters only inside its forward, and a caller that scores
+        many chunks (the selector loss, est_tau's walk) must make the same module calls on every rank: it takes
+        the tables once and passes them to `pair_scores`."""
+        w = self.hidden_projection.weight
+        eye = torch.eye(self.hidden_projection.in_features, device=w.device, dtype=w.dtype)
+        return self.predecessor_codebook * 1.0, self.successor_codebook * 1.0, self.hidden_projection(eye)
+
+    def pair_scores(self, hidden: torch.Tensor, prev_ids: torch.Tensor, cand_ids: torch.Tensor,
+                    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Edge scores without the unary term: hidden [..., H], prev_ids [..., P], cand_ids [..., C] -> [..., P, C]."""
-        h = self.hidden_projection(hidden)
-        pred = self.predecessor_codebook[prev_ids] * h.unsqueeze(-2)
-        return torch.matmul(pred, self.successor_codebook[cand_ids].transpose(-1, -2)).float()
+        if tables is None:
+            pred_cb, succ_cb, h = self.predecessor_codebook, self.successor_codebook, self.hidden_projection(hidden)
+        else:
+            pred_cb, succ_cb, h = tables[0], tables[1], hidden @ tables[2].to(hidden.dtype)
+        pred = pred_cb[prev_ids] * h.unsqueeze(-2)
+        return torch.matmul(pred, succ_cb[cand_ids].transpose(-1, -2)).float()
 
     def edge_scores(self, hidden: torch.Tensor, candidate_ids: torch.Tensor, unary: torch.Tensor,
-                    anchor_ids: torch.Tensor) -> torch.Tensor:
+                    anchor_ids: torch.Tensor, tables: tuple | None = None) -> torch.Tensor:
         """Scores [N, L, K(predecessor), K(candidate)] of a block's drafted positions.
 
-        hidden [N, L, H] (final-normed), candidate_ids / unary [N, L, K], anchor_ids [N].
+        hidden [N, L, H] (final-normed), candidate_ids / unary [N, L, K], anchor_ids [N]; `tables`: `forward()`'s.
         """
-        pairs = self.pair_scores(hidden, predecessor_ids(candidate_ids, anchor_ids), candidate_ids)
+        pairs = self.pair_scores(hidden, predecessor_ids(candidate_ids, anchor_ids), candidate_ids, tables)
         return unary.float().unsqueeze(-2) + pairs
 
 
