@@ -12,7 +12,8 @@ other hosts' names to their addresses. The file system stays shared, as on a clu
         hosts.env()                              # PATH with an `ssh` that carries `-F <config>` first
 
 `close()` (also on a failure, and for any harness a killed test left behind, see `reap_stale`) kills
-every process in each namespace, deletes the namespaces and removes their /etc/netns files.
+every process in each namespace, deletes the namespaces and removes their /etc/netns files. A guard
+process does the same as soon as the owning process dies, even by SIGKILL: no host outlives its test.
 Root, iproute2, nftables, util-linux (unshare, nsenter), openssh-server and pdsh are needed: `unavailable()` says
 which is missing.
 """
@@ -25,6 +26,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -100,11 +102,15 @@ class Hosts:
         self.dir = Path(tempfile.mkdtemp(prefix="dflash-hosts-"))
         self.sshd: dict[str, subprocess.Popen] = {}
         self.port: dict[str, str] = {}  # host -> its link's port on the bridge
+        self.guard: subprocess.Popen | None = None
 
     # -- set-up ---------------------------------------------------------------------------------------------
 
     def __enter__(self) -> Hosts:
         reap_stale()
+        # Started first: if this process is SIGKILLed while the hosts are made or used, the guard removes them.
+        self.guard = subprocess.Popen([sys.executable, "-I", "-S", __file__, str(os.getpid())], start_new_session=True,
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             self._make()
         except BaseException:
@@ -246,6 +252,9 @@ class Hosts:
                 p.wait(timeout=5)
         _kill_netns(self.bridge_ns)
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.guard is not None:
+            self.guard.kill()
+            self.guard.wait()
         with contextlib.suppress(OSError):
             if NETNS_DIR.is_dir() and not any(NETNS_DIR.iterdir()):
                 NETNS_DIR.rmdir()  # we made it; leave /etc as it was
@@ -298,3 +307,10 @@ def only_sshd_left(hosts: Hosts) -> dict[str, list[str]]:
                 pass  # exited meanwhile
         left[h] = cmds
     return left
+
+
+if __name__ == "__main__":  # the guard of Hosts: `python hosts.py OWNER_PID`, reaps the owner's hosts once it is gone
+    owner = int(sys.argv[1])
+    while os.getppid() == owner:
+        time.sleep(0.5)
+    reap_stale()

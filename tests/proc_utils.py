@@ -6,6 +6,8 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -20,17 +22,40 @@ def process_group(cmd: list[str], **kwargs) -> Iterator[subprocess.Popen]:
     A launcher's ranks are its descendants but not in its process group: torchrun (torch >= 2.13) starts each
     rank in a session of its own, so a group kill of the launcher misses them and a hung job's ranks would keep
     the cores busy for the rest of the suite. The tree is marked through the environment, so a rank whose
-    launcher already died (re-parented to init, off the /proc tree) is found too.
+    launcher already died (re-parented to init, off the /proc tree) is found too. A guard process does the
+    same if this process dies first, even by SIGKILL (a CI time limit): nothing outlives the test run.
     """
     mark = uuid.uuid4().hex
     env = {**(kwargs.pop("env", None) or os.environ), TREE_MARK: mark}
-    proc = subprocess.Popen(cmd, start_new_session=True, env=env, **kwargs)
+    guard = subprocess.Popen([sys.executable, "-I", "-S", __file__, str(os.getpid()), mark], start_new_session=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc = subprocess.Popen(cmd, start_new_session=True, env=env, **kwargs)
+    except BaseException:
+        guard.kill(), guard.wait()
+        raise
     proc.tree_mark = mark  # type: ignore[attr-defined]
     try:
         yield proc
     finally:
         kill_tree(proc)
         proc.wait()
+        guard.kill()
+        guard.wait()
+
+
+def _guard(parent: int, mark: str) -> None:
+    """`python proc_utils.py PARENT MARK`: once PARENT is gone, SIGKILL every process marked MARK."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    for _ in range(50):
+        pids = marked(mark)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
 
 
 def descendants(pid: int) -> list[int]:
@@ -143,7 +168,6 @@ def run_bounded_peak_rss(cmd: list[str], timeout: float, poll_s: float = 0.3,
                          **kwargs) -> tuple[subprocess.CompletedProcess, dict[int, int]]:
     """`run_bounded`, also sampling the peak resident set (VmHWM) of every descendant: pid -> bytes."""
     import tempfile
-    import time
 
     peaks: dict[int, int] = {}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -183,8 +207,6 @@ def subreaper() -> Iterator[None]:
 def reap(pid: int, timeout: float) -> int | None:
     """The exit status of `pid` as its parent (this process, once it adopted it) sees it (-N: killed by signal N),
     or None if it was not reaped here within `timeout`."""
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -196,3 +218,7 @@ def reap(pid: int, timeout: float) -> int | None:
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    _guard(int(sys.argv[1]), sys.argv[2])

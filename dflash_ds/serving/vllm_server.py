@@ -4,7 +4,9 @@ vLLM lives in an environment of its own (it pins torch and transformers versions
 server runs that environment's Python: `--vllm-python`, else $DFLASH_VLLM_PYTHON, else the
 repository's `.venv-serve` (`make serve-env` creates it). The server runs in a new session; leaving
 the `with` block (or the process exiting) ends its whole process group, the engine's workers
-included. Its output goes to a log file, whose tail is printed when it fails to come up.
+included, and so does this process's death, even by SIGKILL: the group's leader is a keeper
+(`keeper.py`) that ends the server once its starter is gone. Its output goes to a log file, whose
+tail is printed when it fails to come up.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -24,6 +27,8 @@ from dflash_ds.errors import DFlashError
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ENV = REPO / ".venv-serve" / "bin" / "python"
+KEEPER = Path(__file__).resolve().with_name("keeper.py")
+KEEPER_GRACE_S = 5.0  # from SIGTERM to SIGKILL once the starter is gone: nobody waits for a clean shutdown then
 CPU_MEMORY_FRACTION = 0.1  # vLLM's CPU build reserves this share of *RAM* for the KV cache, and refuses to
 # start when that much is not free (its GPU default, 0.92, never fits beside a trainer's processes)
 
@@ -98,9 +103,10 @@ class VLLMServer:
     def start(self) -> None:
         """Launch the server and wait until /health answers; on failure, stop it and raise with the log's tail."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        keeper = [sys.executable, "-I", "-S", str(KEEPER), str(os.getpid()), str(KEEPER_GRACE_S), "--"]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env, start_new_session=True)
+            self.proc = subprocess.Popen([*keeper, *self.cmd], stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
         atexit.register(self.stop)
         print(f"vllm: starting {self.url} (log {self.log_path})", flush=True)
         t0 = time.monotonic()

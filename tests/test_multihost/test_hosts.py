@@ -43,3 +43,37 @@ def test_two_hosts_are_real_to_the_software_and_leave_nothing(hosts):
     assert not any(p.name.startswith(hosts.tag) for p in NETNS_DIR.glob("*"))
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert hosts.tag not in listed
+
+
+def test_hosts_go_with_a_test_process_that_is_sigkilled():
+    """A harness whose owner is SIGKILLed (a CI time limit kills pytest) is removed by its guard at once, what
+    runs on its hosts included: not only by the next harness's reap_stale."""
+    import signal
+    import time
+
+    import pytest
+
+    from hosts import unavailable
+
+    why = unavailable()
+    if why:  # the `hosts` fixture's rule: fail under make test (DFLASH_REQUIRE_HOSTS=1), skip elsewhere
+        (pytest.fail if os.environ.get("DFLASH_REQUIRE_HOSTS") == "1" else pytest.skip)(f"several hosts: {why}")
+    code = ("import sys, time\nfrom hosts import Hosts\nh = Hosts(1).__enter__()\n"
+            "p = h.popen('h0', ['sleep', '600'])\nprint(h.tag, p.pid, flush=True)\ntime.sleep(600)\n")
+    tests = Path(__file__).resolve().parents[1]
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(tests)})
+    try:
+        tag, sleeper = owner.stdout.readline().split()
+        assert tag in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 15
+        while (os.path.exists(f"/proc/{sleeper}") or tag in subprocess.run(
+                ["ip", "netns", "list"], capture_output=True, text=True).stdout) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert tag not in listed and not os.path.exists(f"/proc/{sleeper}")
+        assert not any(p.name.startswith(tag) for p in NETNS_DIR.glob("*"))
+    finally:
+        owner.kill()

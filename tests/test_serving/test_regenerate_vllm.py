@@ -1,7 +1,8 @@
 """regenerate through a real vLLM server: the same rows as HF generate, and a server lost part-way.
 
 The server runs the tiny target in float32 (vLLM's `auto` is bfloat16 on a CPU), so greedy answers
-are the same tokens as HF generate's in float32.
+are the same tokens as HF generate's in float32. One server (`eos_server`) serves every test that only
+needs one running: a start costs about a minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def hf_rows(eos_target: Path, conversations: Path, tmp_path_factory) -> list[dic
     out = tmp_path_factory.mktemp("hf") / "hf.jsonl"
     regenerate(eos_target, conversations, out, batch_size=8, max_new_tokens=NEW, rank=0, world=1)
     return rows_of(out)
+
+
+@pytest.fixture(scope="module")
+def eos_server(vllm_python, eos_target: Path, tmp_path_factory):
+    """A float32 server of the eos target, shared by this module's tests."""
+    with VLLMServer(eos_target, dtype="float32", log_path=tmp_path_factory.mktemp("eos_server") / "server.log") \
+            as server:
+        yield server
 
 
 def vllm_processes(marker: str) -> list[int]:
@@ -76,14 +85,13 @@ def test_regenerate_through_vllm_equals_hf_generate(vllm_python, eos_target, con
     assert "Application startup complete" in (tmp_path / "served.jsonl.vllm.log").read_text()
 
 
-def test_chat_api_through_a_running_server(vllm_python, eos_target, conversations, hf_rows, tmp_path):
+def test_chat_api_through_a_running_server(eos_server, eos_target, conversations, hf_rows, tmp_path):
     # --api chat: the server renders the template. Single-answer rows equal HF's; the multi-turn row's second
     # prompt re-tokenizes the first answer's text, so only its first answer is compared.
     out = tmp_path / "chat.jsonl"
-    with VLLMServer(eos_target, dtype="float32", log_path=tmp_path / "chat.log") as server:
-        assert main(["regenerate", "--server", server.url + "/v1", "--api", "chat", "--target", str(eos_target),
-                     "--data", str(conversations), "--out", str(out), "--concurrency", "8",
-                     "--max-new-tokens", str(NEW)]) == 0
+    assert main(["regenerate", "--server", eos_server.url + "/v1", "--api", "chat", "--target", str(eos_target),
+                 "--data", str(conversations), "--out", str(out), "--concurrency", "8",
+                 "--max-new-tokens", str(NEW)]) == 0
     rows = rows_of(out)
     assert [r["id"] for r in rows] == [r["id"] for r in hf_rows]
     for row, hf in zip(rows, hf_rows):
@@ -93,19 +101,35 @@ def test_chat_api_through_a_running_server(vllm_python, eos_target, conversation
 
 
 def test_a_server_lost_part_way_keeps_finished_rows_and_a_rerun_completes(vllm_python, eos_target, conversations,
-                                                                        hf_rows, tmp_path):
+                                                                        hf_rows, eos_server, tmp_path):
+    """The server goes away mid-run because the process that started it is SIGKILLed (as a CI time limit kills
+    pytest): its keeper ends it and its engine, nothing of it is left; the finished rows are kept, and a rerun
+    against a running server completes the rest."""
     out = tmp_path / "resumed.jsonl"
     cmd = [sys.executable, "-m", "dflash_ds.cli", "regenerate", "--target", str(eos_target), "--data",
            str(conversations), "--out", str(out), "--concurrency", "2", "--retries", "1",
            "--max-new-tokens", str(NEW)]
-    with VLLMServer(eos_target, dtype="float32", log_path=tmp_path / "first.log") as server:
-        with process_group([*cmd, "--server", server.url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    starter = (f"import time\nfrom dflash_ds.serving.vllm_server import VLLMServer\n"
+               f"server = VLLMServer({str(eos_target)!r}, dtype='float32', log_path={str(tmp_path / 'first.log')!r})\n"
+               f"server.start()\nprint('ready', server.url, flush=True)\ntime.sleep(3600)\n")
+    with process_group([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True, cwd=ROOT) as holder:
+        url = next((line.split()[1] for line in holder.stdout if line.startswith("ready")), None)
+        assert url, "the starter did not bring its server up (its log: first.log)"
+        port = url.rsplit(":", 1)[1]
+        assert vllm_processes(f"--port {port} ")  # the server, as the holder started it
+        with process_group([*cmd, "--server", url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, cwd=ROOT) as proc:
             deadline = time.monotonic() + 120
             while (not out.exists() or len(out.read_text().splitlines()) < 4) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            os.killpg(server.proc.pid, signal.SIGKILL)  # the server goes away mid-run
+            os.kill(holder.pid, signal.SIGKILL)  # the server's starter goes away mid-run, and the server with it
+            killed = time.monotonic()
             log, _ = proc.communicate(timeout=120)
+        deadline = killed + 30
+        while vllm_processes(f"--port {port} ") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert vllm_processes(f"--port {port} ") == [], "a vLLM server outlived the process that started it"
+        print(f"the server was gone {time.monotonic() - killed:.1f}s after its starter was SIGKILLed")
     assert proc.returncode == 2, log
     kept = rows_of(out)
     by_id = {r["id"]: r for r in hf_rows}
@@ -120,8 +144,7 @@ def test_a_server_lost_part_way_keeps_finished_rows_and_a_rerun_completes(vllm_p
     summary = re.search(r"(\d+) rows not generated \((\d+) failed, (\d+) not attempted\)", log)
     assert summary and int(summary[1]) == 32 - len(kept) and int(summary[2]) == len(failed), log
 
-    with VLLMServer(eos_target, dtype="float32", log_path=tmp_path / "second.log") as server:
-        rerun = subprocess.run([*cmd, "--server", server.url], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    rerun = subprocess.run([*cmd, "--server", eos_server.url], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert f"{len(kept)} already done" in rerun.stdout
     rows = rows_of(out)
