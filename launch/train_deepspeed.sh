@@ -37,10 +37,10 @@ if [[ -z "${DS_ENV_FILE:-}" ]]; then
     export DS_ENV_FILE
     CREDENTIALS=$(mktemp -d "${DFLASH_CREDENTIALS_DIR:-$PWD}/.dflash-credentials.XXXXXX")  # 0700
     CLEANUP+=("$CREDENTIALS")
-    read -r -a SECRETS <<< "$("$PYTHON" -m dflash_ds.distributed.hostfile \
-        env-file "$DS_ENV_FILE" --credentials-dir "$CREDENTIALS")"
-    # The launcher itself would forward an MLFLOW_TRACKING_TOKEN by value (its own prefixes): it gets none.
-    if ((${#SECRETS[@]})); then unset "${SECRETS[@]}"; fi
+    # Prints `unset HF_TOKEN ...; export HF_TOKEN_PATH=... DFLASH_SECRETS_FILE=...` (paths, shell-quoted): the
+    # launcher gets no secret (it would forward an MLFLOW_TRACKING_TOKEN by value itself), only where to read them.
+    SETUP=$("$PYTHON" -m dflash_ds.distributed.hostfile env-file "$DS_ENV_FILE" --credentials-dir "$CREDENTIALS")
+    eval "$SETUP"
 fi
 deepspeed --hostfile "$HOSTFILE" --master_port "$MASTER_PORT" --module dflash_ds.train "$@" &
 LAUNCHER=$!

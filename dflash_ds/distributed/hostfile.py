@@ -105,7 +105,8 @@ def secret_variables(environ: dict[str, str], user_files: list[Path]) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m dflash_ds.distributed.hostfile env-file OUT [--credentials-dir DIR]`: write the deepspeed
-    launcher's env file (mode 0600, no secret) and the credentials; print the secret variables' names."""
+    launcher's env file (mode 0600, no secret) and the credentials; print the shell line that unsets the secrets
+    and exports their paths."""
     import argparse
     import os
 
@@ -130,7 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     os.fchmod(fd, 0o600)  # mktemp's file is 0600 already; a path of the user's may not be
     with os.fdopen(fd, "w") as f:
         f.write(deepspeed_env_text(dict(os.environ), user, forward))
-    print(" ".join(sorted(secrets_of(dict(os.environ)))))  # for the script to unset: the launcher must not see them
+    # For the script to eval: the launcher must see no secret (it forwards MLFLOW_* by value itself), and it needs
+    # the paths too when it runs a single host's ranks itself, without the env file.
+    import shlex
+
+    names = sorted(secrets_of(dict(os.environ)))
+    print("; ".join([*(["unset " + " ".join(names)] if names else []),
+                     *(f"export {k}={shlex.quote(v)}" for k, v in forward.items())]))
     return 0
 
 

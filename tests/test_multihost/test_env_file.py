@@ -27,7 +27,7 @@ def test_env_file_keeps_the_users_lines_and_adds_the_jobs(tmp_path):
 def test_secrets_reach_the_env_file_only_by_path(tmp_path):
     """HF_TOKEN, WANDB_API_KEY, an MLFLOW_TRACKING_TOKEN and a secret line of the user's .deepspeed_env: none in the
     env file (mode 0600), each in a 0600 file of the 0700 credentials folder, named there by path; the script
-    learns which names to unset. TOKENIZERS_PARALLELISM and a path (HF_TOKEN_PATH-like) are no secrets."""
+    learns which names to unset and which paths to export. TOKENIZERS_PARALLELISM and a path (HF_TOKEN_PATH-like) are no secrets."""
     (tmp_path / ".deepspeed_env").write_text("NCCL_IB_HCA=mlx5_0\nDB_PASSWORD=pw-from-file\n")
     env = {"PATH": "/usr/bin", "HOME": str(tmp_path), "HF_TOKEN": "hf_SENTINEL_1", "WANDB_API_KEY": "wb_SENTINEL_2",
            "MLFLOW_TRACKING_TOKEN": "ml_SENTINEL_3", "WANDB_PROJECT": "p", "TOKENIZERS_PARALLELISM": "false",
@@ -38,7 +38,9 @@ def test_secrets_reach_the_env_file_only_by_path(tmp_path):
                         "--credentials-dir", str(creds)], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["HF_TOKEN", "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY"]
+    assert r.stdout.strip() == (f"unset HF_TOKEN MLFLOW_TRACKING_TOKEN WANDB_API_KEY; "
+                                f"export HF_TOKEN_PATH={creds / 'hf_token'}; "
+                                f"export DFLASH_SECRETS_FILE={creds / 'secrets.env'}")
     text = (tmp_path / "out").read_text()
     assert "SENTINEL" not in text and "pw-from-file" not in text and "SENTINEL" not in r.stdout + r.stderr
     assert text.splitlines() == [
@@ -73,17 +75,21 @@ def test_logs_show_secrets_as_stars():
 
 STUB = """\
 import json, os, signal, stat, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))  # before the record: the test signals once it is there
 env_file = os.environ["DS_ENV_FILE"]
 creds = {k: v for k, v in (line.split("=", 1) for line in open(env_file).read().splitlines())
          if k in ("HF_TOKEN_PATH", "DFLASH_SECRETS_FILE")}
 secret_env = sorted(k for k in os.environ if "SENTINEL" in os.environ[k] and k != "STUB_ECHO")
-json.dump({"argv": sys.argv[1:], "secret_env": secret_env,
+assert all(os.environ[k] == v for k, v in creds.items()), "the launcher has the paths too (a single host's ranks)"
+record = {"argv": sys.argv[1:], "secret_env": secret_env,
            "env_file": open(env_file).read(), "env_mode": stat.S_IMODE(os.stat(env_file).st_mode),
            "modes": {k: stat.S_IMODE(os.stat(v).st_mode) for k, v in creds.items()},
            "dir_mode": stat.S_IMODE(os.stat(os.path.dirname(creds["HF_TOKEN_PATH"])).st_mode),
-           "files": [env_file, os.path.dirname(creds["HF_TOKEN_PATH"])]}, open(os.environ["STUB_OUT"], "w"))
+           "files": [env_file, os.path.dirname(creds["HF_TOKEN_PATH"])]}
+with open(os.environ["STUB_OUT"] + ".tmp", "w") as f:
+    json.dump(record, f)
+os.replace(os.environ["STUB_OUT"] + ".tmp", os.environ["STUB_OUT"])  # read whole or not at all
 print("launcher: --hf-token", os.environ.get("STUB_ECHO", ""), flush=True)
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
 time.sleep(float(os.environ["STUB_SLEEP"]))
 sys.exit(3)
 """
