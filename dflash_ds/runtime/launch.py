@@ -166,9 +166,14 @@ def _name_lost_peers(watchdog: Watchdog, describe) -> None:
 
     deadline = time.monotonic() + 4 * watchdog.interval_s
     lost: list[int] = []
-    while time.monotonic() < deadline and not lost:
+    settle = None
+    while time.monotonic() < deadline and (settle is None or time.monotonic() < settle):
         time.sleep(watchdog.interval_s / 2)
         lost = watchdog.stalled_peers(min_age_s=2.5 * watchdog.interval_s)
+        if lost and settle is None:
+            # a lost host's ranks beat last up to an interval apart: wait for the later ones to count as stalled
+            # too, so that every rank of it is named (seen: the target named, its host's drafter not yet)
+            settle = time.monotonic() + 1.5 * watchdog.interval_s
     for peer in lost:
         print(f"[dflash-ds] rank {watchdog.rank} at step {watchdog.step}: lost {describe(peer)} "
               f"(no heartbeat since about step {watchdog.peer_step(peer)})", file=sys.stderr, flush=True)
