@@ -5,7 +5,8 @@ usage: python vllm_dspark_probe.py TARGET EXPORT INPUTS.pt OUT.pt
 
 vLLM 0.32 serves DSpark on its V2 model runner only (Triton: GPU); its Qwen3DSparkForCausalLM is built and loads
 the export through its own `load_weights` (vllm_probe_load.py says how, on a CPU). The drafting loop is
-`DSparkSpeculator._sample_sequential` (and `_sample_sequential_topk`) at temperature 0, written out with the model's own `compute_draft_logits`, `markov_embed`, `markov_bias`,
+`DSparkSpeculator._sample_sequential` (and `_sample_sequential_topk`) at temperature 0, written out with the
+model's own `compute_draft_logits`, `markov_embed`, `markov_bias`,
 `apply_markov_bias_gathered` and `compute_confidence`.
 """
 
