@@ -122,6 +122,12 @@ class LossConfig:
     """dflash2: weight of the selector term (K-way CE over the candidates given the gold predecessor)."""
     selector_detach: bool = False
     """dflash2: train the selector on detached hidden states (no selector gradient into the backbone)."""
+    selector_gold: str = "swap"
+    """dflash2: where the head's top-K misses the gold token (10-15% of positions on the tiny targets): swap (the
+    gold replaces the K-th, weakest, candidate: every position trains, as speculators does) or drop (those
+    positions carry no selector term, as NeMo does; a strict top-K, SpecForge's, has no gold to aim at there)."""
+    selector_warmup_steps: int = 0
+    """dflash2: the selector weight ramps linearly from 1/N to full over the first N optimizer steps (0 = off)."""
     confidence_weight: float = 1.0
     """dspark: weight of the confidence head's BCE against the acceptance rate alpha = 1 - 0.5 ||p - q||_1
     (detached; the greedy hit argmax == label when the batch carries no target distribution)."""

@@ -50,6 +50,8 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("loss.position_weighting", "must be decay or dpace", lambda v: v in ("decay", "dpace")),
     ("loss.dpace_alpha", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("loss.selector_weight", "must be >= 0", lambda v: v >= 0),
+    ("loss.selector_gold", "must be swap or drop", lambda v: v in ("swap", "drop")),
+    ("loss.selector_warmup_steps", "must be >= 0", lambda v: v >= 0),
     ("loss.confidence_weight", "must be >= 0", lambda v: v >= 0),
     ("optim.lr", "must be > 0", lambda v: v > 0),
     ("optim.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1),

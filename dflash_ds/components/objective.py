@@ -93,7 +93,7 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
             flat_hidden, lm_head, selector, flat_labels,
             label_valid.reshape(n, bs - 1), blocks[:, :, 0].reshape(n), top_k=o.selector_top_k,
             output_multiplier=o.output_multiplier, softcap=o.final_logit_softcapping, gamma=loss_cfg.gamma,
-            detach=loss_cfg.selector_detach, chunk_blocks=loss_cfg.chunk_blocks, candidates=terms.candidates)
+            detach=loss_cfg.selector_detach, gold_rule=loss_cfg.selector_gold, chunk_blocks=loss_cfg.chunk_blocks, candidates=terms.candidates)
         terms.loss = terms.loss + loss_cfg.selector_weight * sel_loss
         sums.update(sel_sums)
     return terms, sums

@@ -29,3 +29,10 @@ def noise_std_at(step: int, *, max_std: float, min_std: float, warmup_steps: int
     if max_std == 0.0:
         return 0.0
     return _warmup_cosine(step, max_std, min_std, warmup_steps, total_steps)
+
+
+def ramp_at(step: int, warmup_steps: int) -> float:
+    """A weight's linear ramp: (step + 1) / warmup_steps over the first warmup_steps steps (0-based), then 1."""
+    if warmup_steps <= 0:
+        return 1.0
+    return min(1.0, (step + 1) / warmup_steps)

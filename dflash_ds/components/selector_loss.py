@@ -8,8 +8,10 @@ with the gold predecessor p_l (the anchor at l = 0, else the gold token of posit
     s(c) = unary(c) + <predecessor_codebook[p_l] * hidden_projection(h_l), successor_codebook[c]>
 
 and the loss is CE(s, index of the gold token), weighted by the DFlash position weights
-exp(-(l)/gamma). When the top-K misses the gold token it replaces the K-th candidate (with its own
-unary score), so every valid position carries a signal (the issue's rule; NeMo drops such positions).
+exp(-(l)/gamma). When the top-K misses the gold token (`gold`, loss.selector_gold): `swap` puts it in the
+K-th (weakest) slot with its own unary score, so every valid position carries a signal (speculators' rule);
+`drop` gives those positions no selector term (NeMo's; the walk can never draft the gold there, so the term
+would push the backbone, through hidden_projection, toward cases it cannot serve).
 
 Choices, and why:
 - The unary scores are detached here: the DFlash CE over the vocabulary already trains the head's
@@ -61,14 +63,14 @@ def gold_into_top_k(ids: torch.Tensor, values: torch.Tensor, gold_logit: torch.T
 
 def selector_loss(hidden: torch.Tensor, head, selector, labels: torch.Tensor, valid: torch.Tensor,
                   anchor_ids: torch.Tensor, *, top_k: int, output_multiplier: float = 1.0, softcap: float = 0.0,
-                  gamma: float = 7.0, detach: bool = False, chunk_blocks: int = 64,
+                  gamma: float = 7.0, detach: bool = False, gold_rule: str = "swap", chunk_blocks: int = 64,
                   candidates: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted mean selector CE over valid positions, and its additive statistics (SELECTOR_SUMS).
 
     hidden [N, L, H]: the drafter's final-normed states of the drafted positions; head: the target's LM
     head; selector: a models/dflash2_selector.CandidateSelector; labels / valid [N, L]; anchor_ids [N].
-    `candidates` (ids [N, L, K], logits [N, L, K], the label's logit [N, L]: `LossTerms.candidates` of the
+    `gold_rule` swap / drop: see the module's docstring. `candidates` (ids [N, L, K], logits [N, L, K], the label's logit [N, L]: `LossTerms.candidates` of the
     DFlash loss's chunks) are the head's top-K already taken: the head does not run again. Without them,
     vocabulary logits exist for `chunk_blocks` blocks at a time, without grad.
     """
@@ -93,7 +95,8 @@ def selector_loss(hidden: torch.Tensor, head, selector, labels: torch.Tensor, va
         pairs = selector.pair_scores(h_sel[lo:hi], prev[lo:hi].unsqueeze(-1), ids, tables).squeeze(-2)
         scores = unary + pairs
         ce = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view(hi - lo, length)
-        w = weights * valid[lo:hi].float()
+        kept = valid[lo:hi] & found if gold_rule == "drop" else valid[lo:hi]
+        w = weights * kept.float()
         num = num + (ce * w).sum()
         with torch.no_grad():
             v = valid[lo:hi]

@@ -13,6 +13,7 @@ is a pure function of the batch and the weights: a resumed run and an uninterrup
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_ds.components.objective import TargetStates
-from dflash_ds.components.schedules import noise_std_at
+from dflash_ds.components.schedules import noise_std_at, ramp_at
 from dflash_ds.config import Config, LossConfig
 from dflash_ds.data.batching import Cursor
 from dflash_ds.runtime import faults
@@ -77,6 +78,15 @@ def noise_at(cfg: Config, step: int) -> float:
                         warmup_steps=cfg.noise.warmup_steps, total_steps=cfg.train.max_steps)
 
 
+def loss_at(cfg: Config, step: int) -> LossConfig:
+    """The loss settings of optimizer step `step`: cfg.loss, with the selector weight ramped over
+    `loss.selector_warmup_steps` (components/schedules.ramp_at)."""
+    warm = cfg.loss.selector_warmup_steps
+    if warm <= 0 or step >= warm:
+        return cfg.loss
+    return dataclasses.replace(cfg.loss, selector_weight=cfg.loss.selector_weight * ramp_at(step, warm))
+
+
 def forward(model, tensors: dict, loss_cfg: LossConfig, seed: int, batch_id: int, noise: float,
             dtype: torch.dtype):
     """The micro-batch's (loss terms, statistics); `model` is the DeepSpeed engine or its bare module.
@@ -121,12 +131,14 @@ def accumulate(engine, loss: torch.Tensor | None, accumulation: int, tensors: di
 
 def train_micro(engine, batch: SourcedBatch, micro: int, cfg: Config, dtype: torch.dtype, noise: float,
                 accumulation: int, stop_requested: bool,
-                poison: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[MicroResult, bool]:
+                poison: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                loss_cfg: LossConfig | None = None) -> tuple[MicroResult, bool]:
     """forward -> agree -> accumulate of one batch; returns its result and whether the drafters stop.
 
-    `poison` may replace the loss before anyone reads it (test fault injection: faults.poison_loss).
+    `poison` may replace the loss before anyone reads it (test fault injection: faults.poison_loss);
+    `loss_cfg` is the step's (`loss_at`), cfg.loss when not given.
     """
-    terms, sums = forward(engine, batch.tensors, cfg.loss, cfg.train.seed, batch.batch_id, noise, dtype)
+    terms, sums = forward(engine, batch.tensors, loss_cfg or cfg.loss, cfg.train.seed, batch.batch_id, noise, dtype)
     loss_t = terms.loss if poison is None else poison(terms.loss)
     loss = loss_t.item()
     skip, stop = agree(math.isfinite(loss), stop_requested)
@@ -166,7 +178,8 @@ def optimizer_step(engine, source: BatchSource, data: BatchStream, cfg: Config, 
             est = {**estimate(engine, batch.tensors, cfg, dtype, rows=cfg.train.est_tau_rows),
                    "walk_s": time.perf_counter() - t0}
         result, stop_now = train_micro(engine, batch, m, cfg, dtype, noise, acc, stop_requested(),
-                                       poison=functools.partial(faults.poison_loss, step, m, drafter == 0))
+                                       poison=functools.partial(faults.poison_loss, step, m, drafter == 0),
+                                       loss_cfg=loss_at(cfg, step))
         stopping = stopping or stop_now
         source.release(batch.tensors)  # nothing below reads the batch's tensors
         micro.append(result)

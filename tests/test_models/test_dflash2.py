@@ -149,6 +149,23 @@ def test_selector_loss_by_hand() -> None:
     assert detached.item() == pytest.approx(loss.item())
     detached.backward()
     assert hidden.grad is None and sel.successor_codebook.grad is not None
+    # loss.selector_gold drop: position 1 (gold missed) carries no term; the statistics count as before
+    dropped, drop_stats = selector_loss(hidden, lambda x: x @ head_w.T, sel, labels, valid, anchor, top_k=2,
+                                        gamma=2.0, gold_rule="drop")
+    assert dropped.item() == pytest.approx(ce0, rel=1e-6) and drop_stats["selector_weight_sum"].item() == 1.0
+    assert drop_stats["candidate_hits"].item() == 1 and drop_stats["selector_positions"].item() == 2
+
+
+def test_the_selector_weight_ramps_over_its_warmup() -> None:
+    """loss.selector_warmup_steps N: step s (0-based) trains with weight x (s + 1) / N, full from step N - 1 on."""
+    from dflash_ds.config import load_config
+    from dflash_ds.runtime.step import loss_at
+
+    cfg = load_config(None, {"loss": {"selector_weight": 0.5, "selector_warmup_steps": 4}})
+    assert [loss_at(cfg, s).selector_weight for s in range(6)] == [0.125, 0.25, 0.375, 0.5, 0.5, 0.5]
+    assert loss_at(cfg, 0).gamma == cfg.loss.gamma and cfg.loss.selector_weight == 0.5  # only the weight moves
+    off = load_config(None, {"loss": {"selector_weight": 0.5}})
+    assert loss_at(off, 0) is off.loss
 
 
 def test_objective_adds_the_weighted_selector_term(tiny_target: Path) -> None:
