@@ -24,6 +24,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_ds.bench.comm",
         "point-to-point bandwidth of every target->drafter pair: raw send/recv vs the training exchange",
     ),
+    "curve": (
+        "dflash_ds.bench.curve",
+        "held-out tau against training tokens: every checkpoint a run kept, evaluated on the same prompts",
+    ),
     "memory": (
         "dflash_ds.bench.memory",
         "peak memory and time of one drafter micro-step at small widths, measured vs predicted, and the "

@@ -1,6 +1,6 @@
 """`dflash-ds bench recipe` on 2 recipes x 1 seed x 4 steps: the table's fields, the per-run results, the
-plot, a killed bench (one result missing) continuing with only what is missing, and an edited recipe stopped
-before it mixes with the runs made before the edit."""
+plot, a killed bench (one result missing) continuing with only what is missing, `bench curve` over the runs'
+checkpoints, and an edited recipe stopped before it mixes with the runs made before the edit."""
 
 from __future__ import annotations
 
@@ -104,6 +104,26 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
     assert resampled["recipes"] == sampled["recipes"]  # seeded: the same figures (train walls come from trained.json)
     for a, b in zip(resampled["runs"], sampled["runs"]):
         assert {**a, "eval_wall_s": 0} == {**b, "eval_wall_s": 0}  # the evaluation's wall time is measured anew
+
+    # bench curve over both runs' kept checkpoints (steps 2 and 4): the step-4 point is the recipe's result (the same
+    # export, prompts and tokens), tokens grow with the step, and a second call evaluates nothing again.
+    curve_args = ["--runs", str(out / "ce_decay/seed3"), str(out / "kl_lk/seed3"), "--target", str(tiny_target),
+                  "--eval-data", str(held), "--num-prompts", "3", "--max-new-tokens", "16", "--out", str(out / "curve"),
+                  "--json"]
+    r = subprocess.run([sys.executable, "-m", "dflash_ds.cli", "bench", "curve", *curve_args], capture_output=True,
+                       text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    curves = json.loads(r.stdout.strip().splitlines()[-1])["curves"]
+    assert sorted(curves) == ["ce_decay/seed3", "kl_lk/seed3"]
+    for run in again["runs"]:
+        pts = curves[f"{run['recipe']}/seed3"]
+        assert [p["step"] for p in pts] == [2, 4] and 0 < pts[0]["tokens"] < pts[1]["tokens"] == run["train_tokens"]
+        assert pts[1]["tau"] == pytest.approx(run["tau"]) and pts[1]["tau_pooled"] == pytest.approx(run["tau_pooled"])
+    kept = {p: p.stat().st_mtime_ns for p in out.glob("*/seed3/curve/step_*.json")}
+    assert len(kept) == 4 and (out / "curve" / "curve.png").stat().st_size > 1000
+    r = subprocess.run([sys.executable, "-m", "dflash_ds.cli", "bench", "curve", *curve_args], capture_output=True,
+                       text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0 and {p: p.stat().st_mtime_ns for p in kept} == kept, r.stderr[-3000:]
 
     # The recipe edited, the same --out: one clear error naming the run and the difference, before anything runs.
     (tmp_path / "recipes.yaml").write_text(RECIPES.replace("loss.lk_weight: 0.5", "loss.lk_weight: 0.25"))
