@@ -15,5 +15,6 @@ RDZV_PORT=${RDZV_PORT:-29400}
 read -r -a RDZV_ARGS <<< "$("$(dirname "$(command -v torchrun)")/python" -m dflash_ds.distributed.netif rdzv-args "$RDZV_HOST")"
 exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC" \
     --rdzv_backend c10d --rdzv_endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv_id "${RDZV_ID:-dflash}" \
-    ${MAX_RESTARTS:+--max-restarts "$MAX_RESTARTS"} "${RDZV_ARGS[@]}" \
+    ${MAX_RESTARTS:+--max-restarts "$MAX_RESTARTS"} ${SHUTDOWN_TIMEOUT:+--shutdown-timeout "$SHUTDOWN_TIMEOUT"} \
+    "${RDZV_ARGS[@]}" \
     -m dflash_ds.train "$@"

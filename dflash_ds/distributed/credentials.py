@@ -89,3 +89,33 @@ def load_secrets_file(environ: os._Environ | dict[str, str] = os.environ) -> lis
             environ[key] = value
             loaded.append(key)
     return loaded
+
+
+def shell_setup(environ: dict[str, str], forward: dict[str, str]) -> str:
+    """The line a launch script evals: unset the secrets of `environ`, export the paths that replace them."""
+    import shlex
+
+    names = sorted(secrets_of(environ))
+    return "; ".join([*(["unset " + " ".join(names)] if names else []),
+                      *(f"export {k}={shlex.quote(v)}" for k, v in forward.items())])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dflash_ds.distributed.credentials DIR`: write this environment's secrets into DIR; print the
+    shell line that unsets them and exports their paths (launch/train_slurm.sbatch)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dflash_ds.distributed.credentials",
+                                     description="Move this environment's secrets (*TOKEN, *API_KEY, *SECRET*, "
+                                                 "*PASSWORD*) into files; print the shell line to eval.")
+    parser.add_argument("dir", help="a folder on the shared filesystem (made mode 0700) for the files, mode 0600: "
+                                    "hf_token (named by HF_TOKEN_PATH) and secrets.env (DFLASH_SECRETS_FILE)")
+    args = parser.parse_args(argv)
+    environ = dict(os.environ)
+    secrets = secrets_of(environ)
+    print(shell_setup(environ, write_credentials(args.dir, secrets) if secrets else {}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

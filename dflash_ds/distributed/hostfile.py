@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dflash_ds.distributed.credentials import is_secret_name, secrets_of, write_credentials
+from dflash_ds.distributed.credentials import is_secret_name, secrets_of, shell_setup, write_credentials
 from dflash_ds.errors import DFlashError
 
 _HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]@]+$")  # hostnames, IPv4/IPv6 addresses, user@host
@@ -133,11 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(deepspeed_env_text(dict(os.environ), user, forward))
     # For the script to eval: the launcher must see no secret (it forwards MLFLOW_* by value itself), and it needs
     # the paths too when it runs a single host's ranks itself, without the env file.
-    import shlex
-
-    names = sorted(secrets_of(dict(os.environ)))
-    print("; ".join([*(["unset " + " ".join(names)] if names else []),
-                     *(f"export {k}={shlex.quote(v)}" for k, v in forward.items())]))
+    print(shell_setup(dict(os.environ), forward))
     return 0
 
 
