@@ -252,9 +252,10 @@ class TrainConfig:
     pooled figure of the last walks (est_tau_window)."""
     est_tau_window: int = 64
     """Rows over all drafters a record's est_tau pools: the last ceil(64 / (est_tau_rows x drafters)) walks
-    (8 on 2 drafters, 2 on 8). A record's est_tau is its own training tau (uniform anchors over every row of
-    its window: current, thousands of blocks) times the pooled walks' ratio of walked acceptance to tau on
-    the walked rows; the walks' own mean is est_tau_walked. The ratio is what the walks are for: one
+    (8 on 2 drafters, 2 on 8). A record's est_tau is the training tau of the last est_tau_interval steps
+    (uniform anchors over every row they trained on: current, thousands of blocks) scaled by the pooled walks'
+    ratio of walked accepted drafts to uniform ones on the walked rows, 1 + (tau - 1) x (walked - 1) /
+    (tau of the walked rows - 1); the walks' own mean is est_tau_walked. The ratio is what the walks are for: one
     response's walk varies by ~40% of the mean (0.39 on the demo's 478 rows) and the pool spans the
     drafter's last ~200 steps on 2 drafters (50 on 8), so the walks' own mean is noisy and lags, while the
     ratio moves little (hard rows are hard by both counts). Demo: est_tau 3.76 at step 300 against 3.97

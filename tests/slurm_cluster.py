@@ -77,7 +77,8 @@ class SlurmCluster:
 
     def _slurm_conf(self) -> str:
         d, hb = self.dir, self.heartbeat_s
-        nodes = "\n".join(f"NodeName={h} NodeAddr={self.hosts.addr[h]} CPUs={os.cpu_count()} State=UNKNOWN" for h in self.hosts.names)
+        nodes = "\n".join(f"NodeName={h} NodeAddr={self.hosts.addr[h]} CPUs={os.cpu_count()} State=UNKNOWN"
+                          for h in self.hosts.names)
         # Ports: each host is a network namespace of its own, with nothing else listening: these are free there.
         # cred_expire: a requeued job waits that long before it starts again (120 s by default).
         return f"""ClusterName=dflash
@@ -87,7 +88,7 @@ SlurmdUser=root
 SlurmctldPort=6817
 SlurmdPort=6818
 AuthType=auth/munge
-AuthInfo=socket={self.socket},cred_expire=10
+AuthInfo=socket={self.socket},cred_expire=5
 CredType=cred/munge
 StateSaveLocation={d / 'state'}
 SlurmdSpoolDir={d / 'spool-%n'}
@@ -105,6 +106,7 @@ JobCompType=jobcomp/none
 MpiDefault=none
 PlugStackConfig={d / 'plugstack.conf'}
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2

@@ -21,7 +21,8 @@ is a pointer chase over them on the host (`decode_walk`). Per response, est_tau 
 `walk_sums` adds what a record needs: per-response means (their mean is eval's `tau`, the headline
 `est_tau`), pooled tokens and steps (`est_tau_pooled`), and the uniform streak over the training's
 own anchor candidates (1 + its mean is `tau` over every anchor instead of a sample). A training
-record scales its few walked rows to its own `tau` by that uniform streak (`calibrated_walk`).
+record scales its few walked rows to the training `tau` of the last `train.est_tau_interval` steps by that
+uniform streak (`calibrated_walk`).
 """
 
 from __future__ import annotations
@@ -179,17 +180,24 @@ def walk_metrics(sums: dict[str, float], prefix: str) -> dict[str, float]:
 
 
 def calibrated_walk(sums: dict[str, float], tau: float) -> dict[str, float]:
-    """The training record's est_tau: the record's `tau` (uniform anchors, every row the window trained on,
-    the drafter as it is now) times the pooled walks' ratio of walked acceptance to `tau` on the walked rows.
+    """The training record's est_tau: the walked acceptance of the pooled walks, scaled to `tau` (uniform anchors
+    over every row the drafter trained on in the last `train.est_tau_interval` steps, the drafter as it is now) by
+    the walked rows' own uniform tau, in accepted drafts (tau - 1, what a block adds to its bonus token):
+
+        est_tau = 1 + (tau - 1) x (walked - 1) / (uniform tau of the walked rows - 1)
 
     A few walked rows say little by themselves (one response's walk varies by ~40% of the mean, and the pool
     spans the drafter's last hundreds of steps), but the ratio is steady: hard rows are hard by both counts.
-    `est_tau_walked` keeps the walks' own mean. Without uniform blocks the walks' figures are returned as
-    they are. Never below 1."""
+    Counted in accepted drafts, walks of a drafter that accepted nothing yet (both figures 1) weigh nothing in
+    the ratio. `est_tau_walked` keeps the walks' own mean. Without uniform blocks, or with walked rows whose
+    uniform tau is 1, the walks' figures are returned as they are. Never below 1."""
     out = walk_metrics(sums, "")
     if "est_tau" not in out or sums.get("blocks", 0) <= 0 or not math.isfinite(tau):
         return out
-    scale = tau / (1.0 + sums["streak"] / sums["blocks"])
-    # never below 1: a step yields at least its bonus token (a drafter that accepts nothing scales to ~1 - eps)
-    return {"est_tau": max(1.0, out["est_tau"] * scale), "est_tau_pooled": max(1.0, out["est_tau_pooled"] * scale),
-            "est_tau_walked": out["est_tau"]}
+    drafts = sums["streak"] / sums["blocks"]  # uniform accepted drafts of the walked rows
+    if drafts <= 0:
+        return {**out, "est_tau_walked": out["est_tau"]}
+    scale = (tau - 1.0) / drafts
+    # never below 1: a step yields at least its bonus token
+    return {"est_tau": max(1.0, 1.0 + (out["est_tau"] - 1.0) * scale),
+            "est_tau_pooled": max(1.0, 1.0 + (out["est_tau_pooled"] - 1.0) * scale), "est_tau_walked": out["est_tau"]}

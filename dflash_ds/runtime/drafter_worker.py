@@ -53,7 +53,7 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watc
         _announce_start(ctx, engine, resume, start_step, cursor, data.global_batch)
     source = open_source(ctx, cfg, arch, dtype, data, start_step, cursor, stop, target)
     log = StepLog(out, ctx, data, arch.block_size, cfg.train.max_steps, start_step,
-                  _open_monitor(cfg, out, start_step) if leader else None)
+                  _open_monitor(cfg, out, start_step) if leader else None, cfg.train.est_tau_interval)
     consecutive_bad, best = 0, resume.best  # best: {"step", "val_est_tau"} of checkpoints/best, or None
     for step in range(start_step, stop):
         watchdog.step = step

@@ -15,8 +15,9 @@ trains: in a run's first epoch text it has not trained on. (One update moves a b
 0.6% on the demo, so before or after makes no measurable difference there.) One response's
 acceptance varies by ~40% of the mean, so a walk of a few rows is noise; a record pools the last
 walks that hold `train.est_tau_window` rows over the drafters (`pooled_walks`,
-runtime/step_metrics.WalkHistory) and its est_tau is the record's training `tau` times their ratio of
-walked acceptance to `tau` on the walked rows (components/acceptance.calibrated_walk).
+runtime/step_metrics.WalkHistory) and its est_tau is the training `tau` of the last
+`train.est_tau_interval` steps (step_metrics.UniformHistory) scaled by their ratio of walked accepted drafts
+to uniform ones on the walked rows (components/acceptance.calibrated_walk).
 
 `validate` takes this drafter's validation batches of an evaluation step from its batch source,
 where the stream put them (after the step's training micro-steps, data/stream.py), and sums their

@@ -19,7 +19,8 @@ from typing import Any
 NAMESPACES = {
     **{k: "train" for k in ("loss", "accuracy", "avg_streak", "tau", "top4_accuracy", "top8_accuracy",
                             "tree_streak4", "tree_streak8", "lr", "noise_std", "grad_norm", "accuracy_per_position",
-                            "skipped_steps", "epoch", "est_tau", "est_tau_pooled", "est_tau_walked")},
+                            "skipped_steps", "epoch", "est_tau", "est_tau_pooled", "est_tau_walked",
+                            "est_tau_base")},
     **{k: "val" for k in ("val_est_tau", "val_est_tau_pooled", "val_tau")},
     **{k: "pipeline" for k in ("tgt_batch_per_sec", "dft_batch_per_sec", "tok_per_sec", "hs_queue_depth", "eta_s",
                                "tgt_forward_s", "recv_wait_s", "step_time_s")},

@@ -169,6 +169,40 @@ class WalkHistory:
         return cls(walks)
 
 
+class UniformHistory:
+    """The uniform argmax streak sums (streak, blocks: over every drafter) of each record window, by the step that
+    closed it; `tau` is the training tau est_tau scales to: every block trained in the last `interval` steps.
+
+    One record's window (train.log_interval steps) is short, and the length buckets put rows alike side by side:
+    on the quality target, whose tasks differ in length, one record's tau read 4.3 to 5.9 over three seeds whose
+    served tau was 3.1-3.6. The history is written to records/uniform{d}.jsonl and read back on a resume."""
+
+    def __init__(self, windows: dict[int, tuple[float, float]] | None = None) -> None:
+        self.windows = dict(windows or {})
+
+    def add(self, done: int, streak: float, blocks: float, interval: int) -> None:
+        """The window closed at step `done`; windows older than `interval` steps before it are dropped."""
+        self.windows[done] = (float(streak), float(blocks))
+        self.windows = {s: w for s, w in self.windows.items() if s > done - interval}
+
+    def tau(self, done: int, interval: int) -> float | None:
+        """1 + the mean streak over the windows closed in (done - interval, done]; None without a block."""
+        inside = [w for s, w in self.windows.items() if done - interval < s <= done]
+        blocks = sum(b for _, b in inside)
+        return 1.0 + sum(st for st, _ in inside) / blocks if blocks > 0 else None
+
+    @classmethod
+    def read(cls, path: Path, start_step: int) -> "UniformHistory":
+        """The windows a run resumed at `start_step` had closed (a later line for a step replaces an earlier one)."""
+        windows = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                rec = json.loads(line) if line.strip() else None
+                if rec and rec["step"] <= start_step:
+                    windows[int(rec["step"])] = (float(rec["streak"]), float(rec["blocks"]))
+        return cls(windows)
+
+
 @dataclass
 class WindowTotals:
     """A log window summed over the drafters."""
@@ -179,6 +213,7 @@ class WindowTotals:
     pos_correct: list[float]
     pos_valid: list[float]
     peak_mem_bytes: list[float]  # per drafter rank
+    est_base_tau: float | None = None  # the training tau est_tau scales to (UniformHistory.tau), set by StepLog
 
     def loss_metrics(self) -> dict:
         """The window's loss statistics over every drafter (components/loss.metrics_from_sums)."""
@@ -186,10 +221,12 @@ class WindowTotals:
                                   "pos_correct": torch.tensor(self.pos_correct), "pos_valid": torch.tensor(self.pos_valid)})
 
     def walks(self, tau: float | None = None) -> dict[str, float]:
-        """est_tau, est_tau_pooled, est_tau_walked (the pooled walks scaled to the window's training `tau`:
-        acceptance.calibrated_walk) and, after an evaluation, val_est_tau, val_est_tau_pooled and val_tau (every
-        validation row walked by the drafter as it is: no scaling)."""
-        tau = float(self.loss_metrics()["tau"]) if tau is None else tau
+        """est_tau, est_tau_pooled, est_tau_walked (the pooled walks scaled to the training `tau` of the last
+        train.est_tau_interval steps, `est_base_tau`, else of this window: acceptance.calibrated_walk) and, after
+        an evaluation, val_est_tau, val_est_tau_pooled and val_tau (every validation row walked by the drafter as
+        it is: no scaling)."""
+        if tau is None:
+            tau = self.est_base_tau if self.est_base_tau is not None else float(self.loss_metrics()["tau"])
         sums = {kind: {k: self.sums[f"{kind}_{k}"] for k in WALK_SUMS} for kind in WALK_KINDS}
         return {**calibrated_walk(sums["est"], tau), **walk_metrics(sums["val"], "val_")}
 
@@ -220,7 +257,8 @@ class WindowTotals:
             **confidence_metrics(s),
             # greedy decoding walked over the response (components/acceptance.py): est_tau at every record when
             # train.est_tau_rows > 0, val_* on the validation split at an evaluation step
-            **self.walks(float(m["tau"])),
+            **self.walks(self.est_base_tau if self.est_base_tau is not None else float(m["tau"])),
+            **({"est_tau_base": self.est_base_tau} if self.est_base_tau is not None and s["est_responses"] > 0 else {}),
             "lr": s["lr"] / n, "noise_std": s["noise_std"] / n, "grad_norm": s["grad_norm"] / n,
             # each header carries its target's own rate: the mean times T is the whole target side's
             "tgt_batch_per_sec": s["tgt_batch_per_s"] / n * num_targets,
@@ -247,13 +285,16 @@ class StepLog:
     """
 
     def __init__(self, out: Path, ctx: RoleContext, data: BatchStream, block_size: int, max_steps: int,
-                 start_step: int, monitor: Monitor | None) -> None:
+                 start_step: int, monitor: Monitor | None, est_tau_interval: int = 1) -> None:
         layout, d = ctx.layout, ctx.role_rank
         records = out / "records"
         records.mkdir(parents=True, exist_ok=True)
         self.file = (records / f"drafter{d}.jsonl").open("a")
         self.walks = WalkHistory.read(records / f"walks{d}.jsonl", start_step)
         self.walk_file = (records / f"walks{d}.jsonl").open("a")
+        self.uniform = UniformHistory.read(records / f"uniform{d}.jsonl", start_step)
+        self.uniform_file = (records / f"uniform{d}.jsonl").open("a")
+        self.est_tau_interval = max(1, est_tau_interval)
         self.window = MetricWindow(len(data.boundaries), block_size - 1, layout.num_drafters, d)
         self.device, self.monitor, self.max_steps, self.start_step = ctx.device, monitor, max_steps, start_step
         self.global_batch, self.num_drafters = data.global_batch, layout.num_drafters
@@ -284,6 +325,11 @@ class StepLog:
         self.window.peak_mem_bytes = peak_memory_bytes(self.device)
         self.window.add_walk("est", self.walks.pooled(done))  # every drafter walks the same steps
         totals = self.window.reduce()  # host tensors: the role group carries them on GPU too (cpu:gloo)
+        streak, blocks = totals.sums["streak"], totals.sums["blocks"]
+        self.uniform.add(done, streak, blocks, self.est_tau_interval)
+        self.uniform_file.write(json.dumps({"step": done, "streak": streak, "blocks": blocks}) + "\n")
+        self.uniform_file.flush()
+        totals.est_base_tau = self.uniform.tau(done, self.est_tau_interval)
         now = time.perf_counter()
         if self.monitor is not None:
             record = totals.record(done, epoch, now - self.t_last, self.global_batch, self.num_drafters,
@@ -302,5 +348,6 @@ class StepLog:
         """Close the records files and the leader's monitor."""
         self.file.close()
         self.walk_file.close()
+        self.uniform_file.close()
         if self.monitor is not None:
             self.monitor.close()

@@ -131,25 +131,44 @@ def test_a_record_pools_the_walks_of_its_window_by_hand(tmp_path) -> None:
     assert resumed.pooled(60) == history.pooled(60)
 
 
-def test_est_tau_scales_the_walks_to_the_records_tau_by_hand() -> None:
-    """A record's est_tau is its training tau x (walked acceptance / uniform tau of the walked rows); the walks'
-    own figure stays as est_tau_walked, the validation figures are not scaled, and the uniform runs that
+def test_est_tau_scales_the_walks_to_the_training_tau_by_hand(tmp_path) -> None:
+    """A record's est_tau is 1 + (training tau - 1) x (walked acceptance - 1) / (uniform tau of the walked rows - 1),
+    the training tau that of every block of the last est_tau_interval steps (UniformHistory, read back on a resume);
+    the walks' own figure stays as est_tau_walked, the validation figures are not scaled, and the uniform runs that
     calibrate are the argmax's (`uniform_runs`), not the walk's."""
     from dflash_ds.components.acceptance import calibrated_walk
-    from dflash_ds.runtime.step_metrics import WindowTotals
+    from dflash_ds.runtime.step_metrics import UniformHistory, WindowTotals
 
     pooled = {"tokens": 42.0, "steps": 10.0, "tau_sum": 18.0, "responses": 4.0, "streak": 34.0, "blocks": 12.0}
-    uniform = 1 + 34 / 12  # 3.83 on the walked rows; the walks read 4.5 (per response) and 4.2 (pooled)
-    got = calibrated_walk(pooled, 5.0)  # the record's tau: every row of its window, the drafter as it is now
-    assert got["est_tau"] == pytest.approx(4.5 * 5.0 / uniform) and got["est_tau_walked"] == pytest.approx(4.5)
-    assert got["est_tau_pooled"] == pytest.approx(4.2 * 5.0 / uniform)
+    drafts = 34 / 12  # 2.83 accepted drafts (uniform) on the walked rows; the walks read 4.5 and 4.2 (pooled)
+    got = calibrated_walk(pooled, 5.0)
+    assert got["est_tau"] == pytest.approx(1 + 3.5 * 4.0 / drafts) and got["est_tau_walked"] == pytest.approx(4.5)
+    assert got["est_tau_pooled"] == pytest.approx(1 + 3.2 * 4.0 / drafts)
     assert calibrated_walk({**pooled, "blocks": 0.0}, 5.0) == walk_metrics(pooled, "")  # nothing to scale by
+    assert calibrated_walk({**pooled, "streak": 0.0}, 5.0)["est_tau"] == pytest.approx(4.5)  # walked rows at 1
     assert calibrated_walk(dict.fromkeys(pooled, 0.0), 5.0) == {}  # no walk yet: no est_tau
 
-    window = WindowTotals({f"{kind}_{k}": v for kind in ("est", "val") for k, v in pooled.items()}, 0.0, [], [], [], [])
-    figures = window.walks(5.0)
+    # Windows closed at 5, 10, 15, 20 (streak, blocks over the drafters); interval 10: the record at 20 scales to
+    # the windows at 15 and 20, (30 + 12) / (10 + 6) streak a block.
+    history, taus = UniformHistory(), {}
+    for done, streak, blocks in ((5, 2.0, 8.0), (10, 9.0, 6.0), (15, 30.0, 10.0), (20, 12.0, 6.0)):
+        history.add(done, streak, blocks, 10)
+        taus[done] = history.tau(done, 10)
+    assert taus[20] == pytest.approx(1 + 42 / 16) and taus[15] == pytest.approx(1 + 39 / 16)
+    assert sorted(history.windows) == [15, 20]  # older windows dropped
+    path = tmp_path / "uniform0.jsonl"
+    lines = [(5, 2.0, 8.0), (10, 1.0, 1.0), (15, 30.0, 10.0), (10, 9.0, 6.0), (20, 12.0, 6.0)]  # 10 redone
+    path.write_text("".join(json.dumps({"step": d, "streak": st, "blocks": b}) + "\n" for d, st, b in lines))
+    resumed = UniformHistory.read(path, 15)  # 20 closed after the checkpoint at 15: not read
+    assert resumed.tau(15, 10) == taus[15]
+    resumed.add(20, 12.0, 6.0, 10)
+    assert resumed.tau(20, 10) == taus[20] and UniformHistory().tau(20, 10) is None
+
+    window = WindowTotals({f"{kind}_{k}": v for kind in ("est", "val") for k, v in pooled.items()}, 0.0, [], [], [], [],
+                          est_base_tau=5.0)
+    figures = window.walks()
     assert figures["est_tau"] == pytest.approx(got["est_tau"]) and figures["val_est_tau"] == pytest.approx(4.5)
-    assert figures["val_tau"] == pytest.approx(uniform)
+    assert figures["val_tau"] == pytest.approx(1 + drafts)
 
     # The runs of the by-hand walk above, with an argmax that does worse than the walk at anchor 4.
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]])

@@ -6,8 +6,8 @@ others (data.val_path). Then `dflash-ds eval` of the step-40 export on the same 
 decoding, lossless-checked. The last record's `est_tau` must be within EST_BOUND of served tau on the training
 prompts and its `val_est_tau` within VAL_BOUND of served tau on the held-out ones.
 
-The bounds, from seeds 0-2 of this run (docs/QUALITY.md, "est_tau against served"): est_tau was +1.7%, -10.6% and
-+4.0% off served, val_est_tau -1.7%, -1.8% and -1.8%. The estimator before #32 (the last walk's own mean, 4 rows)
+The bounds, from seeds 0-2 of this run (docs/QUALITY.md, "est_tau against served"): est_tau was +0.7%, -10.5% and
+-1.0% off served, val_est_tau -1.7%, -1.9% and -1.8%. The estimator before #32 (the last walk's own mean, 4 rows)
 reads 2.49 against 1.89 here, +32%: EST_BOUND fails it.
 """
 

@@ -191,5 +191,12 @@ def test_a_node_killed_mid_run_ends_the_job_naming_its_ranks(setup, slurm, tmp_p
         assert re.search(rf"rank 0 at step \d+: lost {lost}", ours), ours
     assert exits[0]["status"] not in (0, 75) and took <= 2 * HEARTBEAT_S, (exits, took)
     assert _ranks(hosts, "h0") == [] and gone <= 2 * HEARTBEAT_S, _job_processes(hosts)
+    assert re.search(r"srun: error: h0: task 0: Exited with exit code [1-9]", log), log[-3000:]  # h0's torchrun
     assert not (tmp_path / "job" / "attempt1").exists()  # not requeued by the script: no checkpointed stop
-    slurm.client(["scancel", job])  # SLURM itself requeues a job whose node failed: it would wait for h1
+    # SLURM itself requeues a job whose node failed (--requeue), to wait for h1: cancelled, nothing of it is left.
+    slurm.client(["scancel", job])
+    slurm.wait_state(job, ("CANCELLED",), timeout=30)
+    deadline = time.monotonic() + 2 * HEARTBEAT_S
+    while any(_job_processes(hosts).values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _job_processes(hosts) == {"h0": [], "h1": []}

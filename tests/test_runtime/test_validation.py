@@ -140,10 +140,19 @@ def run_args(setup, out, *extra):
 DSPARK = ("--model.kind", "dspark", "--model.markov_rank", "16", "--loss.lk", "l1", "--loss.lk_weight", "0.9")
 
 
+def interval_tau(out, done: int, interval: int = 3) -> float:
+    """The training tau est_tau scales to: every block of the record windows closed in the last est_tau_interval
+    (3) steps, from records/uniform0.jsonl (the last line of a step: a resumed run appends); drafter 1's the same."""
+    windows = [{rec["step"]: rec for rec in read_jsonl(out / "records" / f"uniform{d}.jsonl")} for d in (0, 1)]
+    assert windows[0] == windows[1]  # the windows' sums over both drafters
+    inside = [w for step, w in windows[0].items() if done - interval < step <= done]
+    return 1 + sum(w["streak"] for w in inside) / sum(w["blocks"] for w in inside)
+
+
 def pooled_walks(out, done: int, tau: float) -> dict[str, float]:
     """est_tau, est_tau_pooled and est_tau_walked of the last 2 walks up to step `done` (est_tau_window 16 rows = 2
     walks of 4 rows on 2 drafters) over both drafters, from their files (the last line of a step: a resumed run
-    appends), scaled to the record's training `tau` (components/acceptance.calibrated_walk)."""
+    appends), scaled to the training `tau` of the last est_tau_interval steps (components/acceptance.calibrated_walk)."""
     from dflash_ds.components.acceptance import WALK_SUMS, calibrated_walk
 
     sums = dict.fromkeys(WALK_SUMS, 0.0)
@@ -171,7 +180,9 @@ def test_records_carry_est_tau_and_val_figures_at_evaluations(validated) -> None
         assert [w["step"] for w in read_jsonl(validated / "records" / f"walks{d}.jsonl")] == [3, 6, 9, 12]
     for rec in records:
         assert 1.0 <= rec["est_tau"] <= 8.0 and 1.0 <= rec["est_tau_pooled"] <= 8.0, rec
-        want = pooled_walks(validated, rec["step"], rec["tau"])  # e.g. step 10: the walks at 6 and 9
+        base = interval_tau(validated, rec["step"])  # e.g. step 10: the windows closed at 8 and 10
+        assert rec["est_tau_base"] == pytest.approx(base), rec
+        want = pooled_walks(validated, rec["step"], base)  # e.g. step 10: the walks at 6 and 9
         for key in ("est_tau", "est_tau_pooled", "est_tau_walked"):
             assert rec[key] == pytest.approx(want[key]), (rec["step"], key)
         has_val = rec["step"] % 4 == 0
@@ -231,7 +242,8 @@ def test_a_resume_keeps_a_better_best_through_rotation(setup, validated, tmp_pat
     assert all("val_est_tau" in rec for rec in records if rec["step"] in (16, 20))
     # Step 15's record pools the walks at 12 (the first run's, read back) and 15 (the resumed run's).
     assert [w["step"] for w in read_jsonl(run / "records" / "walks0.jsonl")] == [3, 6, 9, 12, 15, 18]
-    assert records[5]["est_tau"] == pytest.approx(pooled_walks(run, 15, records[5]["tau"])["est_tau"])
+    # ... scaled to the training tau of the window closed at 15 (the first run's at 12 is 3 steps back)
+    assert records[5]["est_tau"] == pytest.approx(pooled_walks(run, 15, interval_tau(run, 15))["est_tau"])
     assert ckpt.find_best(run) == run / "checkpoints" / best.name
     final = ckpt.read_state(run / "checkpoints" / "step_00000020")
     assert final["best"] == {"step": state["step"], "val_est_tau": 99.0}
