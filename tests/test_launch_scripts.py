@@ -14,7 +14,7 @@ import pytest
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in LAUNCH.glob("*.sh")))
+@pytest.mark.parametrize("script", sorted(p.name for p in [*LAUNCH.glob("*.sh"), *LAUNCH.glob("*.sbatch")]))
 def test_script_parses(script: str) -> None:
     r = subprocess.run(["bash", "-n", str(LAUNCH / script)], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr

@@ -31,7 +31,7 @@ from dflash_ds.errors import DFlashError
 from dflash_ds.models.presets import PRESETS
 from dflash_ds.plan import links
 from dflash_ds.plan.colocated import (PRESET_NAMES, choice_lines, choose, colocated_lines, colocated_memory,
-                                      colocated_option)
+                                      colocated_option, sbatch_line)
 
 _Q8 = PRESETS["qwen3-8b"]
 QWEN3_8B = {"hidden": _Q8["hidden_size"], "vocab": _Q8["vocab_size"], "layers": _Q8["num_hidden_layers"]}
@@ -216,6 +216,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     out["colocated"]["rates"] = {"a": a, "b": b, "source": rate_source if a is not None else None}
     out["choice"] = choose(out)
     out["multinode"] = links.multinode(args, out, a, b, k_tp)
+    out["sbatch"] = sbatch_line(out)
     return out
 
 
@@ -304,8 +305,9 @@ def report(p: dict[str, Any]) -> str:
     from dflash_ds.plan.sharding import sharding_lines
 
     tp = p["target_parallel"]
+    sbatch = [f"SLURM: {p['sbatch']}"] if p["sbatch"] else []
     return "\n".join((sharding_lines(tp, tp["weight_source"]) if tp else []) + _wire_lines(p) + _split_lines(p)
-                     + colocated_lines(p) + choice_lines(p) + links.lines(p))
+                     + colocated_lines(p) + choice_lines(p) + links.lines(p) + sbatch)
 
 
 def run(args: argparse.Namespace) -> int:

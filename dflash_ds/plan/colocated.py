@@ -154,12 +154,27 @@ def choose(p: dict[str, Any]) -> dict[str, Any]:
             "equal tok/s: disaggregated kept (less memory per GPU)"}
 
 
-def split_flag(p: dict[str, Any]) -> str:
+def split_flag(p: dict[str, Any], flag: str | None = None) -> str:
+    """The trainer's flags for the best split (or for `flag`, a layout's own), with the replica size."""
     best = p["split"]["best"]
-    flag = (f"--num-target-ranks {best['target_ranks']}" if p["nodes"] == 1 or best.get("target_nodes")
-            else f"--targets-per-node {best['targets_per_node']}")
+    flag = flag or (f"--num-target-ranks {best['target_ranks']}" if p["nodes"] == 1 or best.get("target_nodes")
+                    else f"--targets-per-node {best['targets_per_node']}")
     tp = p.get("target_parallel") or {}
     return flag + (f" --target-parallel {tp['k']}" if tp.get("k", 1) > 1 else "")
+
+
+def sbatch_line(p: dict[str, Any]) -> str | None:
+    """The SLURM submission of the recommended layout (launch/train_slurm.sbatch: one task per node, whose torchrun
+    starts a rank per GPU); None while nothing is recommended."""
+    mode, mn = p["choice"]["mode"], p.get("multinode")
+    if mode == "colocated":
+        flags = "--colocate"
+    elif mode == "disaggregated" and p["split"]:
+        flags = split_flag(p, mn["winner"]["flag"].split(" (")[0] if mn else None)  # across nodes: the link's winner
+    else:
+        return None
+    return (f"sbatch --nodes {p['nodes']} --ntasks-per-node 1 --gpus-per-node {p['gpus'] // p['nodes']} "
+            f"launch/train_slurm.sbatch --config C --target T --data D --output-dir O {flags}")
 
 
 def _num(x: float | None, fmt: str = "8.2f", scale: float = GB) -> str:

@@ -20,6 +20,7 @@ DFLASH_EXIT_STATUS_DIR     every rank writes rank{R}.json there, {"rank", "statu
                            leaves through the interpreter's teardown (none are expected: see record_exit);
                            "credentials": sha256 digests of the credentials as the libraries read them here
                            (huggingface_hub.get_token(), W&B's WANDB_API_KEY; null where none), never the values
+                           (launch/train_slurm.sbatch sets it too: it requeues a job whose ranks all wrote 75)
 """
 
 from __future__ import annotations

@@ -228,7 +228,7 @@ def test_text_report_shows_the_colocated_arithmetic(capsys) -> None:
     assert re.search(rf"model_states_zero2 +{hand['model_states'] / GB:.2f}\n", out)
     assert f"16.40 + {drafter / GB:.2f} + 8.00 = {(24.4e9 + drafter) / GB:.2f} GB <= 80 GB: fits" in out
     assert "colocated 22,400 tok/s (5,600 per GPU) vs disaggregated 21,000 tok/s (5,250 per GPU, 1 target + 3 drafter)" in out
-    assert out.rstrip().endswith("recommended: --colocate on 4 GPU(s), expected 22,400 tok/s: colocated is 6.7% faster")
+    assert "\nrecommended: --colocate on 4 GPU(s), expected 22,400 tok/s: colocated is 6.7% faster\nSLURM: " in out
 
 
 @pytest.mark.parametrize("gpu_gb, k, per_rank, left, split", [(80, 4, 61.0, 11.0, (4, 1, 4, 3000)),
@@ -322,3 +322,20 @@ def test_link_limits_per_layout_by_hand(capsys) -> None:
     assert main(["plan", "--gpus", "4", "--target-tok-per-s", "1", "--drafter-tok-per-s", "1",
                  "--link-gbit-per-s", "1"]) == 2  # one node: nothing crosses
     assert "--nodes >= 2" in capsys.readouterr().err
+
+
+def test_sbatch_line_of_the_recommended_layout(capsys) -> None:
+    """A 70B target on 2 nodes of 8 x 80 GB: colocated does not fit, so 4 target + 4 drafter ranks per node, the
+    target a replica of 2 ranks; `plan` prints the SLURM submission of that layout (one task per node, whose
+    torchrun starts a rank per GPU: launch/train_slurm.sbatch)."""
+    argv = ["plan", "--gpus", "16", "--nodes", "2", "--target-tok-per-s", "20000", "--drafter-tok-per-s", "9000",
+            "--target-params-b", "70"]
+    assert main(argv) == 0
+    line = ("sbatch --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 launch/train_slurm.sbatch --config C --target T "
+            "--data D --output-dir O --targets-per-node 4 --target-parallel 2")
+    assert capsys.readouterr().out.splitlines()[-1] == f"SLURM: {line}"
+    assert plan_json(capsys, *argv[1:])["sbatch"] == line
+    colocated = plan_json(capsys, "--gpus", "4", "--target-tok-per-s", "10000", "--drafter-tok-per-s", "20000")
+    assert colocated["sbatch"].startswith("sbatch --nodes 1 --ntasks-per-node 1 --gpus-per-node 4 ")
+    assert colocated["sbatch"].endswith(" --colocate")
+    assert plan_json(capsys, "--gpus", "8")["sbatch"] is None  # no rates: nothing recommended
