@@ -193,10 +193,5 @@ def test_a_node_killed_mid_run_ends_the_job_naming_its_ranks(setup, slurm, tmp_p
     assert _ranks(hosts, "h0") == [] and gone <= 2 * HEARTBEAT_S, _job_processes(hosts)
     assert re.search(r"srun: error: h0: task 0: Exited with exit code [1-9]", log), log[-3000:]  # h0's torchrun
     assert not (tmp_path / "job" / "attempt1").exists()  # not requeued by the script: no checkpointed stop
-    # SLURM itself requeues a job whose node failed (--requeue), to wait for h1: cancelled, nothing of it is left.
-    slurm.client(["scancel", job])
-    slurm.wait_state(job, ("CANCELLED",), timeout=30)
-    deadline = time.monotonic() + 2 * HEARTBEAT_S
-    while any(_job_processes(hosts).values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _job_processes(hosts) == {"h0": [], "h1": []}
+    # SLURM itself declares h1 down SlurmdTimeout later and requeues the job (node failure, --requeue) to wait for
+    # it: the fixture's teardown ends the cluster and asserts that nothing is left.
