@@ -67,8 +67,7 @@ def _submit(slurm: SlurmCluster, tmp_path: Path, setup, extra_env: dict[str, str
     """sbatch --nodes 2 the script with the reference's arguments; the job id and its run folder."""
     target, data = setup
     out = tmp_path / "out"
-    env = slurm.env({**env_for_children(), "NPROC": "1,2", "DFLASH_SLURM_DIR": str(tmp_path / "job"),
-                     "DFLASH_LAUNCH_DIR": str(REPO / "launch"), **extra_env})
+    env = slurm.env({**env_for_children(), "NPROC": "1,2", "DFLASH_SLURM_DIR": str(tmp_path / "job"), **extra_env})
     env.pop("GLOO_SOCKET_IFNAME", None)
     job = slurm.sbatch(["--nodes", "2", "--output", str(tmp_path / "slurm-%j.out"), str(SCRIPT), *COMMON,
                         "--target", str(target), "--data", str(data), "--output-dir", str(out), "--zero-stage", "2",
