@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest_runtime import COMMON, STEPS
+from conftest_runtime import COMMON, HEARTBEAT_S, STEPS, assert_reference_losses
 from hosts import only_sshd_left, two_hosts
 from proc_utils import run_bounded
 from runtime_utils import REPO, env_for_children, exit_statuses, per_batch
@@ -30,13 +30,6 @@ pytestmark = pytest.mark.timeout(420)
 
 
 hosts = pytest.fixture(two_hosts, name="hosts")
-
-
-def assert_reference_losses(out, ref_out):
-    got, want = per_batch(out), per_batch(ref_out)
-    assert sorted(got) == sorted(want) == list(range(2 * STEPS))
-    for b, rec in want.items():
-        assert got[b]["step"] == rec["step"] and abs(got[b]["loss"] - rec["loss"]) < 1e-4, (b, got[b], rec)
 
 
 def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_path):
@@ -185,7 +178,6 @@ def test_torchrun_on_both_hosts_over_a_slow_lossy_link_that_pauses(setup, refere
 
 
 PAUSE_S = 4  # the shortest pause (s)
-HEARTBEAT_S = 10  # train.heartbeat_timeout_s of the link-cut test and test_slurm.py's: each ends within 2 of them
 
 
 def _last_step(out) -> int:

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest_runtime import COMMON, STEPS
+from conftest_runtime import COMMON, HEARTBEAT_S, STEPS, assert_reference_losses
 from hosts import Hosts, hosts_or_skip, only_sshd_left
 from runtime_utils import REPO, env_for_children, exit_statuses, per_batch, read_jsonl
 from slurm_cluster import SlurmCluster, unavailable
-from test_multihost_train import HEARTBEAT_S, assert_reference_losses
 
 pytestmark = pytest.mark.timeout(420)
 
