@@ -50,7 +50,7 @@ ROWS = {
         "test_colocated.py::test_disaggregated_checkpoint_resumes_colocated_and_a_lost_rank_is_named"],
     "a host is lost (its link cut, or the machine gone)": [
         "test_multihost_train.py::test_a_cut_link_ends_the_job_and_the_remaining_host_resumes_exactly",
-        "test_multihost_train.py::test_a_host_whose_processes_are_killed_is_named_by_the_other",
+        "test_slurm.py::test_a_node_killed_mid_run_ends_the_job_naming_its_ranks",
         "test_multihost_train.py::test_torchrun_on_both_hosts_over_a_slow_lossy_link_that_pauses"],
     "non-finite loss": ["test_faults.py::test_nan_step_skipped_then_too_many_stop"],
 }
