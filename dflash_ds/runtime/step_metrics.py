@@ -135,6 +135,18 @@ class MetricWindow:
                             peak_mem_bytes=v[i + 1 + nb + 2 * k:i + 1 + nb + 2 * k + d])
 
 
+def _lines_by_step(path: Path, start_step: int) -> dict[int, dict]:
+    """A records file's lines up to `start_step`, by step (a later line for a step replaces an earlier one: a step
+    redone after a resume)."""
+    out = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else None
+            if rec and rec["step"] <= start_step:
+                out[int(rec["step"])] = rec
+    return out
+
+
 class WalkHistory:
     """One drafter's est_tau walks (walk sums by the step they completed with); a record pools the last `keep`."""
 
@@ -160,13 +172,8 @@ class WalkHistory:
     def read(cls, path: Path, start_step: int) -> "WalkHistory":
         """The walks a run resumed at `start_step` had made (path's lines up to that step; a later line for
         the same step replaces an earlier one: a step redone after a resume walks the same weights)."""
-        walks = {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                rec = json.loads(line) if line.strip() else None
-                if rec and rec["step"] <= start_step:
-                    walks[int(rec["step"])] = {k: float(rec[k]) for k in WALK_SUMS}
-        return cls(walks)
+        return cls({step: {k: float(rec[k]) for k in WALK_SUMS}
+                    for step, rec in _lines_by_step(path, start_step).items()})
 
 
 class UniformHistory:
@@ -194,13 +201,8 @@ class UniformHistory:
     @classmethod
     def read(cls, path: Path, start_step: int) -> "UniformHistory":
         """The windows a run resumed at `start_step` had closed (a later line for a step replaces an earlier one)."""
-        windows = {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                rec = json.loads(line) if line.strip() else None
-                if rec and rec["step"] <= start_step:
-                    windows[int(rec["step"])] = (float(rec["streak"]), float(rec["blocks"]))
-        return cls(windows)
+        return cls({step: (float(rec["streak"]), float(rec["blocks"]))
+                    for step, rec in _lines_by_step(path, start_step).items()})
 
 
 @dataclass
@@ -258,7 +260,8 @@ class WindowTotals:
             # greedy decoding walked over the response (components/acceptance.py): est_tau at every record when
             # train.est_tau_rows > 0, val_* on the validation split at an evaluation step
             **self.walks(self.est_base_tau if self.est_base_tau is not None else float(m["tau"])),
-            **({"est_tau_base": self.est_base_tau} if self.est_base_tau is not None and s["est_responses"] > 0 else {}),
+            **({"est_tau_base": self.est_base_tau}
+               if self.est_base_tau is not None and s["est_responses"] > 0 else {}),
             "lr": s["lr"] / n, "noise_std": s["noise_std"] / n, "grad_norm": s["grad_norm"] / n,
             # each header carries its target's own rate: the mean times T is the whole target side's
             "tgt_batch_per_sec": s["tgt_batch_per_s"] / n * num_targets,
