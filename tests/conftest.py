@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import pytest
@@ -79,3 +80,22 @@ def tiny_target_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..
 def tiny_target(tiny_target_factory: Callable[..., Path]) -> Path:
     """The default tiny target (4 layers, hidden 128, vocab 512, seed 0), built once per session."""
     return tiny_target_factory()
+
+
+@pytest.fixture
+def cli_here(capsys: pytest.CaptureFixture) -> Callable[..., SimpleNamespace]:
+    """`dflash-ds ARGS` run in this process: (returncode, stdout, stderr) as subprocess.run gives them, without an
+    interpreter start (seconds of imports). For errors and outputs; a test that the installed command runs as a
+    user runs it, import-time output included, starts a process."""
+    from dflash_ds.cli import main
+
+    def run(*args: str) -> SimpleNamespace:
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:  # argparse's own errors (exit 2) and --help (exit 0)
+            code = exc.code if isinstance(exc.code, int) else 1
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run

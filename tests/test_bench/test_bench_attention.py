@@ -1,4 +1,5 @@
-"""`dflash-ds bench attention` runs as a user runs it and its JSON has the fields (CPU: dense backend)."""
+"""`dflash-ds bench attention` runs as a user runs it and its JSON has the fields (CPU: dense backend); its table
+and its errors."""
 
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ def test_bench_attention_json_and_table() -> None:
     assert row["backend"] == "dense" and row["max_abs_diff_vs_first"] == 0.0
     assert row["step_ms"] > 0
     assert abs(row["tokens_per_s"] - 2 * 128 / (row["step_ms"] / 1e3)) / row["tokens_per_s"] < 0.01
-    table = run_cli("--seq-len", "64", "--steps", "1", "--warmup", "0")
+
+
+def test_bench_attention_table_and_errors(cli_here) -> None:
+    """The table, and one clear error per bad flag (in this process: the command's start is the test above's)."""
+    table = cli_here("bench", "attention", "--seq-len", "64", "--steps", "1", "--warmup", "0")
     assert table.returncode == 0 and "tokens/s" in table.stdout and "dense" in table.stdout
-
-
-def test_bench_attention_errors() -> None:
     for argv, msg in ((["--backends", "flex"], "no backward on CPU"), (["--backends", "sparse"], "unknown backend"),
                       (["--seq-len", "8"], "must exceed --block-size")):
-        proc = run_cli(*argv)
+        proc = cli_here("bench", "attention", *argv)
         assert proc.returncode == 2 and msg in proc.stderr, (argv, proc.stderr)

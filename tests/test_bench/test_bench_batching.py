@@ -1,4 +1,4 @@
-"""`dflash-ds bench batching` end to end, as a user runs it (a subprocess)."""
+"""`dflash-ds bench batching` end to end, as a user runs it (a subprocess), and its table and errors."""
 
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ def test_bench_batching_json() -> None:
     assert sum(ours["bucket_num_batches"]) == ours["num_batches"]
 
 
-def test_bench_batching_table_and_errors() -> None:
-    proc = run_cli("--num-samples", "2000", "--repeats", "1")
+def test_bench_batching_table_and_errors(cli_here) -> None:
+    # In this process: the command's start is the test above's.
+    proc = cli_here("bench", "batching", "--num-samples", "2000", "--repeats", "1")
     assert proc.returncode == 0, proc.stderr
     assert "bucketed, sorted (ours)" in proc.stdout and "random, batch of 4" in proc.stdout
-    bad = run_cli("--max-length", "4096", "--token-budget", "1000")
+    bad = cli_here("bench", "batching", "--max-length", "4096", "--token-budget", "1000")
     assert bad.returncode == 2 and "must be <= --token-budget" in bad.stderr

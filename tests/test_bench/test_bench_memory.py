@@ -161,10 +161,10 @@ def test_dflash2_parts_in_psi_and_activations() -> None:
     assert drafter.kind == "dflash2" and sum(p.numel() for p in drafter.parameters()) == mm.drafter_params(small)
 
 
-def test_bench_memory_cuda_without_gpu_is_an_error(tiny_target: Path) -> None:
+def test_bench_memory_cuda_without_gpu_is_an_error(tiny_target: Path, cli_here) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    proc = run_cli("--target", str(tiny_target), "--device", "cuda")
+    proc = cli_here("bench", "memory", "--target", str(tiny_target), "--device", "cuda")
     assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1  # one clear line, no traceback
 

@@ -134,10 +134,10 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
     assert "training" not in r.stdout and (out / "summary.json").read_text() == summary_text
 
 
-def test_bench_recipe_rejects_a_bad_recipe_before_running(tiny_target, tmp_path: Path) -> None:
+def test_bench_recipe_rejects_a_bad_recipe_before_running(tiny_target, tmp_path: Path, cli_here) -> None:
     (tmp_path / "recipes.yaml").write_text("- name: a\n  set: {loss.kl_wieght: 0.5}\n")
-    r = bench(["--recipes", str(tmp_path / "recipes.yaml"), "--target", str(tiny_target), "--data", str(tmp_path),
-               "--eval-data", str(tmp_path), "--out", str(tmp_path / "out")])
+    r = cli_here("bench", "recipe", "--recipes", tmp_path / "recipes.yaml", "--target", tiny_target, "--data", tmp_path,
+                 "--eval-data", tmp_path, "--out", tmp_path / "out")
     assert r.returncode == 2 and "entry 1 (a)" in r.stderr and "kl_wieght" in r.stderr
     assert not (tmp_path / "out").exists()
 

@@ -7,14 +7,13 @@ gradients per rank under ZeRO-2 is asserted; stage 3 runs in docs/BENCHMARKS.md 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test_runtime"))  # shared torchrun helpers
-from runtime_utils import REPO, bench_torchrun, env_for_children  # noqa: E402
+from runtime_utils import bench_torchrun  # noqa: E402
 
 FIELDS = ("stage", "offload", "trainable_params", "param_bytes", "frozen_param_bytes", "grad_bytes",
           "optimizer_state_bytes", "master_weight_bytes", "peak_bytes", "peak_growth_bytes", "peak_kind",
@@ -44,7 +43,6 @@ def test_bench_zero_stages_0_and_2(tiny_target_factory) -> None:
     assert z2["master_weight_bytes"] == pytest.approx(4 * n / 2, rel=0.05)  # fp32 partition the optimizer steps
 
 
-def test_bench_zero_rejects_bad_stages() -> None:
-    r = subprocess.run([sys.executable, "-m", "dflash_ds", "bench", "zero", "--stages", "0,5"], capture_output=True,
-                       text=True, timeout=120, env=env_for_children(), cwd=REPO)
+def test_bench_zero_rejects_bad_stages(cli_here) -> None:
+    r = cli_here("bench", "zero", "--stages", "0,5")
     assert r.returncode == 2 and "stages are 0, 1, 2 or 3" in r.stderr

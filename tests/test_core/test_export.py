@@ -73,7 +73,9 @@ def test_init_is_seeded(tiny_target, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing", "no_config", "arch", "block1", "mask"])
-def test_bad_input_one_clear_error(tiny_target, tmp_path, case):
+def test_bad_input_one_clear_error(tiny_target, tmp_path, case, cli_here):
+    """One line on stderr, a non-zero exit, no output folder; "missing" through the installed command (nothing
+    printed at import either), the others in this process."""
     target = tiny_target
     extra = []
     if case == "missing":
@@ -92,7 +94,7 @@ def test_bad_input_one_clear_error(tiny_target, tmp_path, case):
     else:
         extra, msg = ["--mask-token-id", "100000"], "--mask-token-id 100000 is outside the target vocabulary"
     out = tmp_path / "out"
-    r = cli("init-drafter", "--target", str(target), "--out", str(out), *extra)
+    r = (cli if case == "missing" else cli_here)("init-drafter", "--target", str(target), "--out", str(out), *extra)
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and msg in lines[0], r.stderr
@@ -141,12 +143,12 @@ def test_mask_token_found_by_name(tmp_path, monkeypatch, name):
     assert pick_mask_token_id(tmp_path, vocab_size=3) == 2
 
 
-def test_heads_and_widths_of_its_own(tiny_target, tmp_path):
+def test_heads_and_widths_of_its_own(tiny_target, tmp_path, cli_here):
     """Heads, head width and MLP width may differ from the target's (z-lab's Qwen3.6-27B drafter: 32 / 8 heads of
     128 on a target of 24 / 4 heads of 256); the config, the tensors and a reload say so."""
-    r = cli("init-drafter", "--target", str(tiny_target), "--out", str(tmp_path / "d"), "--num-layers", "2",
-            "--block-size", "8", "--num-attention-heads", "8", "--num-key-value-heads", "2", "--head-dim", "16",
-            "--intermediate-size", "96")
+    r = cli_here("init-drafter", "--target", str(tiny_target), "--out", str(tmp_path / "d"), "--num-layers", "2",
+                 "--block-size", "8", "--num-attention-heads", "8", "--num-key-value-heads", "2", "--head-dim", "16",
+                 "--intermediate-size", "96")
     assert r.returncode == 0, r.stderr
     assert "heads 8 / 2 of 16, MLP 96" in r.stdout
     cfg = json.loads((tmp_path / "d/config.json").read_text())
@@ -160,8 +162,8 @@ def test_heads_and_widths_of_its_own(tiny_target, tmp_path):
     assert t["layers.0.self_attn.q_norm.weight"].shape == (16,)
     assert t["layers.0.mlp.up_proj.weight"].shape == (96, h)
     assert DFlashDrafter.from_pretrained(tmp_path / "d").arch.head_dim == 16
-    r = cli("init-drafter", "--target", str(tiny_target), "--out", str(tmp_path / "e"), "--num-layers", "2", "--num-attention-heads", "6",
-            "--num-key-value-heads", "4")
+    r = cli_here("init-drafter", "--target", str(tiny_target), "--out", str(tmp_path / "e"), "--num-layers", "2",
+                 "--num-attention-heads", "6", "--num-key-value-heads", "4")
     assert r.returncode == 2 and "model.num_key_value_heads = 4 does not divide model.num_attention_heads = 6" \
         in r.stderr and not (tmp_path / "e").exists()
 

@@ -29,9 +29,9 @@ def test_train_step_loss_falls(tiny_target, tmp_path, device, dtype):
     assert losses[-1] < losses[0], losses  # same batch, lr 3e-3: the fit improves
 
 
-def test_train_step_cuda_without_gpu_is_an_error(tiny_target, tmp_path):
+def test_train_step_cuda_without_gpu_is_an_error(tiny_target, tmp_path, cli_here):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     init_drafter(tiny_target, tmp_path / "d", num_layers=2, block_size=8)
-    proc = train_step(tiny_target, tmp_path / "d", "--device", "cuda")
+    proc = cli_here("train-step", "--target", tiny_target, "--drafter", tmp_path / "d", "--device", "cuda")
     assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr
