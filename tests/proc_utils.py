@@ -137,6 +137,30 @@ def spare_threads() -> int:
     return 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 
+_FORKED_WORK = None  # the function forked_map's children run (inherited through fork, not pickled)
+
+
+def _forked_call(part):
+    return _FORKED_WORK(part)
+
+
+def forked_map(work, parts: list, timeout: float = 600) -> list:
+    """[work(part) for part in parts], each part in a process forked from this one (so `work` may close over
+    loaded models), as many at once as the test has cores (spare_threads): a single-threaded loop of tiny
+    forwards runs on both cores. In this process when it has one core. Results must pickle."""
+    global _FORKED_WORK
+    import multiprocessing
+
+    if spare_threads() == 1 or len(parts) == 1:
+        return [work(part) for part in parts]
+    _FORKED_WORK = work
+    try:
+        with multiprocessing.get_context("fork").Pool(min(spare_threads(), len(parts))) as pool:
+            return pool.map_async(_forked_call, parts).get(timeout)
+    finally:
+        _FORKED_WORK = None
+
+
 def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """Like subprocess.run(capture_output=True, text=True), but a hang fails the test and leaves no process."""
     with process_group(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as proc:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dflash_ds.errors import DFlashError
+from proc_utils import forked_map
 
 BS = 8
 
@@ -241,15 +242,20 @@ def test_sampled_walk_decodes_with_the_targets_law(fitted2, monkeypatch) -> None
     prompt = prompts[2 if module.drafter.kind == "dspark" else 0]
     temperature, n = 0.03, 3000
 
-    def decode(runs: int) -> tuple[Counter, Counter]:
+    def decode_seeds(seeds: range) -> tuple[Counter, Counter]:
         seqs, first_steps = Counter(), Counter()
-        for i in range(runs):
+        for i in seeds:
             out = spec.speculative_generate(target, prompt, drafter=module.drafter, max_new_tokens=3, eos_ids=[],
                                             temperature=temperature, draft_sample="probabilistic",
                                             generator=torch.Generator().manual_seed(i))
             seqs[tuple(out.tokens[:3])] += 1
             first_steps[min(out.accept_lengths[0], 3)] += 1  # the first draft step: accepted + 1, capped at 3
         return seqs, first_steps
+
+    def decode(runs: int) -> tuple[Counter, Counter]:
+        """Runs 0 .. runs - 1 (each seeded by its index: the same counts however they are split)."""
+        parts = forked_map(decode_seeds, [range(runs)[k::2] for k in range(2)])
+        return sum((p[0] for p in parts), Counter()), sum((p[1] for p in parts), Counter())
 
     law = _target_law(target, prompt, temperature, 3, floor=5.0 / n)  # bins of >= 5 expected draws
     seqs, first_steps = decode(n)
