@@ -1,6 +1,7 @@
-"""Under torchrun: load TARGET sharded over the world (tensor parallel) and compare its capture with the whole.
+"""Under torchrun: load each TARGET sharded over the world (tensor parallel) and compare its capture with the whole.
 
-argv: target folder, output JSON. Rank 0 writes the largest differences (the selected layers' outputs and the
+argv: pairs of target folder and output JSON (one launch for several families: a launch costs seconds of imports).
+For each, rank 0 writes the largest differences (the selected layers' outputs and the
 final hidden state against an unsharded load on the same batch), and every rank its local parameter count.
 """
 
@@ -64,9 +65,14 @@ class MapWatch:
 
 
 def main() -> None:
-    path, out = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    for path, out in zip(sys.argv[1::2], sys.argv[2::2]):
+        compare(path, out)
+    dist.destroy_process_group()
+
+
+def compare(path: str, out: str) -> None:
     world = dist.get_world_size()
     watch = MapWatch(str(Path(path).resolve()))
     sharded = load_target(path, tp_size=world)
@@ -93,7 +99,6 @@ def main() -> None:
                                      for n, p in sharded.named_parameters() if "layers.0.mlp.experts" in n}},
                   open(out, "w"))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -15,15 +15,34 @@ import pytest
 
 from conftest_runtime import COMMON
 from proc_utils import run_bounded
-from runtime_utils import REPO, env_for_children, exit_statuses, free_port, per_batch, torchrun
+from runtime_utils import env_for_children, exit_statuses, free_port, per_batch, torchrun
 
 HERE = Path(__file__).resolve().parent
 STEPS = 6
 TP = [*COMMON, "--max-steps", str(STEPS), "--train.save_interval", "3", "--no-wandb"]
+FAMILIES = {"qwen3": 0.55, "qwen3_moe": 0.55, "gpt_oss": 0.6, "qwen3_5_moe": 0.6}  # family: most a rank holds
 
 
-@pytest.mark.parametrize("family, held", [("qwen3", 0.55), ("qwen3_moe", 0.55), ("gpt_oss", 0.6), ("qwen3_5_moe", 0.6)])
-def test_sharded_capture_equals_the_whole_target(family, held, tmp_path):
+@pytest.fixture(scope="module")
+def captures(tmp_path_factory) -> dict[str, dict]:
+    """Every family's comparison, from one 2-rank launch (_tp_capture_script.py): family -> its JSON."""
+    from dflash_ds.tiny.families import make_tiny_family
+
+    root = tmp_path_factory.mktemp("tp_capture")
+    pairs = []
+    for family in FAMILIES:
+        # Tensor parallelism splits whole heads: 2 key/value heads (the toy families have 1).
+        target = make_tiny_family(root / family, family, text_overrides={"num_key_value_heads": 2})
+        pairs += [str(target), str(root / f"{family}.json")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(HERE / "_tp_capture_script.py"), *pairs]
+    r = run_bounded(cmd, 300, env=env_for_children(), cwd=root)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {family: json.loads((root / f"{family}.json").read_text()) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sharded_capture_equals_the_whole_target(family, captures):
     """Layers 0, 1, 3 and the final hidden state of a 2-rank replica against the unsharded target, same batch.
 
     Measured: differences <= 1.7e-6 (dense) and 1.2e-6 (MoE) against layer outputs of order 0.2 and final hidden
@@ -33,16 +52,7 @@ def test_sharded_capture_equals_the_whole_target(family, held, tmp_path):
     half of the experts; attention replicated: 56% a rank); so is Qwen3-MoE from transformers 5.25. Qwen3.5-MoE
     (Gated DeltaNet + full attention, the family of Qwen3.5-122B-A10B): within 7.2e-7.
     """
-    from dflash_ds.tiny.families import make_tiny_family
-
-    # Tensor parallelism splits whole heads: 2 key/value heads (the toy families have 1).
-    target = make_tiny_family(tmp_path / family, family, text_overrides={"num_key_value_heads": 2})
-    out = tmp_path / "capture.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(HERE / "_tp_capture_script.py"), str(target), str(out)]
-    r = run_bounded(cmd, 240, env=env_for_children(), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-4000:]
-    got = json.loads(out.read_text())
+    got, held = captures[family], FAMILIES[family]
     assert got["plain_tensors"] and got["scale"] > 0.05, got  # not all zeros: a real comparison
     assert got["context"] < 1e-5 and got["last_hidden"] < 1e-5, got
     assert got["mapped_target_file"] == [False, False], got  # slices read with pread, no file mapped
