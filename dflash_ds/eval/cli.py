@@ -181,6 +181,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "here (default); vllm: also serve the target with the export as vLLM's DFlash drafter, read "
                         "vLLM's acceptance from its /metrics, check its outputs against plain serving, and print both")
     served.add_argument("--concurrency", type=int, default=8, help="prompts in flight on the server (--engine vllm)")
+    served.add_argument("--plain-cache", default=None, metavar="DIR",
+                        help="--engine vllm at temperature 0: keep the plain server's outputs (the lossless "
+                             "reference) as a JSON file in DIR, and reuse them instead of starting the plain server "
+                             "when an eval serves the same target (its folder's path and each file's name, size "
+                             "and mtime: the weights are not hashed), prompts, --max-new-tokens, served dtype, "
+                             "--vllm-max-model-len, --concurrency, --vllm-arg, the variables eval sets for the server "
+                             "(VLLM_USE_V2_MODEL_RUNNER) and --vllm-python again. Helps when evaluating several "
+                             "drafters or checkpoints against one target and prompt set: the plain server starts "
+                             "and generates once. Not keyed: your shell's environment and a vLLM upgraded inside "
+                             "the same venv: empty DIR then (default: no cache)")
     from dflash_ds.serving.vllm_server import add_server_arguments
 
     add_server_arguments(served, for_eval=True)
@@ -198,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
     budgets = parse_budgets(args.tree_budget)
     if args.confidence_stop is not None and not 0 < args.confidence_stop < 1:
         raise DFlashError(f"--confidence-stop {args.confidence_stop}: must be in (0, 1)")
+    if args.plain_cache and args.engine != "vllm":
+        raise DFlashError("--plain-cache keeps vLLM's plain outputs: it needs --engine vllm")
     if args.engine == "vllm" and budgets:
         raise DFlashError("--engine vllm measures single-path acceptance: no --tree-budget")
     if args.engine == "vllm":
@@ -231,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
                              memory_fraction=args.vllm_memory_fraction, max_model_len=args.vllm_max_model_len,
                              startup_timeout_s=args.vllm_startup_timeout, log_dir=args.vllm_log,
                              extra_args=args.vllm_arg, temperature=args.temperature, seed=args.seed,
-                             draft_sample=args.draft_sample)
+                             draft_sample=args.draft_sample, plain_cache=args.plain_cache)
         results["vllm"] = served
         print(format_comparison(results, served))
     if args.json:

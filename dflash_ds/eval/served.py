@@ -12,6 +12,9 @@ mean acceptance length = 1 + accepted / drafts (`vllm:spec_decode_num_accepted_t
 `vllm:spec_decode_num_drafts_total`), and P(position k accepted) from the per-position counter. That is
 the quantity `dflash-ds eval` reports as `tau_pooled` (over all decode steps together), measured here by
 the engine users serve with.
+With a plain cache (`--plain-cache DIR`, plain_cache.py) the plain outputs of an earlier eval of the same
+target, prompts and serving settings stand in for the plain server: evaluating several drafters against one
+target pays for its plain serving once.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dflash_ds.errors import DFlashError
+from dflash_ds.eval.plain_cache import cache_path, plain_key_fields, read_plain, write_plain
 from dflash_ds.eval.speculative import first_mismatch
 from dflash_ds.serving.client import OpenAIClient
-from dflash_ds.serving.vllm_server import VLLMServer, on_cpu
+from dflash_ds.serving.vllm_server import VLLMServer, on_cpu, vllm_python
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -97,17 +101,29 @@ def served_eval(target: str | Path, drafter: str | Path, prompts: list[list[int]
                 memory_fraction: float | None = None, max_model_len: int | None = None,
                 startup_timeout_s: float = 600.0, log_dir: str | Path | None = None,
                 extra_args: list[str] | tuple[str, ...] = (), temperature: float = 0.0, seed: int = 0,
-                draft_sample: str = "greedy") -> dict:
-    """Serve the target plain (greedy only) and with the drafter; return vLLM's acceptance and, greedy, the
-    lossless comparison."""
+                draft_sample: str = "greedy", plain_cache: str | Path | None = None) -> dict:
+    """Serve the target plain (greedy only; its outputs reused from `plain_cache` when it holds them) and with
+    the drafter; return vLLM's acceptance and, greedy, the lossless comparison."""
     env = serving_env(drafter, temperature)
     common = {"python": python, "dtype": dtype, "memory_fraction": memory_fraction, "max_model_len": max_model_len,
               "startup_timeout_s": startup_timeout_s, "extra_args": extra_args, "env": env}
     logs = Path(log_dir) if log_dir else None
-    reference = None
-    if temperature <= 0:
+    reference = cached = fields = None
+    if temperature <= 0 and plain_cache is not None:
+        fields = plain_key_fields(target, prompts, max_new_tokens=max_new_tokens, dtype=dtype,
+                                  max_model_len=max_model_len, extra_args=extra_args, env=env,
+                                  python=vllm_python(python), concurrency=concurrency)
+        cached = cache_path(plain_cache, fields)
+        reference = read_plain(cached, fields)
+        if reference is not None:
+            print(f"eval: plain reference reused from {cached} (no plain server started)", flush=True)
+    reused = reference is not None
+    if temperature <= 0 and not reused:
         with VLLMServer(target, log_path=logs / "vllm_plain.log" if logs else None, **common) as plain:
             reference = generate_all(OpenAIClient(plain.url), prompts, max_new_tokens, concurrency)
+        if cached is not None:
+            write_plain(cached, fields, reference)
+            print(f"eval: plain reference -> {cached}", flush=True)
     with VLLMServer(target, drafter=drafter, num_speculative_tokens=block_size - 1, draft_sample=draft_sample,
                     log_path=logs / "vllm_dflash.log" if logs else None, **common) as spec:
         client = OpenAIClient(spec.url)
@@ -123,7 +139,8 @@ def served_eval(target: str | Path, drafter: str | Path, prompts: list[list[int]
             mismatches.append({"prompt": i, "token": at, "speculative": out[at:at + 1], "plain": ref[at:at + 1]})
     return {**acceptance(before, after, block_size), "generated_tokens": sum(len(o) for o in outputs),
             "mismatches": mismatches, "outputs": outputs, "env": env, "temperature": temperature,
-            "lossless_checked": reference is not None,
+            "lossless_checked": reference is not None, "plain_reused": reused,
+            **({"plain_reused_from": str(cached)} if reused else {}),
             **({"draft_sample": draft_sample} if temperature > 0 else {})}
 
 

@@ -1,6 +1,8 @@
 """eval --engine vllm: the export served as vLLM's DFlash drafter is lossless, and vLLM's acceptance length
 equals dflash-ds eval's tau_pooled on the same prompts (within 1%), for a full and an all-sliding layout
-(the sliding one on a drafter whose heads, head width and MLP width are not the target's)."""
+(the sliding one on a drafter whose heads, head width and MLP width are not the target's). Both share one
+--plain-cache: the full case serves the target plain and keeps its outputs, the sliding case checks against
+them without starting a plain server."""
 
 from __future__ import annotations
 
@@ -32,9 +34,14 @@ def held_out(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def plain_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("plain_cache")
+
+
 @pytest.mark.parametrize("layout", ["full", "sliding"])
 def test_served_acceptance_equals_eval_and_is_lossless(vllm_python, eos_target, served_drafter, own_heads_drafter,
-                                                      held_out, tmp_path, layout, capsys):
+                                                      held_out, plain_cache, tmp_path, layout, capsys):
     drafter = served_drafter if layout == "full" else \
         with_layers(own_heads_drafter, tmp_path / "swa", ["sliding_attention"] * 2, window=12)
     if layout == "sliding":
@@ -42,9 +49,10 @@ def test_served_acceptance_equals_eval_and_is_lossless(vllm_python, eos_target, 
         shape = [cfg[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")]
         assert shape == [2, 1, 64, 192]  # the target's: 4, 2, 32, 256 (vLLM's CPU attention has no head_dim 16)
     report = tmp_path / "eval.json"
+    cached_before = sorted(plain_cache.iterdir())
     assert main(["eval", "--engine", "vllm", "--target", str(eos_target), "--drafter", str(drafter), "--data",
                  str(held_out), "--num-prompts", "12", "--max-new-tokens", "64", "--json", str(report),
-                 "--vllm-log", str(tmp_path / "logs")]) == 0
+                 "--vllm-log", str(tmp_path / "logs"), "--plain-cache", str(plain_cache)]) == 0
     r = json.loads(report.read_text())
     served = r["vllm"]
     assert served["mismatches"] == [] and r["mismatches"] == []  # lossless, in vLLM and in dflash-ds
@@ -56,7 +64,15 @@ def test_served_acceptance_equals_eval_and_is_lossless(vllm_python, eos_target, 
     assert served["per_position_acceptance"][0] == pytest.approx(r["per_position_acceptance"][0], abs=0.01)
     table = capsys.readouterr().out
     assert "vllm (served)" in table and "dflash-ds eval" in table and "equal plain serving token for token" in table
-    assert (tmp_path / "logs" / "vllm_plain.log").exists() and (tmp_path / "logs" / "vllm_dflash.log").exists()
+    assert (tmp_path / "logs" / "vllm_dflash.log").exists()
+    [cached] = sorted(plain_cache.iterdir())  # one target, one prompt set, one setting: one file
+    if layout == "full" or not cached_before:  # the full case; the sliding one run alone (-k sliding)
+        assert cached_before == [] and not served["plain_reused"]
+        assert (tmp_path / "logs" / "vllm_plain.log").exists()
+    else:  # the sliding case after the full one: its plain reference, no plain server
+        assert served["plain_reused"] and served["plain_reused_from"] == str(cached)
+        assert not (tmp_path / "logs" / "vllm_plain.log").exists()
+        assert f"plain reference reused from {cached}" in table
 
 
 def test_a_mixed_layout_gets_one_clear_message_on_a_cpu(vllm_python, eos_target, served_drafter, held_out, tmp_path,
