@@ -29,7 +29,7 @@ def bench(args: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(600)  # 4-5 min on 2 loaded cores: 3 trainings, 6 evaluations
-def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> None:
+def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path, cli_here) -> None:
     from dflash_ds.tiny.corpus import tiny_prompts
 
     data = make_dataset(tiny_target, tmp_path / "prepared", n=48, max_length=256, block_size=8)
@@ -78,7 +78,8 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
         assert (a["tau"], a["tau_pooled"], a["train_tokens"]) == (b["tau"], b["tau_pooled"], b["train_tokens"])
 
     # Sampling at T=1 on the same runs: no training again, results beside the greedy ones, which stay as they were.
-    r = bench([*args, "--temperature", "1"])
+    # (This and what follows run in this process: the command's start is shown above.)
+    r = cli_here("bench", "recipe", *args, "--temperature", "1")
     assert r.returncode == 0, r.stderr[-4000:]
     assert "training" not in r.stdout and "speculative sampling at temperature 1" in r.stderr
     sampled = json.loads(r.stdout.strip().splitlines()[-1])
@@ -95,7 +96,7 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
     old = json.loads((out / "kl_lk/seed3/result_t1.json").read_text())
     del old["draft_sample"]
     (out / "kl_lk/seed3/result_t1.json").write_text(json.dumps(old))
-    r = bench([*args, "--temperature", "1"])
+    r = cli_here("bench", "recipe", *args, "--temperature", "1")
     assert r.returncode == 0, r.stderr[-4000:]
     assert "ce_decay seed 3: done before" in r.stdout and "training" not in r.stdout
     assert "kl_lk seed 3: " + str(out / "kl_lk/seed3/result_t1.json") + " was evaluated with (1.0, 'probabilistic'), " \
@@ -121,14 +122,13 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path) -> N
         assert pts[1]["tau"] == pytest.approx(run["tau"]) and pts[1]["tau_pooled"] == pytest.approx(run["tau_pooled"])
     kept = {p: p.stat().st_mtime_ns for p in out.glob("*/seed3/curve/step_*.json")}
     assert len(kept) == 4 and (out / "curve" / "curve.png").stat().st_size > 1000
-    r = subprocess.run([sys.executable, "-m", "dflash_ds.cli", "bench", "curve", *curve_args], capture_output=True,
-                       text=True, cwd=REPO, timeout=300)
+    r = cli_here("bench", "curve", *curve_args)
     assert r.returncode == 0 and {p: p.stat().st_mtime_ns for p in kept} == kept, r.stderr[-3000:]
 
     # The recipe edited, the same --out: one clear error naming the run and the difference, before anything runs.
     (tmp_path / "recipes.yaml").write_text(RECIPES.replace("loss.lk_weight: 0.5", "loss.lk_weight: 0.25"))
     summary_text = (out / "summary.json").read_text()
-    r = bench(args)
+    r = cli_here("bench", "recipe", *args)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "kl_lk/seed3 was run under other settings" in r.stderr and "'loss.lk_weight': 0.25" in r.stderr, r.stderr
     assert "training" not in r.stdout and (out / "summary.json").read_text() == summary_text
