@@ -1,4 +1,4 @@
-from dflash_ds.cli import main
+from dflash_ds.cli import entry
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

@@ -50,5 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
 
 
+def entry() -> None:
+    """The `dflash-ds` console script and `python -m dflash_ds`: main, then a quick exit (process_exit.py)."""
+    from dflash_ds.process_exit import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

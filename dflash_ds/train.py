@@ -158,4 +158,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dflash_ds.process_exit import exit_now
+
+    exit_now(main())

@@ -1,0 +1,32 @@
+"""How a dflash-ds process ends once its work is done: quickly, with nothing lost.
+
+The interpreter's own teardown of a process that imported torch, transformers and DeepSpeed clears
+thousands of modules and their objects: 0.6 s after `import torch`, 1.2 s with transformers' Qwen3
+and DeepSpeed (measured on 2 CPU cores), in every rank of every job, after its last line. It is also
+where distributed jobs hang when a backend's destructors wait on peers that are gone. So a command
+that has returned runs what the interpreter would have run for it (the exit handlers: the rank's audit
+report, logging's flush, a vLLM server's stop, multiprocessing's joins), flushes its streams, and ends
+with `os._exit`. Every file the program writes is closed by then (the trainer closes its metrics, records
+and W&B run before it returns; checkpoints are written synchronously).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from typing import NoReturn
+
+
+def exit_now(status: int | None) -> NoReturn:
+    """End the process with `status` (None: 0) after the exit handlers and a flush, skipping the teardown."""
+    code = 0 if status is None else int(status)
+    try:
+        atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter runs at exit, in the same order
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing left to say there
+                pass
+        os._exit(code)
