@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test_runtime"))  # shared torchrun helpers
+from proc_utils import forked_map  # noqa: E402
 from runtime_utils import REPO, read_jsonl, torchrun  # noqa: E402
 
 EST_BOUND = 0.12  # |est_tau / served - 1| on the training prompts
@@ -69,8 +70,10 @@ def test_est_tau_and_val_est_tau_predict_served_tau(tiny_target, greedy_data, tm
     last = read_jsonl(tmp_path / "metrics.jsonl")[-1]
     assert last["step"] == STEPS
     export = tmp_path / "checkpoints" / f"step_{STEPS:08d}" / "export"
-    train_tau = served_tau(tiny_target, export, train_prompts, 32, tmp_path / "train.json")
-    held_tau = served_tau(tiny_target, export, held_prompts, 12, tmp_path / "held.json")
+    # The two evaluations at once, each in a process forked from this one (one core each).
+    train_tau, held_tau = forked_map(lambda job: served_tau(tiny_target, export, *job),
+                                     [(train_prompts, 32, tmp_path / "train.json"),
+                                      (held_prompts, 12, tmp_path / "held.json")])
     walks = read_jsonl(tmp_path / "records" / "walks0.jsonl")
     before_32 = walks[-1]["tau_sum"] / walks[-1]["responses"]  # the last walk alone, as est_tau read before #32
     print(f"est_tau {last['est_tau']:.3f} vs served {train_tau:.3f} (walked pool {last['est_tau_walked']:.3f}, last "

@@ -64,8 +64,9 @@ def test_audit_catches_a_host_tensor_on_an_nccl_only_group(tmp_path, monkeypatch
 @pytest.mark.timeout(900)
 def test_real_vocabulary_fits_with_chunks_and_anchor_budget(tiny_target_factory, tmp_path):
     """The run that was OOM-killed at 23 GiB: Qwen3's vocabulary, 512 anchors per sequence, KL 0.5,
-    a 2,048-token budget, 1 target + 1 drafter, one step (about 80 s of CPU at this vocabulary: the
-    suite's budget). Every rank stays under 12 GiB resident."""
+    a 2,048-token budget, 1 target + 1 drafter, one step of 400 anchors (the budget binds: up to 6,400 label
+    positions, whose unchunked loss would need over 24 GB; about 40 s of CPU at this vocabulary, the suite's budget).
+    Every rank stays under 12 GiB resident."""
     target = tiny_target_factory(layers=4, hidden=64, heads=2, kv_heads=1, head_dim=32, intermediate=128,
                                  vocab_size=QWEN3_VOCAB)
     data = make_dataset(target, tmp_path / "prepared", n=64, max_length=256, block_size=16)
@@ -73,7 +74,7 @@ def test_real_vocabulary_fits_with_chunks_and_anchor_budget(tiny_target_factory,
     args = ["--config", str(REPO / "configs/tiny.yaml"), "--target", str(target), "--data", str(data),
             "--output-dir", str(out), "--max-steps", "1", "--train.log_interval", "1", "--model.block_size", "16",
             "--loss.num_anchors", "512", "--loss.kl_weight", "0.5", "--data.token_budget", "2048",
-            "--train.timeout_s", "300", "--loss.max_anchors_per_batch", "600"]
+            "--train.timeout_s", "300", "--loss.max_anchors_per_batch", "400"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "dflash_ds.train", *args]
     # Two threads when the test has both cores: the target rank is idle once it has sent its batch.
@@ -85,11 +86,11 @@ def test_real_vocabulary_fits_with_chunks_and_anchor_budget(tiny_target_factory,
     records = read_jsonl(out / "metrics.jsonl")
     assert [rec["step"] for rec in records] == [1]
     for rec in records:
-        assert rec["label_positions"] >= 8000, rec["label_positions"]
-        assert rec["anchors"] <= 600  # the budget per micro-batch (one drafter)
+        assert rec["label_positions"] >= 5000, rec["label_positions"]
+        assert rec["anchors"] <= 400  # the budget per micro-batch (one drafter)
         assert 0 < rec["peak_mem_gb"] < 12
         # What the same step needs unchunked: 32.5 bytes per (label position x vocabulary entry) with KL.
-        assert rec["label_positions"] * QWEN3_VOCAB * 32.5 >= 39e9
+        assert rec["label_positions"] * QWEN3_VOCAB * 32.5 >= 24e9
     assert max_rss < 12 * GIB, f"largest rank peaked at {max_rss / GIB:.1f} GiB"
     print(f"largest rank peak RSS {max_rss / GIB:.2f} GiB; label positions per step "
           f"{[rec['label_positions'] for rec in records]}; peak_mem_gb {[rec['peak_mem_gb'] for rec in records]}")
