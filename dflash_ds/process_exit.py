@@ -7,7 +7,8 @@ where distributed jobs hang when a backend's destructors wait on peers that are 
 that has returned runs what the interpreter would have run for it (the exit handlers: the rank's audit
 report, logging's flush, a vLLM server's stop, multiprocessing's joins), flushes its streams, and ends
 with `os._exit`. Every file the program writes is closed by then (the trainer closes its metrics, records
-and W&B run before it returns; checkpoints are written synchronously).
+and W&B run before it returns; checkpoints are written synchronously). A training rank ends so only when
+the job finished (status 0); train.py says why a stopped or failed rank keeps the interpreter's exit.
 """
 
 from __future__ import annotations
