@@ -217,6 +217,10 @@ class TrainConfig:
     target_attention: str = "auto"
     """Attention kernels of the frozen target's forward: auto (transformers' choice, sdpa on most models), sdpa,
     eager, flash_attention_2 / flash_attention_3 (pip install flash-attn), flex_attention. Logged at start-up."""
+    target_hub_kernels: bool = False
+    """Let transformers swap some of the target's layers for kernels fetched from the Hugging Face Hub at load
+    time (the `kernels` package: e.g. kernels-community/rotary for the rotary embedding, a few % of the target
+    forward). Needs network or a cached copy on every rank and runs third-party code; off by default."""
     timeout_s: float = 300.0
     """Timeout of blocking receives and collectives (seconds)."""
     startup_timeout_s: float = 900.0

@@ -128,7 +128,8 @@ def _target_work(ctx, cfg, data, batches, arch, dtype) -> tuple[list, list]:
     from dflash_ds.models.target import load_target
 
     lay, keep = ctx.layout, cfg.loss.needs_last_hidden
-    model = load_target(cfg.target, dtype=dtype, device=ctx.device, attn_implementation=cfg.train.target_attention)
+    model = load_target(cfg.target, dtype=dtype, device=ctx.device, attn_implementation=cfg.train.target_attention,
+                        hub_kernels=cfg.train.target_hub_kernels)
     mine = [(s, d, spec, Batch(**load_batch(data.dataset, spec), spec=spec, cursor=Cursor(0, 0)))
             for s, d, spec in batches if lay.route(s, d) == ctx.role_rank]
     captured = [(s, d, capture(model, b, arch, ctx.device, keep)) for s, d, _, b in mine]

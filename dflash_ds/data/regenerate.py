@@ -55,7 +55,7 @@ class Generator:
             if not self.tok.chat_template:
                 raise DFlashError(f"--target {target}: the tokenizer has no chat_template")
             dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-            self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(self.device).eval()
+            self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, use_kernels=False).to(self.device).eval()
         except (OSError, ValueError) as exc:
             raise DFlashError(f"--target {target}: cannot load ({str(exc).splitlines()[0]})") from None
         if self.tok.pad_token is None:

@@ -52,7 +52,7 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flas
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                attn_implementation: str = "auto", tp_size: int = 1) -> nn.Module:
+                attn_implementation: str = "auto", tp_size: int = 1, hub_kernels: bool = False) -> nn.Module:
     """Load the target causal LM straight onto `device` in `dtype`, frozen and in eval mode.
 
     `device_map` places each tensor on the rank's device as it is read from the safetensors: no
@@ -66,6 +66,10 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     matrices split, not replicated). Each rank reads only its slices from the safetensors, with pread
     (`_pread_slices`: nothing of the file is mapped into the rank). Every rank of the
     replica must run every forward; each gets the whole (all-reduced) hidden states.
+
+    `hub_kernels` (train.target_hub_kernels): let transformers kernelize the model with kernels it fetches from
+    the Hugging Face Hub (`kernels` package). Off by default: transformers >= 5.2x turns it on for every model
+    loaded on CUDA, which downloads and runs third-party code on each rank, and fails offline (DESIGN.md §13).
     """
     from transformers import AutoModelForCausalLM
 
@@ -83,9 +87,11 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     try:
         if tp_size > 1:  # the class itself: the auto class deep-copies its kwargs (slices too) and wants a folder
             cls, config = _causal_lm_class_and_config(path)
-            model = cls.from_pretrained(None, config=config, dtype=dtype, **extra)
+            model = cls.from_pretrained(None, config=config, dtype=dtype, use_kernels=hub_kernels, **extra)
         else:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True, **extra)
+            # use_kernels always explicit: transformers' default is on (see above)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True,
+                                                         use_kernels=hub_kernels, **extra)
     except (ImportError, ValueError, AssertionError, RuntimeError) as exc:
         if tp_size > 1 and not isinstance(exc, ImportError):
             raise DFlashError(f"target {path}: cannot shard it over {tp_size} ranks with transformers' tensor "

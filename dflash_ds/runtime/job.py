@@ -107,7 +107,7 @@ def load_run_target(cfg: Config, dtype: torch.dtype, device: torch.device, rank:
 
     k = cfg.topology.target_parallel
     target = load_target(cfg.target, dtype=dtype, device=device, attn_implementation=cfg.train.target_attention,
-                         tp_size=k)
+                         tp_size=k, hub_kernels=cfg.train.target_hub_kernels)
     shard = ""
     if k > 1:
         mine, whole = held_bytes(target)
