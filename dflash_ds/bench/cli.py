@@ -37,6 +37,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_ds.bench.pipeline",
         "target and drafter capacity, the real pipeline's tokens/s, and the colocated trainer's",
     ),
+    "real-shape": (
+        "dflash_ds.bench.real_shape",
+        "colocated training at a published target's shape on one GPU (random target made on the device, the "
+        "drafter in DeepSpeed): tokens/s, MFU of each part, peak memory vs plan",
+    ),
     "recipe": (
         "dflash_ds.bench.recipe",
         "train K recipes over seeds on the same data and evaluate each export on held-out prompts: tau per recipe "

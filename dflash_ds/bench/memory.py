@@ -25,6 +25,7 @@ from typing import Any
 
 from dflash_ds.bench import memory_model as mm
 from dflash_ds.errors import DFlashError, read_json_file
+from dflash_ds.models.kinds import KINDS
 from dflash_ds.models.presets import PRESETS
 
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -44,11 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a local HF target folder instead of --preset (its config.json, text_config when present)")
     parser.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (= target layers read)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block, the anchor included")
-    parser.add_argument("--kind", choices=["dflash", "dflash2", "dspark"], default="dflash",
-                        help="drafter kind (model.kind) of the full-width prediction: dflash2 adds its convolutions, "
-                             "selector codebooks and their saved activations at config.py's defaults (taps 2, group "
-                             "64, rank 64, top-K 8); dspark its Markov head (2 x V x 256) and the loss's bias "
-                             "buffers; the measured widths run a DFlash drafter either way")
+    parser.add_argument("--kind", default="dflash",
+                        help="drafter kind(s) (model.kind), comma-separated: dflash, dflash2, dspark. Each width "
+                             "measures each kind's own micro-step (DFlash2: convolutions + the selector term; DSpark: "
+                             "the Markov bias + the confidence term; config.py's defaults) and the table gives its step "
+                             "time against DFlash's; the full-width prediction is of the first kind")
     parser.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch")
     parser.add_argument("--seq-len", type=int, default=2048,
                         help="tokens per sequence; the batch is token-budget // seq-len sequences, all response tokens")
@@ -77,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed micro-steps first (flex_attention compiles here)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
     parser.add_argument("--json", default="", metavar="FILE", help="also write the result as JSON to FILE")
+    parser.add_argument("--profile", default="", metavar="FILE",
+                        help="profile one more micro-step of the last width of each kind (torch.profiler): the top "
+                             "kernels by device time (CPU time on CPU) to FILE (FILE.KIND for a second kind) and a "
+                             "Chrome trace beside it")
 
 
 # ---------------------------------------------------------------- shapes
@@ -134,6 +139,9 @@ def _check_args(args: argparse.Namespace) -> list[int]:
         raise DFlashError(f"bench memory: --token-budget {args.token_budget} is less than one --seq-len {args.seq_len}")
     if args.seq_len <= args.block_size:
         raise DFlashError(f"bench memory: --seq-len {args.seq_len} must exceed --block-size {args.block_size}")
+    kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise DFlashError(f"bench memory: --kind {args.kind!r}: give one or more of {', '.join(KINDS)}, comma-separated")
     try:
         widths = [int(w) for w in args.widths.split(",") if w.strip()]
     except ValueError:
@@ -174,34 +182,50 @@ def _release_heap() -> None:
         pass
 
 
-def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShape, args: argparse.Namespace,
-                  device, dtype) -> dict[str, Any]:
-    """Build the drafter at this width with random weights and a full-vocabulary head; time and size one step."""
+def drafter_arch(cfg: dict[str, Any], shape: mm.DrafterShape, seq_len: int):
+    """The DrafterArch of `shape` (its kind's default options) reading `cfg`'s target: default layer ids."""
+    from dflash_ds.config import DrafterConfig
+    from dflash_ds.models.dflash2_arch import DFlash2Options
+    from dflash_ds.models.drafter import DrafterArch, default_target_layer_ids
+    from dflash_ds.models.dspark_arch import DSparkOptions
+
+    n_target = int(cfg["num_hidden_layers"])
+    model_cfg = DrafterConfig(kind=shape.kind)
+    return DrafterArch(
+        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+        vocab_size=shape.vocab, rms_norm_eps=1e-6, max_position_embeddings=max(4096, seq_len),
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 1e6))},
+        block_size=shape.block_size, num_target_layers=n_target, mask_token_id=shape.vocab - 1,
+        target_layer_ids=default_target_layer_ids(n_target, shape.num_layers),
+        dflash2=DFlash2Options.from_model_config(model_cfg), dspark=DSparkOptions.from_model_config(model_cfg))
+
+
+def micro_step_inputs(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShape, *, seed: int,
+                      num_anchors: int, max_anchors: int, chunk_blocks: int, kl_weight: float, mask_backend: str,
+                      device, dtype) -> tuple[Any, Any, Any]:
+    """(train module, target states, loss config) of one micro-step of a `shape.kind` drafter with random weights.
+
+    The module is what DeepSpeed wraps in training (drafter + frozen full-vocabulary embedding and head); the
+    batch is `step.batch` full-length sequences of response tokens; the loss config is the kind's defaults with
+    the anchors and chunk asked for (DFlash2's selector term and DSpark's confidence term at weight 1).
+    """
     import torch
     from torch import nn
 
-    from dflash_ds.components.loss import sample_anchors
     from dflash_ds.components.objective import TargetStates
     from dflash_ds.config import LossConfig
-    from dflash_ds.models.drafter import DFlashDrafter, DrafterArch, default_target_layer_ids
+    from dflash_ds.models.drafter import DFlashDrafter
     from dflash_ds.runtime.engine import DrafterTrainModule
-    from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory, resident_bytes
 
-    n_target = int(cfg["num_hidden_layers"])
-    arch = DrafterArch(
-        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-        vocab_size=shape.vocab, rms_norm_eps=1e-6, max_position_embeddings=max(4096, args.seq_len),
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 1e6))},
-        block_size=shape.block_size, num_target_layers=n_target, mask_token_id=shape.vocab - 1,
-        target_layer_ids=default_target_layer_ids(n_target, shape.num_layers))
-    torch.manual_seed(args.seed)
+    arch = drafter_arch(cfg, shape, step.seq_len)
+    torch.manual_seed(seed)
     drafter = DFlashDrafter(arch)
-    drafter.init_weights(args.seed)
+    drafter.init_weights(seed)
     drafter = drafter.to(device=device, dtype=dtype)
     drafter.activation_checkpointing = step.checkpointing
-    drafter.mask_backend = args.mask_backend
-    gen = torch.Generator().manual_seed(args.seed)
+    drafter.mask_backend = mask_backend
+    gen = torch.Generator().manual_seed(seed)
     embed_w = (torch.randn(shape.vocab, shape.hidden, generator=gen) * 0.02).to(device, dtype)
     embed = nn.Embedding(shape.vocab, shape.hidden, _weight=embed_w)
     head = nn.Linear(shape.hidden, shape.vocab, bias=False, device="meta")  # no throwaway V x H init
@@ -210,19 +234,43 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShap
     else:
         head.weight = nn.Parameter((torch.randn(shape.vocab, shape.hidden, generator=gen) * 0.02).to(device, dtype))
     module = DrafterTrainModule(drafter, embed, head)
-    del embed, head, embed_w
     b, s = step.batch, step.seq_len
     states = TargetStates(
         input_ids=torch.randint(0, shape.vocab - 1, (b, s), generator=gen).to(device),
         loss_mask=torch.ones(b, s, dtype=torch.long, device=device), lengths=torch.full((b,), s, device=device),
         context=torch.randn(b, s, shape.num_read * shape.hidden, generator=gen).to(device, dtype),
         last_hidden=torch.randn(b, s, shape.hidden, generator=gen).to(device, dtype) if step.kl else None)
-    loss_cfg = LossConfig(num_anchors=args.num_anchors, max_anchors_per_batch=args.max_anchors,
-                          chunk_blocks=args.chunk_blocks, kl_weight=args.kl_weight)
+    loss_cfg = LossConfig(num_anchors=num_anchors, max_anchors_per_batch=max_anchors, chunk_blocks=chunk_blocks,
+                          kl_weight=kl_weight)
+    return module, states, loss_cfg
+
+
+def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShape, args: argparse.Namespace,
+                  device, dtype, profile: str = "") -> dict[str, Any]:
+    """Build the drafter at this width with random weights and a full-vocabulary head; time and size one step.
+
+    `profile`: a file for the top kernels of one more step under torch.profiler (`write_profile`).
+    """
+    import torch
+
+    from dflash_ds.components.loss import sample_anchors
+    from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory, resident_bytes
+
+    module, states, loss_cfg = micro_step_inputs(
+        cfg, shape, step, seed=args.seed, num_anchors=args.num_anchors, max_anchors=args.max_anchors,
+        chunk_blocks=args.chunk_blocks, kl_weight=args.kl_weight, mask_backend=args.mask_backend, device=device,
+        dtype=dtype)
+    drafter = module.drafter
     cuda = device.type == "cuda"
     peaks, times, anchors_used = [], [], 0
-    for i in range(args.warmup + args.steps):
+
+    def one_step() -> int:
         drafter.zero_grad(set_to_none=True)  # the step allocates its parameter gradients, as in training
+        terms, sums = module(states, loss_cfg, 0, 0.0, 0)  # anchor seed 0: the same blocks every step
+        terms.loss.backward()
+        return int(sums["anchors"])
+
+    for i in range(args.warmup + args.steps):
         if cuda:
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
@@ -231,25 +279,53 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShap
             base = resident_bytes()
         reset_peak_memory(device)
         t0 = time.perf_counter()
-        terms, sums = module(states, loss_cfg, 0, 0.0, 0)  # anchor seed 0: the same blocks every step
-        terms.loss.backward()
+        anchors_used = one_step()
         if cuda:
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         if i >= args.warmup:
             times.append(dt)
             peaks.append(peak_memory_bytes(device) - base)
-        anchors_used = int(sums["anchors"])
-        del terms, sums
+    top = write_profile(one_step, device, profile) if profile else None
+    b, s = step.batch, step.seq_len
     anchors, _ = sample_anchors(states.loss_mask, states.lengths, shape.block_size, args.num_anchors,
                                 torch.Generator().manual_seed(0), max_total=args.max_anchors)
     visible = float(((anchors.cpu() + shape.block_size) * shape.block_size).sum())  # keys seen, summed over queries
     step_s = sorted(times)[len(times) // 2]
-    flops = mm.micro_step_flops(shape, step, visible)
+    model_flops = mm.micro_step_flops(shape, step, visible, recompute=False)
+    hw_flops = mm.micro_step_flops(shape, step, visible)
     del module, drafter, states
-    return {"measured_peak_bytes": max(peaks), "step_s": step_s, "tokens_per_s": b * s / step_s,
-            "anchors": anchors_used, "anchors_per_row": int(anchors.shape[1]), "tflop": flops / 1e12,
-            "mfu": flops / step_s / mm.H200_BF16_FLOPS if cuda else None}
+    return {"kind": shape.kind, "measured_peak_bytes": max(peaks), "step_s": step_s, "tokens_per_s": b * s / step_s,
+            "anchors": anchors_used, "anchors_per_row": int(anchors.shape[1]), "tflop": model_flops / 1e12,
+            "mfu": model_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
+            "hfu": hw_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
+            **({"profile_top": top} if top is not None else {})}
+
+
+def write_profile(one_step, device, path: str, top: int = 25) -> list[dict[str, Any]]:
+    """Run `one_step` once under torch.profiler; write the `top` kernels by device time (CPU: by CPU time) to
+    `path` as a table, beside it a Chrome trace (`path`.trace.json); return them as rows."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, record_shapes=True) as prof:
+        one_step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    key = "device_time_total" if cuda else "cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    total = sum(getattr(e, "self_" + key, 0) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, "self_" + key, 0), reverse=True)
+    rows = [{"name": e.key[:120], "calls": e.count, "self_ms": getattr(e, "self_" + key, 0) / 1e3,
+             "share": getattr(e, "self_" + key, 0) / total} for e in events[:top]]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"{'self ms':>10} {'share':>6} {'calls':>6}  name ({'device' if cuda else 'CPU'} time, one micro-step)"]
+    lines += [f"{r['self_ms']:10.2f} {100 * r['share']:5.1f}% {r['calls']:6d}  {r['name']}" for r in rows]
+    Path(path).write_text("\n".join(lines) + "\n")
+    prof.export_chrome_trace(str(path) + ".trace.json")
+    return rows
 
 
 # ---------------------------------------------------------------- prediction at full width
@@ -257,7 +333,7 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShap
 
 def full_width_prediction(cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Predicted bytes per drafter rank at the target's width: bf16, flex_attention, checkpointing, CUDA."""
-    kind = getattr(args, "kind", "dflash")
+    kind = getattr(args, "kind", "dflash").split(",")[0].strip()
     shape = drafter_shape(cfg, int(cfg["hidden_size"]), args.num_layers, args.block_size, kind)
     step = step_shape(args, dtype_bytes=2, checkpointing=True, dense=False, cuda=True)
     terms = mm.micro_step_terms(shape, step, param_grads=False)
@@ -299,17 +375,24 @@ def run(args: argparse.Namespace) -> int:
     full_h = int(cfg["hidden_size"])
     if args.full and full_h not in widths:
         widths.append(full_h)
+    kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
     rows = []
-    for width in widths:
-        shape = drafter_shape(cfg, width, args.num_layers, args.block_size)
-        measured = measure_width(cfg, shape, step, args, device, dtype)
-        predicted = mm.micro_step_peak(shape, step)
-        terms = mm.micro_step_terms(shape, step)
-        rows.append({"width": width, "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
-                     "intermediate": shape.intermediate, "params": mm.drafter_params(shape), **measured,
-                     "predicted_peak_bytes": predicted,
-                     "error_pct": 100.0 * (predicted - measured["measured_peak_bytes"]) / measured["measured_peak_bytes"],
-                     "predicted_phase": max(mm.PHASES, key=lambda ph: sum(terms[ph].values())), "terms": terms})
+    for kind in kinds:
+        for width in widths:
+            shape = drafter_shape(cfg, width, args.num_layers, args.block_size, kind)
+            profile = "" if not args.profile or width != widths[-1] else (
+                args.profile if kind == kinds[0] else f"{args.profile}.{kind}")
+            measured = measure_width(cfg, shape, step, args, device, dtype, profile)
+            predicted = mm.micro_step_peak(shape, step)
+            terms = mm.micro_step_terms(shape, step)
+            base = next((r for r in rows if r["kind"] == "dflash" and r["width"] == width), None)
+            rows.append({"width": width, "heads": shape.heads, "kv_heads": shape.kv_heads,
+                         "head_dim": shape.head_dim, "intermediate": shape.intermediate,
+                         "params": mm.drafter_params(shape), **measured, "predicted_peak_bytes": predicted,
+                         "error_pct": 100.0 * (predicted - measured["measured_peak_bytes"])
+                         / measured["measured_peak_bytes"],
+                         "step_vs_dflash": measured["step_s"] / base["step_s"] if base else None,
+                         "predicted_phase": max(mm.PHASES, key=lambda ph: sum(terms[ph].values())), "terms": terms})
     result = {"target": name, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
               "torch": torch.__version__, "dtype": dtype_name, "activation_checkpointing": ckpt,
               "mask": "dense" if dense else "flex", "num_layers": args.num_layers, "block_size": args.block_size,
@@ -335,21 +418,24 @@ def _print(res: dict[str, Any]) -> None:
     from dflash_ds.bench.table import print_table
 
     mfu = res["device"] != "cpu"
-    rows = [[str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}", str(r["intermediate"]),
-             f"{r['params'] / 1e6:,.1f}", str(r["anchors"]), _gb(r["measured_peak_bytes"]),
-             _gb(r["predicted_peak_bytes"]), f"{r['error_pct']:+.1f}", r["predicted_phase"], f"{r['step_s']:.2f}",
-             f"{r['tokens_per_s']:,.0f}"] + ([f"{100 * r['mfu']:.1f}"] if mfu else []) for r in res["rows"]]
+    rows = [[r.get("kind", "dflash"), str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
+             str(r["intermediate"]), f"{r['params'] / 1e6:,.1f}", str(r["anchors"]), _gb(r["measured_peak_bytes"]),
+             _gb(r["predicted_peak_bytes"]), f"{r['error_pct']:+.1f}", r["predicted_phase"], f"{r['step_s']:.3f}",
+             "-" if r.get("step_vs_dflash") is None else f"{r['step_vs_dflash']:.2f}x", f"{r['tokens_per_s']:,.0f}"]
+            + ([f"{100 * r['mfu']:.1f}", f"{100 * r['hfu']:.1f}"] if mfu else []) for r in res["rows"]]
     print_table(
         f"bench memory: {res['target']}, {res['num_layers']}-layer drafter, {res['device']} {res['dtype']}, "
         f"mask {res['mask']}, checkpointing {'on' if res['activation_checkpointing'] else 'off'}; "
         f"{res['batch']} x {res['seq_len']} tokens, anchors {res['num_anchors']}/seq capped at {res['max_anchors']}, "
         f"chunk {res['chunk_blocks']} blocks, KL {res['kl_weight']:g}",
-        ["width", "heads", "MLP", "params M", "anchors", "measured GB", "predicted GB", "error %", "peak phase",
-         "step s", "tokens/s"] + (["MFU %"] if mfu else []), rows,
+        ["kind", "width", "heads", "MLP", "params M", "anchors", "measured GB", "predicted GB", "error %", "peak phase",
+         "step s", "vs dflash", "tokens/s"] + (["MFU %", "HFU %"] if mfu else []), rows,
         f"one micro-step (objective + backward); measured = {res['peak_kind']} minus before the step"
         + (", allocations >= 64 KiB mmapped; " if res["cpu_allocations_mmapped"] else "; ") +
         f"LM-head chunk at {res['lm_head_bytes_per_entry']:g} B per (position x vocab entry)"
-        + (f"; MFU: model FLOPs (fwd + 2x bwd, + recompute) / {mm.H200_BF16_FLOPS / 1e12:.0f} TFLOP/s" if mfu else ""))
+        + (f"; MFU: the DFlash drafter's model FLOPs (fwd + 2x bwd of the layers, fc, the head's fwd + input "
+           f"gradient) / {mm.H200_BF16_FLOPS / 1e12:.0f} TFLOP/s; HFU adds the checkpointed layers' recompute"
+           if mfu else ""))
     f = res["full_width"]
     print(f"\npredicted per {f.get('kind', 'dflash')} drafter rank at full width H={f['hidden']} ({f['params'] / 1e9:.2f}B drafter params, "
           f"{f['anchors_per_row']} anchors/seq): bf16, flex_attention, checkpointing on, ZeRO-{f['settings']['zero_stage']} "

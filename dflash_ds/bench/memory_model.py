@@ -327,8 +327,9 @@ def static_terms(d: DrafterShape, token_budget: int, zero_stage: int, num_drafte
     }
 
 
-def micro_step_flops(d: DrafterShape, s: StepShape, visible_keys: float) -> float:
-    """Model FLOPs of one micro-step: forward + backward (2x forward), + one more forward if checkpointing.
+def micro_step_flops(d: DrafterShape, s: StepShape, visible_keys: float, recompute: bool = True) -> float:
+    """FLOPs of one micro-step: forward + backward (2x forward), + one more forward of the layers when
+    checkpointing and `recompute` (hardware FLOPs); `recompute=False` counts model FLOPs only (MFU).
 
     `visible_keys`: the sum over block tokens of the keys each attends to (anchor + block size).
     Matmuls only: draft layers over block tokens, their K/V projections over context tokens, fc,
@@ -338,7 +339,7 @@ def micro_step_flops(d: DrafterShape, s: StepShape, visible_keys: float) -> floa
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
     per_block_token = 2 * (h * q + 2 * h * kv + q * h + 3 * h * d.intermediate)
     layer_fwd = t * per_block_token + c * 2 * (2 * h * kv) + visible_keys * 4 * q
-    layers = d.num_layers * layer_fwd * (4 if s.checkpointing else 3)
+    layers = d.num_layers * layer_fwd * (4 if s.checkpointing and recompute else 3)
     fc = 2 * c * d.num_read * h * h * 2  # forward + weight gradient (the context needs none)
     head = 2 * p * h * d.vocab * 2
     return float(layers + fc + head)

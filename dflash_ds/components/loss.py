@@ -264,15 +264,21 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         weight_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         stats: list[list[torch.Tensor]] = [[], [], [], [], []]  # correct, top4, top8, alpha, argmax_alpha
         cands: list[list[torch.Tensor]] = [[], [], []]  # the head's top-k ids and logits, the label's logit
+        k = hidden.shape[1]
         for lo in range(0, n, chunk):
             hi = min(lo + chunk, n)
             with torch.enable_grad():
                 inputs = [hidden[lo:hi].detach().requires_grad_(need_grad)]
-                logits = head(inputs[0])
+                # The head as one [c*K, H] x [H, V] GEMM: `hidden` is usually a strided view (positions 1.. of each
+                # block), and a 3-D input that cannot be viewed as 2-D makes matmul broadcast the V x H head into a
+                # batched GEMM of c skinny [K, H] products, reading the whole head once per block (DESIGN.md §13:
+                # 47% of an H200 step). reshape copies the chunk (c*K*H) only when it must.
+                logits = head(inputs[0].reshape(-1, inputs[0].shape[-1]))
                 if biased:
                     inputs += [bias_embed[lo:hi].detach().requires_grad_(need_grad),
                                bias_w.detach().requires_grad_(need_grad)]
-                    logits = logits + inputs[1] @ inputs[2].to(inputs[1].dtype)
+                    logits = logits + inputs[1].reshape(-1, inputs[1].shape[-1]) @ inputs[2].to(inputs[1].dtype)
+                logits = logits.view(hi - lo, k, -1)
             if top_k:
                 with torch.no_grad():
                     z = logits.detach().float()
@@ -281,7 +287,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 for acc, t in zip(cands, (ids, values, gold)):
                     acc.append(t)
                 del z
-            target_logits = head(target_hidden[lo:hi]) if target_hidden is not None else None
+            target_logits = (head(target_hidden[lo:hi].reshape((hi - lo) * k, -1)).view(hi - lo, k, -1)
+                             if target_hidden is not None else None)
             part, w, st, dz = _chunk_loss_and_grad(logits, labels[lo:hi], valid[lo:hi], spec, target_logits,
                                                    need_grad)
             del target_logits

@@ -88,7 +88,8 @@ def selector_loss(hidden: torch.Tensor, head, selector, labels: torch.Tensor, va
             if candidates is not None:
                 ids, values, gold, found = gold_into_top_k(*(t[lo:hi] for t in candidates), safe_labels[lo:hi])
             else:
-                logits = head(hidden[lo:hi].detach()).float()
+                # one [c*L, H] GEMM, not a batched one over a strided view (components/loss.py says why)
+                logits = head(hidden[lo:hi].detach().reshape((hi - lo) * length, -1)).view(hi - lo, length, -1).float()
                 ids, values, gold, found = candidates_with_gold(logits, safe_labels[lo:hi], top_k)
                 del logits
             unary = soft_cap(values * output_multiplier, softcap)

@@ -211,3 +211,59 @@ def test_dspark_parts_in_psi_and_the_loss() -> None:
     with torch.device("meta"):
         drafter = DFlashDrafter(arch)
     assert sum(p.numel() for p in drafter.parameters()) == mm.drafter_params(small)
+
+
+def test_each_kind_measures_its_own_step_and_mfu_counts_no_recompute(tiny_target: Path, cli_here) -> None:
+    """--kind dflash,dflash2,dspark: one row per kind, each the kind's own module (its parameter count), its step
+    against DFlash's; the FLOPs behind MFU leave the checkpointed recompute out (HFU keeps it)."""
+    res = cli_here("bench", "memory", "--target", str(tiny_target), "--widths", "128", "--num-layers", "2",
+                   "--token-budget", "1024", "--seq-len", "512", "--num-anchors", "16", "--chunk-blocks", "8",
+                   "--steps", "1", "--warmup", "0", "--kind", "dflash,dflash2,dspark", "--json",
+                   str(tiny_target / "k.json"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads((tiny_target / "k.json").read_text())["rows"]
+    assert [r["kind"] for r in rows] == ["dflash", "dflash2", "dspark"]
+    from dflash_ds.bench.memory import drafter_shape
+
+    text = {**TINY_CONFIG, **TINY_CONFIG["text_config"]}
+    for r in rows:
+        assert r["params"] == mm.drafter_params(drafter_shape(text, 128, 2, 16, r["kind"]))
+    assert rows[0]["step_vs_dflash"] is None and rows[1]["params"] > rows[0]["params"]
+    for r in rows[1:]:
+        assert r["step_vs_dflash"] == pytest.approx(r["step_s"] / rows[0]["step_s"])
+    bad = cli_here("bench", "memory", "--kind", "dflash,eagle")
+    assert bad.returncode != 0 and "--kind 'dflash,eagle'" in bad.stderr
+    d = drafter_shape(text, 128, 2, 16)
+    s = mm.StepShape(batch=2, seq_len=512, anchors_per_row=16, chunk_blocks=8, dtype_bytes=2, checkpointing=True,
+                     dense_mask=False, cuda=True)
+    t, c = 2 * 16 * 16, 2 * 512  # block tokens, context tokens
+    layer_fwd = (t * 2 * (128 * 128 + 2 * 128 * 32 + 128 * 128 + 3 * 128 * 384) + c * 2 * 2 * 128 * 32
+                 + 1000.0 * 4 * 128)
+    model = 2 * layer_fwd * 3 + 2 * c * 2 * 128 * 128 * 2 + 2 * (2 * 16 * 15) * 128 * 32768 * 2
+    assert mm.micro_step_flops(d, s, 1000.0, recompute=False) == pytest.approx(model)
+    assert mm.micro_step_flops(d, s, 1000.0) == pytest.approx(model + 2 * layer_fwd)
+
+
+def test_bench_real_shape_runs_colocated_and_counts_flops(tmp_path: Path) -> None:
+    """bench real-shape at a shrunk shape on CPU: the random target built on the device, the drafter in the
+    trainer's DeepSpeed engine; the step's parts add up and the target's FLOPs are its matmuls + causal attention."""
+    out = tmp_path / "rs.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, "-m", "dflash_ds", "bench", "real-shape", "--device", "cpu", "--width",
+                           "128", "--target-layers", "6", "--vocab", "512", "--token-budget", "1024", "--seq-len", "256",
+                           "--num-anchors", "8", "--steps", "1", "--warmup", "1", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "whole step" in proc.stdout and "plan's prediction" in proc.stdout
+    r = json.loads(out.read_text())
+    t = r["seconds"]
+    assert t["step"] == pytest.approx(t["target"] + t["drafter"] + t["optimizer"], rel=1e-3, abs=1e-3)
+    assert r["tok_per_s"] == pytest.approx(1024 / t["step"]) and r["anchors"] == 4 * 8 and r["mfu"] is None
+    # 128 wide: 1 head of 128 (kv 1), MLP 384; 6 layers; body = layers + final norm (embedding and head excluded)
+    layer = 128 * 128 + 2 * 128 * 128 + 128 * 128 + 2 * 128 + 3 * 128 * 384 + 2 * 128
+    body = 6 * layer + 128
+    assert r["target_params"] == body + 2 * 512 * 128
+    want = 2 * body * 1024 + 6 * 4 * 4 * 128 * 256 * 257 / 2
+    assert r["target_tflop"] * 1e12 == pytest.approx(want)
+    assert r["plan"]["target_bytes"] == 4 * r["target_params"]

@@ -212,6 +212,7 @@ def test_the_head_runs_once_per_step_and_the_selector_term_is_unchanged(tiny_tar
     calls = []
 
     def head(h):
+        assert h.dim() == 2  # one [rows, H] GEMM per chunk (tests/test_core/test_head_gemm.py)
         calls.append(h.shape[0])
         return parts.head(h)
 
@@ -223,7 +224,8 @@ def test_the_head_runs_once_per_step_and_the_selector_term_is_unchanged(tiny_tar
     states = TargetStates(ids, mask, torch.tensor([48, 40]), context, last)
     cfg = LossConfig(num_anchors=16, chunk_blocks=5)
     drafter_objective(drafter, parts.embed, head, states, cfg, anchor_gen=torch.Generator().manual_seed(1))
-    assert len(calls) == 7 and sum(calls) == 32  # 32 blocks, chunks of 5: one pass over the blocks
+    k = arch.block_size - 1  # 32 blocks, chunks of 5: one pass over the blocks, K positions each
+    assert len(calls) == 7 and sum(calls) == 32 * k and calls[0] == 5 * k
     hidden = torch.randn(9, arch.block_size - 1, arch.hidden_size, generator=gen, requires_grad=True)
     labels = torch.randint(0, 512, (9, arch.block_size - 1), generator=gen)
     valid = torch.rand(9, arch.block_size - 1, generator=gen) > 0.2
