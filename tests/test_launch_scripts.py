@@ -21,11 +21,13 @@ def test_script_parses(script: str) -> None:
 
 
 @pytest.mark.parametrize("script,fields", [
-    ("gpu_check.sh", ["compiled_graphs", "peak_mem_gb", "reserved_mem_gb", "tok_per_sec", "mfu", "summary.json"]),
+    ("gpu_check.sh", ["compiled_graphs", "peak_mem_gb", "reserved_mem_gb", "tok_per_sec", "mfu", "summary.json",
+                      "table.md", "real-shape", "--profile", "HF_HUB_OFFLINE", ".whl"]),
     ("gpu_check_2gpu.sh", ["summary.json", "resume_max_dloss", "exitcode  : 75"]),
 ])
 def test_gpu_checks_summarise_what_they_measure(script: str, fields: list[str]) -> None:
-    text = (LAUNCH / script).read_text()
+    text = (LAUNCH / script).read_text() + (
+        (LAUNCH / "gpu_summary.py").read_text() if script == "gpu_check.sh" else "")
     assert all(f in text for f in fields), [f for f in fields if f not in text]
     assert "DEVICE=cpu" in text and "PYTORCH_CUDA_ALLOC_CONF" in text  # runnable on a CPU box; allocator set
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ds.bench import memory_model as mm
+from dflash_ds.bench.micro_step import micro_step_inputs, write_profile
 from dflash_ds.errors import DFlashError, read_json_file
 from dflash_ds.models.kinds import KINDS
 from dflash_ds.models.presets import PRESETS
@@ -63,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                         help="measurement dtype (default: fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
-    parser.add_argument("--activation-checkpointing", choices=["on", "off", "auto"], default="auto",
-                        help="recompute each draft layer in backward (auto: on with CUDA, off on CPU, as training)")
+    parser.add_argument("--activation-checkpointing", choices=["on", "off", "auto", "both"], default="auto",
+                        help="recompute each draft layer in backward (auto: on with CUDA, off on CPU, as training; "
+                             "both: each row measured on, then off, on the same build)")
     parser.add_argument("--mask-backend", choices=["auto", "dense", "flex"], default="auto",
                         help="block-sparse mask: dense boolean + SDPA, flex_attention, auto (flex on CUDA, dense on CPU)")
     parser.add_argument("--widths", default="256,512",
@@ -182,74 +184,12 @@ def _release_heap() -> None:
         pass
 
 
-def drafter_arch(cfg: dict[str, Any], shape: mm.DrafterShape, seq_len: int):
-    """The DrafterArch of `shape` (its kind's default options) reading `cfg`'s target: default layer ids."""
-    from dflash_ds.config import DrafterConfig
-    from dflash_ds.models.dflash2_arch import DFlash2Options
-    from dflash_ds.models.drafter import DrafterArch, default_target_layer_ids
-    from dflash_ds.models.dspark_arch import DSparkOptions
+def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.StepShape], args: argparse.Namespace,
+                  device, dtype, profile: str = "") -> list[dict[str, Any]]:
+    """Build the drafter at this width with random weights and a full-vocabulary head; time and size its
+    micro-step under each of `steps` (they differ in checkpointing only: one build serves them all).
 
-    n_target = int(cfg["num_hidden_layers"])
-    model_cfg = DrafterConfig(kind=shape.kind)
-    return DrafterArch(
-        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-        vocab_size=shape.vocab, rms_norm_eps=1e-6, max_position_embeddings=max(4096, seq_len),
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 1e6))},
-        block_size=shape.block_size, num_target_layers=n_target, mask_token_id=shape.vocab - 1,
-        target_layer_ids=default_target_layer_ids(n_target, shape.num_layers),
-        dflash2=DFlash2Options.from_model_config(model_cfg), dspark=DSparkOptions.from_model_config(model_cfg))
-
-
-def micro_step_inputs(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShape, *, seed: int,
-                      num_anchors: int, max_anchors: int, chunk_blocks: int, kl_weight: float, mask_backend: str,
-                      device, dtype) -> tuple[Any, Any, Any]:
-    """(train module, target states, loss config) of one micro-step of a `shape.kind` drafter with random weights.
-
-    The module is what DeepSpeed wraps in training (drafter + frozen full-vocabulary embedding and head); the
-    batch is `step.batch` full-length sequences of response tokens; the loss config is the kind's defaults with
-    the anchors and chunk asked for (DFlash2's selector term and DSpark's confidence term at weight 1).
-    """
-    import torch
-    from torch import nn
-
-    from dflash_ds.components.objective import TargetStates
-    from dflash_ds.config import LossConfig
-    from dflash_ds.models.drafter import DFlashDrafter
-    from dflash_ds.runtime.engine import DrafterTrainModule
-
-    arch = drafter_arch(cfg, shape, step.seq_len)
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter(arch)
-    drafter.init_weights(seed)
-    drafter = drafter.to(device=device, dtype=dtype)
-    drafter.activation_checkpointing = step.checkpointing
-    drafter.mask_backend = mask_backend
-    gen = torch.Generator().manual_seed(seed)
-    embed_w = (torch.randn(shape.vocab, shape.hidden, generator=gen) * 0.02).to(device, dtype)
-    embed = nn.Embedding(shape.vocab, shape.hidden, _weight=embed_w)
-    head = nn.Linear(shape.hidden, shape.vocab, bias=False, device="meta")  # no throwaway V x H init
-    if shape.tied:
-        head.weight = embed.weight
-    else:
-        head.weight = nn.Parameter((torch.randn(shape.vocab, shape.hidden, generator=gen) * 0.02).to(device, dtype))
-    module = DrafterTrainModule(drafter, embed, head)
-    b, s = step.batch, step.seq_len
-    states = TargetStates(
-        input_ids=torch.randint(0, shape.vocab - 1, (b, s), generator=gen).to(device),
-        loss_mask=torch.ones(b, s, dtype=torch.long, device=device), lengths=torch.full((b,), s, device=device),
-        context=torch.randn(b, s, shape.num_read * shape.hidden, generator=gen).to(device, dtype),
-        last_hidden=torch.randn(b, s, shape.hidden, generator=gen).to(device, dtype) if step.kl else None)
-    loss_cfg = LossConfig(num_anchors=num_anchors, max_anchors_per_batch=max_anchors, chunk_blocks=chunk_blocks,
-                          kl_weight=kl_weight)
-    return module, states, loss_cfg
-
-
-def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShape, args: argparse.Namespace,
-                  device, dtype, profile: str = "") -> dict[str, Any]:
-    """Build the drafter at this width with random weights and a full-vocabulary head; time and size one step.
-
-    `profile`: a file for the top kernels of one more step under torch.profiler (`write_profile`).
+    `profile`: a file for the top kernels of one more step of the first setting (`write_profile`).
     """
     import torch
 
@@ -257,12 +197,11 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShap
     from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory, resident_bytes
 
     module, states, loss_cfg = micro_step_inputs(
-        cfg, shape, step, seed=args.seed, num_anchors=args.num_anchors, max_anchors=args.max_anchors,
+        cfg, shape, steps[0], seed=args.seed, num_anchors=args.num_anchors, max_anchors=args.max_anchors,
         chunk_blocks=args.chunk_blocks, kl_weight=args.kl_weight, mask_backend=args.mask_backend, device=device,
         dtype=dtype)
     drafter = module.drafter
     cuda = device.type == "cuda"
-    peaks, times, anchors_used = [], [], 0
 
     def one_step() -> int:
         drafter.zero_grad(set_to_none=True)  # the step allocates its parameter gradients, as in training
@@ -270,61 +209,41 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShap
         terms.loss.backward()
         return int(sums["anchors"])
 
-    for i in range(args.warmup + args.steps):
-        if cuda:
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-        else:
-            _release_heap()
-            base = resident_bytes()
-        reset_peak_memory(device)
-        t0 = time.perf_counter()
-        anchors_used = one_step()
-        if cuda:
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        if i >= args.warmup:
-            times.append(dt)
-            peaks.append(peak_memory_bytes(device) - base)
-    top = write_profile(one_step, device, profile) if profile else None
-    b, s = step.batch, step.seq_len
+    b, s = steps[0].batch, steps[0].seq_len
     anchors, _ = sample_anchors(states.loss_mask, states.lengths, shape.block_size, args.num_anchors,
                                 torch.Generator().manual_seed(0), max_total=args.max_anchors)
     visible = float(((anchors.cpu() + shape.block_size) * shape.block_size).sum())  # keys seen, summed over queries
-    step_s = sorted(times)[len(times) // 2]
-    model_flops = mm.micro_step_flops(shape, step, visible, recompute=False)
-    hw_flops = mm.micro_step_flops(shape, step, visible)
+    rows = []
+    for n, step in enumerate(steps):
+        drafter.activation_checkpointing = step.checkpointing
+        peaks, times, anchors_used = [], [], 0
+        for i in range(args.warmup + args.steps):
+            if cuda:
+                torch.cuda.synchronize(device)
+                base = torch.cuda.memory_allocated(device)
+            else:
+                _release_heap()
+                base = resident_bytes()
+            reset_peak_memory(device)
+            t0 = time.perf_counter()
+            anchors_used = one_step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            if i >= args.warmup:
+                times.append(dt)
+                peaks.append(peak_memory_bytes(device) - base)
+        top = write_profile(one_step, device, profile) if profile and n == 0 else None
+        step_s = sorted(times)[len(times) // 2]
+        model_flops = mm.micro_step_flops(shape, step, visible, recompute=False)
+        hw_flops = mm.micro_step_flops(shape, step, visible)
+        rows.append({"kind": shape.kind, "activation_checkpointing": step.checkpointing,
+                     "measured_peak_bytes": max(peaks), "step_s": step_s, "tokens_per_s": b * s / step_s,
+                     "anchors": anchors_used, "anchors_per_row": int(anchors.shape[1]), "tflop": model_flops / 1e12,
+                     "mfu": model_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
+                     "hfu": hw_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
+                     **({"profile_top": top} if top is not None else {})})
     del module, drafter, states
-    return {"kind": shape.kind, "measured_peak_bytes": max(peaks), "step_s": step_s, "tokens_per_s": b * s / step_s,
-            "anchors": anchors_used, "anchors_per_row": int(anchors.shape[1]), "tflop": model_flops / 1e12,
-            "mfu": model_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
-            "hfu": hw_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
-            **({"profile_top": top} if top is not None else {})}
-
-
-def write_profile(one_step, device, path: str, top: int = 25) -> list[dict[str, Any]]:
-    """Run `one_step` once under torch.profiler; write the `top` kernels by device time (CPU: by CPU time) to
-    `path` as a table, beside it a Chrome trace (`path`.trace.json); return them as rows."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts, record_shapes=True) as prof:
-        one_step()
-        if cuda:
-            torch.cuda.synchronize(device)
-    key = "device_time_total" if cuda else "cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
-    total = sum(getattr(e, "self_" + key, 0) for e in events) or 1.0
-    events.sort(key=lambda e: getattr(e, "self_" + key, 0), reverse=True)
-    rows = [{"name": e.key[:120], "calls": e.count, "self_ms": getattr(e, "self_" + key, 0) / 1e3,
-             "share": getattr(e, "self_" + key, 0) / total} for e in events[:top]]
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"{'self ms':>10} {'share':>6} {'calls':>6}  name ({'device' if cuda else 'CPU'} time, one micro-step)"]
-    lines += [f"{r['self_ms']:10.2f} {100 * r['share']:5.1f}% {r['calls']:6d}  {r['name']}" for r in rows]
-    Path(path).write_text("\n".join(lines) + "\n")
-    prof.export_chrome_trace(str(path) + ".trace.json")
     return rows
 
 
@@ -369,9 +288,11 @@ def run(args: argparse.Namespace) -> int:
     dtype_name = args.dtype or ("bf16" if cuda else "fp32")
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
     mmap_all = _mmap_large_allocations() if not cuda else False
-    ckpt = {"on": True, "off": False, "auto": cuda}[args.activation_checkpointing]
+    ckpts = {"on": [True], "off": [False], "auto": [cuda], "both": [True, False]}[args.activation_checkpointing]
+    ckpt = ckpts[0]
     dense = args.mask_backend == "dense" or (args.mask_backend == "auto" and not cuda)
-    step = step_shape(args, 2 if dtype_name == "bf16" else 4, ckpt, dense, cuda)
+    steps = [step_shape(args, 2 if dtype_name == "bf16" else 4, c, dense, cuda) for c in ckpts]
+    step = steps[0]
     full_h = int(cfg["hidden_size"])
     if args.full and full_h not in widths:
         widths.append(full_h)
@@ -382,17 +303,19 @@ def run(args: argparse.Namespace) -> int:
             shape = drafter_shape(cfg, width, args.num_layers, args.block_size, kind)
             profile = "" if not args.profile or width != widths[-1] else (
                 args.profile if kind == kinds[0] else f"{args.profile}.{kind}")
-            measured = measure_width(cfg, shape, step, args, device, dtype, profile)
-            predicted = mm.micro_step_peak(shape, step)
-            terms = mm.micro_step_terms(shape, step)
-            base = next((r for r in rows if r["kind"] == "dflash" and r["width"] == width), None)
-            rows.append({"width": width, "heads": shape.heads, "kv_heads": shape.kv_heads,
-                         "head_dim": shape.head_dim, "intermediate": shape.intermediate,
-                         "params": mm.drafter_params(shape), **measured, "predicted_peak_bytes": predicted,
-                         "error_pct": 100.0 * (predicted - measured["measured_peak_bytes"])
-                         / measured["measured_peak_bytes"],
-                         "step_vs_dflash": measured["step_s"] / base["step_s"] if base else None,
-                         "predicted_phase": max(mm.PHASES, key=lambda ph: sum(terms[ph].values())), "terms": terms})
+            for step_c, measured in zip(steps, measure_width(cfg, shape, steps, args, device, dtype, profile)):
+                predicted = mm.micro_step_peak(shape, step_c)
+                terms = mm.micro_step_terms(shape, step_c)
+                base = next((r for r in rows if r["kind"] == "dflash" and r["width"] == width
+                             and r["activation_checkpointing"] == step_c.checkpointing), None)
+                rows.append({"width": width, "heads": shape.heads, "kv_heads": shape.kv_heads,
+                             "head_dim": shape.head_dim, "intermediate": shape.intermediate,
+                             "params": mm.drafter_params(shape), **measured, "predicted_peak_bytes": predicted,
+                             "error_pct": 100.0 * (predicted - measured["measured_peak_bytes"])
+                             / measured["measured_peak_bytes"],
+                             "step_vs_dflash": measured["step_s"] / base["step_s"] if base else None,
+                             "predicted_phase": max(mm.PHASES, key=lambda ph: sum(terms[ph].values())),
+                             "terms": terms})
     result = {"target": name, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
               "torch": torch.__version__, "dtype": dtype_name, "activation_checkpointing": ckpt,
               "mask": "dense" if dense else "flex", "num_layers": args.num_layers, "block_size": args.block_size,
@@ -418,17 +341,17 @@ def _print(res: dict[str, Any]) -> None:
     from dflash_ds.bench.table import print_table
 
     mfu = res["device"] != "cpu"
-    rows = [[r.get("kind", "dflash"), str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
+    rows = [[r.get("kind", "dflash"), "on" if r.get("activation_checkpointing") else "off", str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
              str(r["intermediate"]), f"{r['params'] / 1e6:,.1f}", str(r["anchors"]), _gb(r["measured_peak_bytes"]),
              _gb(r["predicted_peak_bytes"]), f"{r['error_pct']:+.1f}", r["predicted_phase"], f"{r['step_s']:.3f}",
              "-" if r.get("step_vs_dflash") is None else f"{r['step_vs_dflash']:.2f}x", f"{r['tokens_per_s']:,.0f}"]
             + ([f"{100 * r['mfu']:.1f}", f"{100 * r['hfu']:.1f}"] if mfu else []) for r in res["rows"]]
     print_table(
         f"bench memory: {res['target']}, {res['num_layers']}-layer drafter, {res['device']} {res['dtype']}, "
-        f"mask {res['mask']}, checkpointing {'on' if res['activation_checkpointing'] else 'off'}; "
+        f"mask {res['mask']}; "
         f"{res['batch']} x {res['seq_len']} tokens, anchors {res['num_anchors']}/seq capped at {res['max_anchors']}, "
         f"chunk {res['chunk_blocks']} blocks, KL {res['kl_weight']:g}",
-        ["kind", "width", "heads", "MLP", "params M", "anchors", "measured GB", "predicted GB", "error %", "peak phase",
+        ["kind", "ckpt", "width", "heads", "MLP", "params M", "anchors", "measured GB", "predicted GB", "error %", "peak phase",
          "step s", "vs dflash", "tokens/s"] + (["MFU %", "HFU %"] if mfu else []), rows,
         f"one micro-step (objective + backward); measured = {res['peak_kind']} minus before the step"
         + (", allocations >= 64 KiB mmapped; " if res["cpu_allocations_mmapped"] else "; ") +

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ds.bench import memory as bench_memory
+from dflash_ds.bench import micro_step
 from dflash_ds.bench import memory_model as mm
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.kinds import KINDS
@@ -186,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
                                    chunk_blocks=run_cfg.loss.chunk_blocks, kl_weight=run_cfg.loss.kl_weight)
     ckpt = cuda if run_cfg.model.activation_checkpointing is None else run_cfg.model.activation_checkpointing
     step = bench_memory.step_shape(step_args, 2 if cuda else 4, ckpt, not cuda, cuda)
-    arch = bench_memory.drafter_arch(cfg, shape, args.seq_len)
+    arch = micro_step.drafter_arch(cfg, shape, args.seq_len)
     _init_single_rank(cuda)
     try:
         engine = build_drafter_engine(run_cfg, arch, dtype, device, target=target)

@@ -12,6 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dflash_ds.bench import memory as bench_memory
+from dflash_ds.bench import micro_step
 from dflash_ds.bench import memory_model as mm
 from dflash_ds.models.presets import PRESETS
 
@@ -24,7 +25,7 @@ def batched_gemms_with(vocab: int, kind: str) -> tuple[list[tuple[str, list]], i
     shape = bench_memory.drafter_shape(cfg, 64, 2, 16, kind)
     step = mm.StepShape(batch=2, seq_len=128, anchors_per_row=6, chunk_blocks=4, kl=True, dtype_bytes=4,
                         checkpointing=False, dense_mask=True, cuda=False)
-    module, states, loss_cfg = bench_memory.micro_step_inputs(
+    module, states, loss_cfg = micro_step.micro_step_inputs(
         cfg, shape, step, seed=0, num_anchors=6, max_anchors=0, chunk_blocks=4, kl_weight=0.5, mask_backend="dense",
         device=torch.device("cpu"), dtype=torch.float32)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
