@@ -196,6 +196,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(served, for_eval=True)
 
 
+def vllm_log_dir(args: argparse.Namespace) -> Path | None:
+    """Where eval --engine vllm keeps its servers' logs: --vllm-log, else beside --json (JSON_STEM.vllm/), else
+    nowhere (temporary files, removed after a clean run: vllm_server.VLLMServer)."""
+    if args.vllm_log:
+        return Path(args.vllm_log)
+    return Path(args.json).with_suffix(".vllm") if args.json else None
+
+
 def run(args: argparse.Namespace) -> int:
     """CLI entry: check the pair, evaluate, print the table, write --json; exit 2 on a lossless mismatch."""
     from dflash_ds.models.drafter import DFlashDrafter, read_drafter_arch
@@ -238,10 +246,10 @@ def run(args: argparse.Namespace) -> int:
         from dflash_ds.eval.served import format_comparison, served_eval
 
         served = served_eval(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,
-                             block_size=drafter.arch.block_size, dtype=args.vllm_dtype or args.dtype,
+                             dtype=args.vllm_dtype or args.dtype,
                              concurrency=args.concurrency, python=args.vllm_python,
                              memory_fraction=args.vllm_memory_fraction, max_model_len=args.vllm_max_model_len,
-                             startup_timeout_s=args.vllm_startup_timeout, log_dir=args.vllm_log,
+                             startup_timeout_s=args.vllm_startup_timeout, log_dir=vllm_log_dir(args),
                              extra_args=args.vllm_arg, temperature=args.temperature, seed=args.seed,
                              draft_sample=args.draft_sample, plain_cache=args.plain_cache)
         results["vllm"] = served
