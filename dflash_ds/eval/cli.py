@@ -169,7 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a drafter with a confidence head (dspark): also decode with each draft cut before the "
                              "first token whose running product of confidences falls below P (one token always "
                              "drafted); the JSON's confidence_stop has tau, drafted_per_accepted and "
-                             "target_forwards_per_token beside the uncut run's")
+                             "target_forwards_per_token beside the uncut run's. Not what vLLM does with the head: "
+                             "its adaptive verification ranks the running products across requests (README)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for --temperature > 0 (default 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
