@@ -169,7 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a drafter with a confidence head (dspark): also decode with each draft cut before the "
                              "first token whose running product of confidences falls below P (one token always "
                              "drafted); the JSON's confidence_stop has tau, drafted_per_accepted and "
-                             "target_forwards_per_token beside the uncut run's")
+                             "target_forwards_per_token beside the uncut run's. Not what vLLM does with the head: "
+                             "its adaptive verification ranks the running products across requests (README)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for --temperature > 0 (default 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -194,6 +195,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dflash_ds.serving.vllm_server import add_server_arguments
 
     add_server_arguments(served, for_eval=True)
+
+
+def vllm_log_dir(args: argparse.Namespace) -> Path | None:
+    """Where eval --engine vllm keeps its servers' logs: --vllm-log, else beside --json (JSON_STEM.vllm/), else
+    nowhere (temporary files, removed after a clean run: vllm_server.VLLMServer)."""
+    if args.vllm_log:
+        return Path(args.vllm_log)
+    return Path(args.json).with_suffix(".vllm") if args.json else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -238,10 +247,10 @@ def run(args: argparse.Namespace) -> int:
         from dflash_ds.eval.served import format_comparison, served_eval
 
         served = served_eval(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,
-                             block_size=drafter.arch.block_size, dtype=args.vllm_dtype or args.dtype,
+                             dtype=args.vllm_dtype or args.dtype,
                              concurrency=args.concurrency, python=args.vllm_python,
                              memory_fraction=args.vllm_memory_fraction, max_model_len=args.vllm_max_model_len,
-                             startup_timeout_s=args.vllm_startup_timeout, log_dir=args.vllm_log,
+                             startup_timeout_s=args.vllm_startup_timeout, log_dir=vllm_log_dir(args),
                              extra_args=args.vllm_arg, temperature=args.temperature, seed=args.seed,
                              draft_sample=args.draft_sample, plain_cache=args.plain_cache)
         results["vllm"] = served

@@ -1,7 +1,8 @@
-"""`dflash-ds eval --engine vllm`: the export served as vLLM's DFlash drafter, its acceptance read from vLLM itself.
+"""`dflash-ds eval --engine vllm`: the export served as vLLM's drafter of its kind, its acceptance read from vLLM itself.
 
 Two servers of the same target, one after the other: plain (the lossless reference) and with the export
-as its speculative drafter (`{"method": "dflash", "num_speculative_tokens": block_size - 1}`). The same
+as its speculative drafter (`vllm_server.speculative_config`: method "dflash" for DFlash and DFlash2, "dspark"
+for DSpark; `num_speculative_tokens` = block_size - 1, the layout dflash-ds trains). The same
 prompts (token ids, through /v1/completions: no chat template applied twice) go to both at temperature 0.
 At a temperature > 0 only the speculative server runs (sampled outputs have no token-for-token reference),
 each prompt with its own seed, drafting greedily (vLLM's default `draft_sample_method`) or, with
@@ -27,7 +28,7 @@ from dflash_ds.errors import DFlashError
 from dflash_ds.eval.plain_cache import cache_path, plain_key_fields, read_plain, write_plain
 from dflash_ds.eval.speculative import first_mismatch
 from dflash_ds.serving.client import OpenAIClient
-from dflash_ds.serving.vllm_server import VLLMServer, on_cpu, vllm_python
+from dflash_ds.serving.vllm_server import VLLMServer, on_cpu, speculative_config, vllm_python
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -48,15 +49,25 @@ SAMPLED_ON_CPU = ("--engine vllm --temperature > 0: vLLM's CPU build does not sa
 
 
 def serving_env(drafter: str | Path, temperature: float = 0.0) -> dict[str, str]:
-    """What vLLM needs to serve this drafter's layout here; a clear error where it cannot.
+    """What vLLM needs to serve this drafter's kind and layout here; a clear error where it cannot.
 
     vLLM 0.32 serves all-full and all-sliding DFlash layouts on its default runner; a mix of full and sliding
-    layers needs its V2 model runner, which runs on Triton: a GPU. Its CPU build samples wrongly under
-    speculative decoding (SAMPLED_ON_CPU): temperature > 0 is a GPU measurement.
+    layers, and the DFlash2 and DSpark drafters, need its V2 model runner, which runs on Triton: a GPU. Its CPU
+    build samples wrongly under speculative decoding (SAMPLED_ON_CPU): temperature > 0 is a GPU measurement.
     """
+    from dflash_ds.models.kinds import ARCHITECTURES, VLLM_V2_ONLY, kind_of_architecture
+
     if temperature > 0 and on_cpu():
         raise DFlashError(SAMPLED_ON_CPU)
     cfg = json.loads((Path(drafter) / "config.json").read_text())
+    kind = kind_of_architecture(cfg.get("architectures"))
+    if kind in VLLM_V2_ONLY:
+        if on_cpu():
+            raise DFlashError(f"--drafter {drafter}: a {kind} drafter ({ARCHITECTURES[kind]}) is served by vLLM 0.32 "
+                              "only on its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), whose drafting is Triton "
+                              "kernels on a GPU: not on this CPU. Evaluate it with --engine dflash, or serve it on a "
+                              "GPU")
+        return {"VLLM_USE_V2_MODEL_RUNNER": "1"}
     kinds = set(cfg.get("layer_types") or ["full_attention"])
     if len(kinds) == 1:
         return {}
@@ -83,7 +94,7 @@ def generate_all(client: OpenAIClient, prompts: list[list[int]], max_new_tokens:
 
 
 def acceptance(before: dict[str, float], after: dict[str, float], block_size: int) -> dict:
-    """vLLM's acceptance over the requests between two /metrics readings."""
+    """vLLM's acceptance over the requests between two /metrics readings (block_size - 1 drafts a step)."""
     drafts = after.get(DRAFTS, 0.0) - before.get(DRAFTS, 0.0)
     accepted = after.get(ACCEPTED, 0.0) - before.get(ACCEPTED, 0.0)
     per_pos = []
@@ -97,7 +108,7 @@ def acceptance(before: dict[str, float], after: dict[str, float], block_size: in
 
 
 def served_eval(target: str | Path, drafter: str | Path, prompts: list[list[int]], *, max_new_tokens: int,
-                block_size: int, dtype: str, concurrency: int = 8, python: str | None = None,
+                dtype: str, concurrency: int = 8, python: str | None = None,
                 memory_fraction: float | None = None, max_model_len: int | None = None,
                 startup_timeout_s: float = 600.0, log_dir: str | Path | None = None,
                 extra_args: list[str] | tuple[str, ...] = (), temperature: float = 0.0, seed: int = 0,
@@ -124,8 +135,9 @@ def served_eval(target: str | Path, drafter: str | Path, prompts: list[list[int]
         if cached is not None:
             write_plain(cached, fields, reference)
             print(f"eval: plain reference -> {cached}", flush=True)
-    with VLLMServer(target, drafter=drafter, num_speculative_tokens=block_size - 1, draft_sample=draft_sample,
-                    log_path=logs / "vllm_dflash.log" if logs else None, **common) as spec:
+    spec_cfg = speculative_config(drafter)  # what VLLMServer passes vLLM: the method and draft length of the kind
+    with VLLMServer(target, drafter=drafter, draft_sample=draft_sample,
+                    log_path=logs / f"vllm_{spec_cfg['method']}.log" if logs else None, **common) as spec:
         client = OpenAIClient(spec.url)
         before = client.metrics()
         outputs = generate_all(client, prompts, max_new_tokens, concurrency, temperature, seed)
@@ -137,7 +149,8 @@ def served_eval(target: str | Path, drafter: str | Path, prompts: list[list[int]
         at = first_mismatch(out, ref)
         if at is not None:
             mismatches.append({"prompt": i, "token": at, "speculative": out[at:at + 1], "plain": ref[at:at + 1]})
-    return {**acceptance(before, after, block_size), "generated_tokens": sum(len(o) for o in outputs),
+    return {**acceptance(before, after, spec_cfg["num_speculative_tokens"] + 1), "speculative_config": spec_cfg,
+            "generated_tokens": sum(len(o) for o in outputs),
             "mismatches": mismatches, "outputs": outputs, "env": env, "temperature": temperature,
             "lossless_checked": reference is not None, "plain_reused": reused,
             **({"plain_reused_from": str(cached)} if reused else {}),

@@ -1,4 +1,7 @@
-"""Start `vllm serve` for a target (optionally with a dflash-ds export as its DFlash drafter) on a free loopback port.
+"""Start `vllm serve` for a target (optionally with a dflash-ds export as its drafter) on a free loopback port.
+
+A drafter is served by the method its export's architecture names (`speculative_config`: "dflash" for DFlash and
+DFlash2, "dspark" for DSpark) with the draft length of its block layout (block_size - 1 after the anchor).
 
 vLLM lives in an environment of its own (it pins torch and transformers versions of its own), so the
 server runs that environment's Python: `--vllm-python`, else $DFLASH_VLLM_PYTHON, else the
@@ -6,7 +9,8 @@ repository's `.venv-serve` (`make serve-env` creates it). The server runs in a n
 the `with` block (or the process exiting) ends its whole process group, the engine's workers
 included, and so does this process's death, even by SIGKILL: the group's leader is a keeper
 (`keeper.py`) that ends the server once its starter is gone. Its output goes to a log file, whose
-tail is printed when it fails to come up.
+tail is printed when it fails to come up: the caller's (`log_path`, kept), else a temporary file removed once the
+server stops after a clean run and kept (and named) when it failed to start or the `with` block raised.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from dflash_ds.errors import DFlashError
+from dflash_ds.errors import DFlashError, read_json_file
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ENV = REPO / ".venv-serve" / "bin" / "python"
@@ -60,6 +65,32 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def speculative_config(drafter: str | Path, num_speculative_tokens: int | None = None) -> dict:
+    """vLLM's `--speculative-config` for an export: the method its architecture is served by, its draft length.
+
+    The draft length is one block's drafts in the export's layout: block_size - 1 where the anchor is the bonus
+    token (the DFlash layout, every kind dflash-ds trains, DSpark's `sample_from_anchor: false`), block_size
+    where the anchor is the first prediction (an anchor-as-first DSpark checkpoint, DeepSpec's). Left to
+    itself, vLLM drafts block_size tokens with DSpark whatever the layout.
+    """
+    # Imported here: the models package loads torch, which a server for a target alone does not need.
+    from dflash_ds.models.kinds import ARCHITECTURES, VLLM_ANCHOR_FIRST_BY_DEFAULT, VLLM_METHODS, kind_of_architecture
+
+    path = Path(drafter) / "config.json"
+    cfg = read_json_file(path, f"drafter folder {drafter} has no config.json")
+    kind = kind_of_architecture(cfg.get("architectures"))
+    if kind is None:
+        raise DFlashError(f"{path}: architectures {cfg.get('architectures')} name no drafter served from here "
+                          f"(one of {sorted(ARCHITECTURES.values())})")
+    block = cfg.get("block_size") or (cfg.get("dflash_config") or {}).get("block_size")
+    if not block:
+        raise DFlashError(f"{path}: no block_size (top level or dflash_config)")
+    anchor_first = bool(cfg.get("sample_from_anchor", kind in VLLM_ANCHOR_FIRST_BY_DEFAULT))
+    drafts = int(block) if anchor_first else int(block) - 1
+    return {"method": VLLM_METHODS[kind], "model": str(drafter),
+            "num_speculative_tokens": num_speculative_tokens or drafts}
+
+
 class VLLMServer:
     """A `vllm serve` process for `model` on 127.0.0.1; use as a context manager (`.url` once started)."""
 
@@ -71,7 +102,9 @@ class VLLMServer:
         self.python = vllm_python(python)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(log_path) if log_path else Path(f"/tmp/dflash-vllm-{os.getpid()}-{self.port}.log")
+        self.keep_log = log_path is not None  # the caller's file stays; a temporary one goes after a clean run
+        self.log_path = Path(log_path) if log_path else \
+            Path(tempfile.gettempdir()) / f"dflash-vllm-{os.getpid()}-{self.port}.log"
         self.startup_timeout_s = startup_timeout_s
         self.env = {**os.environ, **(env or {})}
         cpu = on_cpu()
@@ -85,8 +118,9 @@ class VLLMServer:
             self.cmd += ["--gpu-memory-utilization", str(memory_fraction)]
         if max_model_len:
             self.cmd += ["--max-model-len", str(max_model_len)]
-        if drafter is not None:
-            spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
+        self.speculative_config = None if drafter is None else speculative_config(drafter, num_speculative_tokens)
+        if self.speculative_config is not None:
+            spec = dict(self.speculative_config)
             if draft_sample != "greedy":  # greedy: vLLM's default draft_sample_method
                 spec["draft_sample_method"] = draft_sample
             self.cmd += ["--speculative-config", json.dumps(spec)]
@@ -97,8 +131,8 @@ class VLLMServer:
         self.start()
         return self
 
-    def __exit__(self, *_exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *_exc) -> None:
+        self.stop(keep_log=exc_type is not None)
 
     def start(self) -> None:
         """Launch the server and wait until /health answers; on failure, stop it and raise with the log's tail."""
@@ -113,13 +147,13 @@ class VLLMServer:
         while True:
             status = self.proc.poll()
             if status is not None:
-                self.stop()
+                self.stop(keep_log=True)
                 raise DFlashError(f"vLLM exited with status {status} before it was ready; "
                                   f"last lines of {self.log_path}:\n{self.tail()}")
             if self._health():
                 break
             if time.monotonic() - t0 > self.startup_timeout_s:
-                self.stop()
+                self.stop(keep_log=True)
                 raise DFlashError(f"vLLM did not answer {self.url}/health within {self.startup_timeout_s:.0f} s; "
                                   f"last lines of {self.log_path}:\n{self.tail()}")
             time.sleep(0.5)
@@ -139,8 +173,9 @@ class VLLMServer:
         except OSError:
             return "(no log)"
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left after `grace_s`."""
+    def stop(self, grace_s: float = 15.0, keep_log: bool = False) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after `grace_s`; then remove a temporary log
+        unless `keep_log` (a failure: its log is what says why)."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -156,6 +191,10 @@ class VLLMServer:
         # The engine's workers are in the group too: make sure none outlives the server.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+        if keep_log and not self.keep_log:
+            print(f"vllm: log kept at {self.log_path}", flush=True)
+        elif not self.keep_log:
+            self.log_path.unlink(missing_ok=True)
 
 
 def add_server_arguments(parser, *, for_eval: bool = False) -> None:
@@ -171,8 +210,9 @@ def add_server_arguments(parser, *, for_eval: bool = False) -> None:
                         help="vLLM's --dtype (default: " + ("as --dtype" if for_eval else "auto") + ")")
     parser.add_argument("--vllm-startup-timeout", type=float, default=600.0,
                         help="seconds to wait for the server's /health (default 600; a large target loads for minutes)")
-    parser.add_argument("--vllm-log", default=None, help="folder for the servers' logs (default: /tmp)" if for_eval
-                        else "the server's log file (default: OUT.vllm.log)")
+    parser.add_argument("--vllm-log", default=None, help="folder for the servers' logs (default: beside --json, "
+                        "JSON_STEM.vllm/; without --json, temporary files removed after a clean run, kept and named "
+                        "on a failure)" if for_eval else "the server's log file (default: OUT.vllm.log)")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for `vllm serve`, repeatable (e.g. --vllm-arg=--tensor-parallel-size "
                              "--vllm-arg=4)")

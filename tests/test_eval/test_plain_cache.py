@@ -103,8 +103,8 @@ def test_served_eval_writes_on_a_miss_and_starts_no_plain_server_on_a_hit(target
     monkeypatch.setattr(served.OpenAIClient, "metrics", lambda self: next(counters))
     drafter = tmp_path / "drafter"
     drafter.mkdir()
-    (drafter / "config.json").write_text("{}")
-    kw = {"max_new_tokens": 64, "block_size": 4, "dtype": "float32", "python": sys.executable,
+    (drafter / "config.json").write_text('{"architectures": ["DFlashDraftModel"], "block_size": 4}')
+    kw = {"max_new_tokens": 64, "dtype": "float32", "python": sys.executable,
           "plain_cache": tmp_path / "cache"}
     first = served.served_eval(target, drafter, PROMPTS, **kw)
     assert started == ["plain", "spec"] and not first["plain_reused"] and "plain_reused_from" not in first

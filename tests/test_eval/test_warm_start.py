@@ -24,6 +24,23 @@ def test_warm_start_drafts_as_its_source(kind, trained_drafter, target, prompts,
                  *(["--selector-top-k", "4"] if kind == "dflash2" else ["--markov-rank", "32"])]) == 0
     warm = DFlashDrafter.from_pretrained(out).eval()
     assert warm.kind == kind
+    # The warm start as models/warm_start.py defines it, part by part (a small random part would still draft the
+    # source's argmax on this target, so the drafts below cannot tell): the backbone copied, the added parts that
+    # draft at zero or identity.
+    src, new = trained_drafter.state_dict(), warm.state_dict()
+    assert all(torch.equal(new[k], src[k]) for k in src if not k.startswith("rotary_emb."))
+    if kind == "dspark":
+        assert not new["markov_head.markov_w2.weight"].any()  # the bias w2 @ w1[prev] is 0
+        assert new["markov_head.markov_w1.weight"].std() > 0 and new["confidence_head.proj.weight"].std() > 0
+    else:
+        assert not new["candidate_selector.successor_codebook"].any()  # every edge score is 0
+        assert new["candidate_selector.predecessor_codebook"].std() > 0
+        convs = {k.rsplit(".", 1)[0] for k in new if k.endswith("_conv.base_kernel")}
+        assert len(convs) == 2 * warm.arch.num_hidden_layers
+        for conv in convs:  # identity: tap 0 is 1, later taps and the per-token projection 0
+            kernel = new[f"{conv}.base_kernel"]
+            assert torch.equal(kernel[:, 0], torch.ones_like(kernel[:, 0])) and not kernel[:, 1:].any()
+            assert not new[f"{conv}.kernel_projection.weight"].any()
     head = target.get_output_embeddings()
     # Every block of the prompts, drafted in one pass: the new kind's sequential draft is the source's argmax.
     ids = torch.tensor([prompts[0] + prompts[1][: len(prompts[0])]])

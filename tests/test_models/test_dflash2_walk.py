@@ -99,6 +99,30 @@ def walk_loop(module, states) -> tuple[list[list[int]], int]:
     return walks, differ
 
 
+def teacher_forced_runs_are_the_chains(module, states) -> None:
+    """DSpark: the training objective's own hits (`correct`: teacher-forced, position k's Markov bias read from the
+    gold token before it) on every block with a whole block after it have the chain's leading runs, since the chain
+    reads the gold previous token for as long as it is right. (accepted_runs' [..., 1] is its [..., 0] for DSpark.)
+    A position that read its own gold label instead would hit where the chain misses."""
+    from dflash_ds.components.acceptance import accepted_runs
+    from dflash_ds.components.anchors import sample_anchors
+    from dflash_ds.components.loss_metrics import leading_run
+    from dflash_ds.components.objective import drafter_objective
+    from dflash_ds.config import LossConfig
+
+    every = 10 ** 6  # more than the rows hold: every candidate anchor, whatever the generator draws
+    cfg = LossConfig(num_anchors=every, max_anchors_per_batch=0, gamma=4.0, lk="l1", lk_weight=0.9)
+    anchors, valid = sample_anchors(states.loss_mask, states.lengths, BS, every, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        terms, _ = drafter_objective(module.drafter, module.embed, module.lm_head, states, cfg,
+                                     anchor_gen=torch.Generator().manual_seed(0))
+        chain = accepted_runs(module.drafter, module.embed, module.lm_head, states.context, states.input_ids,
+                              states.input_ids, states.loss_mask, states.lengths, anchors, valid, 64)[..., 0]
+    taught = leading_run(terms.correct, terms.valid).view(chain.shape)
+    assert int(valid.sum()) >= 60 and int(chain.sum()) > 0
+    assert torch.equal(taught * valid, chain * valid), (taught, chain)
+
+
 def test_walk_drafts_lossless_and_est_tau_through_the_walk(fitted2, tiny_target, tmp_path) -> None:
     from dflash_ds.cli import main
     from dflash_ds.components.acceptance import accepted_runs, walk_anchors
@@ -129,8 +153,9 @@ def test_walk_drafts_lossless_and_est_tau_through_the_walk(fitted2, tiny_target,
     if module.drafter.kind == "dflash2":
         assert torch.equal(runs[..., 1], plain[..., 0])
         assert not torch.equal(runs[..., 0], runs[..., 1])  # the walk accepts other lengths than the argmax
-    else:  # DSpark's teacher-forced argmax (training tau) reads what the chain reads while it is right
-        assert torch.equal(runs[..., 0], runs[..., 1]) and not torch.equal(runs[..., 0], plain[..., 0])
+    else:
+        assert not torch.equal(runs[..., 0], plain[..., 0])  # the chain is not the backbone's argmax
+        teacher_forced_runs_are_the_chains(module, states)
     assert sums["steps"] == sum(len(w) for w in reference) and sums["tau_sum"] == pytest.approx(sum(per_row))
     eos = eos_token_ids(target)
     served = [speculative_generate(target, p, drafter=module.drafter, max_new_tokens=32, eos_ids=eos) for p in prompts]

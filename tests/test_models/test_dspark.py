@@ -65,6 +65,101 @@ def test_chunked_loss_with_markov_bias_equals_autograd() -> None:
     assert torch.equal(got.correct, ref.correct) and torch.allclose(got.alpha, ref.alpha, atol=1e-6)
 
 
+def deepspec_loss(drafter: DFlashDrafter, embed, head, ids, loss_mask, lengths, context, last, anchors, valid,
+                  gamma: float) -> tuple[torch.Tensor, list[float]]:
+    """DeepSpec's DSpark loss written out block by block, position by position, on the drafter's own forward:
+    sum_k d_k (0.1 CE + 0.9 ||q - p||_1) / sum_k d_k + sum_k d_k BCE(c_k, 1 - 0.5 ||q - p||_1 detached) / sum_k d_k,
+    d_k = exp(-(k-1)/gamma), q_k = softmax(head(h_k) + w2 @ w1[x_{a+k-1}]) (teacher-forced: the gold token before
+    position k, the anchor for k = 1), p_k = softmax(head(target's last hidden at a+k-1)), c_k the confidence logit
+    on [h_k, w1[x_{a+k-1}]]. Also returns each position's 0.5 ||q - p||_1 (the tv_distance it logs)."""
+    bs, mask_id = drafter.arch.block_size, drafter.arch.mask_token_id
+    w1, w2 = drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight
+    num = den = conf_num = conf_den = 0.0
+    tvs = []
+    for row, col in valid.nonzero().tolist():
+        a = int(anchors[row, col])
+        block = torch.full((1, 1, bs), mask_id)
+        block[0, 0, 0] = ids[row, a]
+        hidden = drafter.forward_train(context[row:row + 1], embed(block), anchors[row:row + 1, col:col + 1])[0, 0]
+        for k in range(1, bs):
+            pos = a + k
+            if pos >= lengths[row] or not loss_mask[row, pos]:
+                continue
+            prev = ids[row, pos - 1]
+            q = torch.softmax(head(hidden[k]) + w2 @ w1[prev], -1)
+            p = torch.softmax(head(last[row, pos - 1]), -1)
+            d = math.exp(-(k - 1) / gamma)
+            l1 = (q - p).abs().sum()
+            num = num + d * (0.1 * -torch.log(q[ids[row, pos]]) + 0.9 * l1)
+            den += d
+            c = drafter.confidence_head.proj(torch.cat([hidden[k], w1[prev]]))[0]
+            conf_num = conf_num + d * F.binary_cross_entropy_with_logits(c, (1 - 0.5 * l1).detach())
+            conf_den += d
+            tvs.append(float(0.5 * l1.detach()))
+    return num / den + conf_num / conf_den, tvs
+
+
+def test_objective_is_deepspecs_loss(tiny_target: Path) -> None:
+    """The trainer's objective (drafter_objective: chunked loss, Markov bias, confidence term) with DeepSpec's recipe
+    equals `deepspec_loss` in value and in every parameter's gradient; its tv_distance is the mean 0.5 ||q - p||_1."""
+    from dflash_ds.components.anchors import sample_anchors
+    from dflash_ds.components.loss import metrics_from_sums
+    from dflash_ds.components.objective import TargetStates, drafter_objective
+    from dflash_ds.config import LossConfig
+
+    gen = torch.Generator().manual_seed(0)
+    block, gamma = 5, 4.0
+    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=block, dspark=DSparkOptions(markov_rank=8))
+    drafter = DFlashDrafter(arch)
+    drafter.init_weights(0)
+    with torch.no_grad():  # Markov and confidence heads far from their init, so that every term counts
+        for p in (*drafter.markov_head.parameters(), *drafter.confidence_head.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    v, h = arch.vocab_size, arch.hidden_size
+    embed, head = torch.nn.Embedding(v, h), torch.nn.Linear(h, v, bias=False)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(v, h, generator=gen))
+        head.weight.copy_(torch.randn(v, h, generator=gen) * 0.2)
+    ids = torch.randint(0, v, (2, 20), generator=gen)
+    loss_mask, lengths = torch.zeros(2, 20, dtype=torch.long), torch.tensor([20, 16])
+    loss_mask[:, 5:] = 1
+    loss_mask[1, 11] = 0  # a hole inside a block: its position has no label
+    context = torch.randn(2, 20, len(arch.target_layer_ids) * h, generator=gen)
+    last = torch.randn(2, 20, h, generator=gen)
+    cfg = LossConfig(gamma=gamma, num_anchors=4, chunk_blocks=3, lk="l1", lk_weight=0.9, confidence_weight=1.0)
+    terms, sums = drafter_objective(drafter, embed, head, TargetStates(ids, loss_mask, lengths, context, last), cfg,
+                                    anchor_gen=torch.Generator().manual_seed(3))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(terms.loss, params)
+    anchors, valid = sample_anchors(loss_mask, lengths, block, 4, torch.Generator().manual_seed(3))  # the same draw
+    ref, tvs = deepspec_loss(drafter, embed, head, ids, loss_mask, lengths, context, last, anchors, valid, gamma)
+    ref_grads = torch.autograd.grad(ref, params)
+    assert len(tvs) >= 20
+    torch.testing.assert_close(terms.loss, ref, atol=1e-5, rtol=1e-5)
+    for p, a, b in zip(params, grads, ref_grads):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert metrics_from_sums(sums)["tv_distance"] == pytest.approx(sum(tvs) / len(tvs), rel=1e-5)
+
+
+def test_ece_and_brier_by_hand() -> None:
+    """Four confidences 0.05, 0.35, 0.38, 0.95 with outcomes miss, hit, miss, hit: Brier = mean (c - hit)^2 =
+    (0.0025 + 0.4225 + 0.1444 + 0.0025) / 4 = 0.142975; ECE over 10 bins = (|0.05 - 0| (bin 0) + |0.73 - 1| (bin 3)
+    + |0.95 - 1| (bin 9)) / 4 = 0.0925. Training's (components/confidence.py) and eval's (eval/summary.py)."""
+    from dflash_ds.components.confidence import confidence_loss, confidence_metrics
+    from dflash_ds.eval.summary import calibration
+
+    conf, hit = [0.05, 0.35, 0.38, 0.95], [0, 1, 0, 1]
+    logits = torch.logit(torch.tensor([conf], dtype=torch.float64)).float()
+    _, sums = confidence_loss(logits, None, torch.tensor([hit]).bool(), torch.ones(1, 4, dtype=torch.bool),
+                              torch.ones(4))
+    got = confidence_metrics({k: float(x) for k, x in sums.items()})
+    assert got["confidence_brier"] == pytest.approx(0.142975, abs=1e-6)
+    assert got["confidence_ece"] == pytest.approx(0.0925, abs=1e-6)
+    served = calibration(list(zip(conf, hit)))
+    assert served["brier"] == pytest.approx(0.142975) and served["ece"] == pytest.approx(0.0925)
+
+
 def _dspark(tiny_target: Path, **kw) -> DFlashDrafter:
     arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, dspark=DSparkOptions(markov_rank=2, **kw))
     drafter = DFlashDrafter(arch)

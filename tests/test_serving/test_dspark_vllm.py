@@ -1,7 +1,12 @@
-"""A dflash-ds DSpark export, loaded by vLLM's own model class and loader (.venv-serve), drafts what dflash-ds
-drafts: the same Markov bias, the same sequential tokens (dense and vLLM's top-k path), the same confidences.
-vLLM serves DSpark on GPU only (its V2 runner needs Triton): its plain-torch model code is what is compared here
-(vllm_dspark_probe.py says how the model is built on CPU)."""
+"""A dflash-ds DSpark export is served as DSpark: VLLMServer (what `eval --engine vllm` starts) passes method
+"dspark" with block_size - 1 drafts; that config, on the unmodified export, goes through vLLM's own config path
+and DSpark loader (`load_dspark_model`) in .venv-serve, and the model it builds drafts what dflash-ds drafts: the
+same Markov bias, the same sequential tokens (dense and vLLM's top-k path), the same confidences.
+
+What runs on this CPU (vllm_dspark_probe.py): vLLM's engine config in full but for its V1 model runner's refusal of
+DSpark, lifted (vLLM serves DSpark on its V2 runner only: Triton kernels, a GPU), then vLLM's loader and model
+class. What does not: a DSpark server and its speculator's Triton kernels; `eval --engine vllm` on a DSpark export
+refuses this CPU with one line before any model loads, and asks a GPU for the V2 runner."""
 
 from __future__ import annotations
 
@@ -11,9 +16,11 @@ from pathlib import Path
 
 import torch
 
+from dflash_ds.cli import main
 from dflash_ds.models.drafter import DFlashDrafter
 from dflash_ds.models.dspark_arch import DSparkOptions
 from dflash_ds.models.from_target import drafter_arch_from_target
+from dflash_ds.serving.vllm_server import VLLMServer
 
 PROBE = Path(__file__).with_name("vllm_dspark_probe.py")
 TOL = 1e-4  # fp32 both sides, logits of size ~10 (the bias is a sum over the rank in another order)
@@ -34,15 +41,22 @@ def test_vllm_loads_dspark_export_and_drafts_as_ours(vllm_python: str, tiny_targ
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["markov_rank"] == rank
     assert cfg["sample_from_anchor"] is False and cfg["enable_confidence_head"] is True
-    inputs = {"num_speculative_tokens": block - 1, "hidden": torch.randn(3, block - 1, arch.hidden_size,
-                                                                          generator=gen),
+    # What the server is started with: DSpark's method, the layout's draft length (vLLM's default is block_size).
+    server = VLLMServer(tiny_target, drafter=export, python=vllm_python)
+    spec = json.loads(server.cmd[server.cmd.index("--speculative-config") + 1])
+    assert spec == {"method": "dspark", "model": str(export), "num_speculative_tokens": block - 1}
+    inputs = {"speculative_config": spec, "hidden": torch.randn(3, block - 1, arch.hidden_size, generator=gen),
               "anchor_ids": torch.tensor([7, 300, 41]), "topk": 8}
     torch.save(inputs, tmp_path / "inputs.pt")
-    proc = subprocess.run([vllm_python, str(PROBE), str(tiny_target), str(export), str(tmp_path / "inputs.pt"),
+    proc = subprocess.run([vllm_python, str(PROBE), str(tiny_target), str(tmp_path / "inputs.pt"),
                            str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt")
-    assert got["class"] == "Qwen3DSparkForCausalLM" and got["has_confidence_head"]
+    # vLLM's config path took it as DSpark in the fill-in layout: the anchor a bonus token, then B - 1 drafts.
+    assert (got["method"], got["num_speculative_tokens"], got["architectures"]) == \
+        ("dspark", block - 1, ["Qwen3DSparkModel"])
+    assert got["sample_from_anchor"] is False and got["num_lookahead_tokens"] == block
+    assert got["class"] == "Qwen3DSparkForCausalLM" and got["has_confidence_head"] and got["shares_target_head"]
     # vLLM's loader refused unexpected names, misshapen tensors and unfilled parameters (the probe got this far);
     # the DSpark parts are vLLM parameters of the names and shapes we export.
     heads = {k: v for k, v in got["params"].items() if ".markov_head." in k or ".confidence_head." in k}
@@ -68,3 +82,19 @@ def test_vllm_loads_dspark_export_and_drafts_as_ours(vllm_python: str, tiny_targ
     kept = torch.isfinite(got["topk_logits"]) & same[..., None]
     assert kept[:, 0].sum() == 3 * inputs["topk"]
     torch.testing.assert_close(got["topk_logits"][kept], draft.logits[kept], atol=TOL, rtol=TOL)
+
+
+def test_eval_engine_vllm_serves_dspark_on_the_v2_runner(tiny_target: Path, tmp_path: Path, monkeypatch,
+                                                         capsys) -> None:
+    """On this CPU, one line before any model loads; on a GPU, the V2 runner (its DSpark speculator) is asked for."""
+    from dflash_ds.eval import served
+
+    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, dspark=DSparkOptions(markov_rank=4))
+    export = DFlashDrafter(arch).save_pretrained(tmp_path / "export")
+    assert main(["eval", "--engine", "vllm", "--target", str(tiny_target), "--drafter", str(export), "--data",
+                 str(tmp_path / "absent.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "a dspark drafter (Qwen3DSparkModel)" in err and "V2 model runner" in err and "--engine dflash" in err
+    assert len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(served, "on_cpu", lambda: False)
+    assert served.serving_env(export) == {"VLLM_USE_V2_MODEL_RUNNER": "1"}

@@ -50,9 +50,11 @@ def test_served_acceptance_equals_eval_and_is_lossless(vllm_python, eos_target, 
         assert shape == [2, 1, 64, 192]  # the target's: 4, 2, 32, 256 (vLLM's CPU attention has no head_dim 16)
     report = tmp_path / "eval.json"
     cached_before = sorted(plain_cache.iterdir())
+    # The servers' logs: where --vllm-log says (full), else beside --json (sliding: eval.vllm/)
+    logs = tmp_path / "logs" if layout == "full" else tmp_path / "eval.vllm"
     assert main(["eval", "--engine", "vllm", "--target", str(eos_target), "--drafter", str(drafter), "--data",
                  str(held_out), "--num-prompts", "12", "--max-new-tokens", "64", "--json", str(report),
-                 "--vllm-log", str(tmp_path / "logs"), "--plain-cache", str(plain_cache)]) == 0
+                 *(["--vllm-log", str(logs)] if layout == "full" else []), "--plain-cache", str(plain_cache)]) == 0
     r = json.loads(report.read_text())
     served = r["vllm"]
     assert served["mismatches"] == [] and r["mismatches"] == []  # lossless, in vLLM and in dflash-ds
@@ -64,14 +66,15 @@ def test_served_acceptance_equals_eval_and_is_lossless(vllm_python, eos_target, 
     assert served["per_position_acceptance"][0] == pytest.approx(r["per_position_acceptance"][0], abs=0.01)
     table = capsys.readouterr().out
     assert "vllm (served)" in table and "dflash-ds eval" in table and "equal plain serving token for token" in table
-    assert (tmp_path / "logs" / "vllm_dflash.log").exists()
+    assert (logs / "vllm_dflash.log").exists()
+    assert served["speculative_config"] == {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7}
     [cached] = sorted(plain_cache.iterdir())  # one target, one prompt set, one setting: one file
     if layout == "full" or not cached_before:  # the full case; the sliding one run alone (-k sliding)
         assert cached_before == [] and not served["plain_reused"]
-        assert (tmp_path / "logs" / "vllm_plain.log").exists()
+        assert (logs / "vllm_plain.log").exists()
     else:  # the sliding case after the full one: its plain reference, no plain server
         assert served["plain_reused"] and served["plain_reused_from"] == str(cached)
-        assert not (tmp_path / "logs" / "vllm_plain.log").exists()
+        assert not (logs / "vllm_plain.log").exists()
         assert f"plain reference reused from {cached}" in table
 
 

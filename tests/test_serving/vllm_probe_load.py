@@ -2,10 +2,11 @@
 drafter export with vLLM's model class and loader on the CPU.
 
 vLLM 0.32's config check refuses a DFlash2 or DSpark drafter on the V1 model runner (its V2 runner needs Triton,
-absent on CPU), so the engine config is validated with a copy of the export labelled DFlashDraftModel (the same
-backbone keys); the draft model config is then labelled `architecture` again and `get_model` builds vLLM's class and
-loads the export through its `load_weights` (which refuses an unexpected name, a misshapen tensor, and a parameter
-the checkpoint did not fill).
+absent on CPU). `load_draft` (DFlash2) validates the engine config with a copy of the export labelled
+DFlashDraftModel (the same backbone keys); the draft model config is then labelled `architecture` again and
+`get_model` builds vLLM's class and loads the export through its `load_weights` (which refuses an unexpected name, a
+misshapen tensor, and a parameter the checkpoint did not fill). `engine_config` (DSpark) instead lifts exactly that
+one refusal and runs the rest of vLLM's config path on the unmodified export.
 """
 
 import json
@@ -18,9 +19,7 @@ import tempfile
 def load_draft(target: str, export: str, num_speculative_tokens: int, architecture: str, model_cls):
     """vLLM's `model_cls` built from `export` for `target`; and the shapes of its parameters as built, before
     loading (the CPU path repacks some linear weights afterwards)."""
-    import torch
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
 
@@ -43,18 +42,49 @@ def load_draft(target: str, export: str, num_speculative_tokens: int, architectu
         return loading(self, weights)
 
     model_cls.load_weights = recording
+    with set_current_vllm_config(vcfg):
+        single_rank()
+        model = get_model(vllm_config=vcfg, model_config=draft_cfg)
+    shutil.rmtree(plain)
+    return model, shapes
+
+
+def engine_config(target: str, speculative_config: dict, v2_only_feature: str):
+    """vLLM's engine config for `target` with `speculative_config` as given (the export unmodified), the V1 model
+    runner's refusal of `v2_only_feature` lifted in this process (the one check a CPU cannot pass), every other kept."""
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    refusals = VllmConfig._get_v1_model_runner_unsupported_features
+    lifted = []
+
+    def all_but_one(self):
+        found = refusals(self)
+        lifted.extend(f for f in found if f == v2_only_feature)
+        return [f for f in found if f != v2_only_feature]
+
+    # For the rest of the process: vLLM's DSpark loader validates a copy of the config again (dataclass replace).
+    VllmConfig._get_v1_model_runner_unsupported_features = all_but_one
+    vcfg = EngineArgs(model=target, dtype="float32", enforce_eager=True,
+                      speculative_config=dict(speculative_config)).create_engine_config()
+    assert lifted, f"vLLM no longer refuses {v2_only_feature!r} on V1: the lift is stale"
+    return vcfg
+
+
+def single_rank():
+    """vLLM's distributed state for one CPU rank (gloo on a free loopback port); use inside
+    set_current_vllm_config."""
+    import torch
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
     torch.accelerator.empty_cache = lambda: None  # the loader empties an accelerator cache: none on CPU
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    with set_current_vllm_config(vcfg):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-        initialize_model_parallel(1, 1)
-        model = get_model(vllm_config=vcfg, model_config=draft_cfg)
-    shutil.rmtree(plain)
-    return model, shapes
+    init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+    initialize_model_parallel(1, 1)
 
 
 def use_target_head(model, target: str) -> None:
