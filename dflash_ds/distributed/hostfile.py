@@ -62,6 +62,10 @@ def parse_hostfile(path: str | Path) -> list[tuple[str, int]]:
 FORWARD_NAMES = ("PATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
                  "PYTORCH_CUDA_ALLOC_CONF", "GLOO_SOCKET_IFNAME", "DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")
 FORWARD_PREFIXES = ("HF_", "TRANSFORMERS_", "WANDB_", "DFLASH_", "TORCH_", "TORCHINDUCTOR_", "TRITON_")
+# What the launcher forwards by itself (runner.EXPORT_ENVS, CUDA's export_envs): a value it would let the remote shell
+# expand is written escaped to the env file instead, whose lines replace its own. PYTHONPATH is not: the launcher
+# puts its working directory in front of it.
+LAUNCHER_PREFIXES = ("NCCL", "PYTHON", "MV2", "UCX", "MLFLOW")
 
 
 # DeepSpeed's pdsh runner builds `export K=V; ...` for the remote shell, V stripped and, when it holds anything but
@@ -118,8 +122,9 @@ def deepspeed_env_text(environ: dict[str, str], user_files: list[Path], extra: d
         seen.add(key)
         if not is_secret_name(key):
             lines.append(line)
-    wanted = [(k, environ[k]) for k in sorted(environ) if k not in seen and not is_secret_name(k)
-              and (k in FORWARD_NAMES or k.startswith(FORWARD_PREFIXES))]
+    wanted = [(k, v) for k, v in sorted(environ.items()) if k not in seen and not is_secret_name(k)
+              and (k in FORWARD_NAMES or k.startswith(FORWARD_PREFIXES)
+                   or (k.startswith(LAUNCHER_PREFIXES) and k != "PYTHONPATH" and ds_env_value(v) not in (v, None)))]
     for key, value in [*wanted, *((k, v) for k, v in (extra or {}).items() if k not in seen)]:
         quoted = ds_env_value(value)
         if quoted is None:  # the name only: the value may be anything

@@ -109,16 +109,18 @@ def test_logs_show_secrets_as_stars():
 
 
 def test_env_file_values_arrive_intact_and_a_users_ds_env_file_is_filtered(tmp_path):
-    """A value with a space, `;` and `$(touch X)` goes through DeepSpeed's own export line (its add_export, then the
-    remote shell) intact, and X is not created; a user's DS_ENV_FILE loses its secrets (to the credentials folder,
-    unquoted as the shell would read them) like .deepspeed_env, and HF_HUB_TOKEN_X and WANDB_KEY go by path."""
+    """A value with a space, `;` and `$(touch X)`, in a variable of the env file or one DeepSpeed forwards itself
+    (MLFLOW_*), goes through DeepSpeed's export line (its add_export, then the remote shell) intact and X is not
+    created; a user's DS_ENV_FILE loses its secrets (to the credentials folder, unquoted as the shell would read
+    them) like .deepspeed_env, and HF_HUB_TOKEN_X and WANDB_KEY go by path."""
     from deepspeed.launcher.multinode_runner import MultiNodeRunner
 
     marker = tmp_path / "pwned"
     tricky = f"a b; $(touch {marker}) `touch {marker}` \\ \"q\" 'p' $HOME"
     (tmp_path / "my.env").write_text('NCCL_IB_HCA=mlx5_0\nMLFLOW_TRACKING_TOKEN="ml_SENTINEL_4"\n')
-    env = {"PATH": "/usr/bin", "HOME": str(tmp_path), "WANDB_NAME": tricky, "HF_HUB_TOKEN_X": "hf_SENTINEL_5",
-           "WANDB_KEY": "wb_SENTINEL_6", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    env = {"PATH": "/usr/bin", "HOME": str(tmp_path), "WANDB_NAME": tricky, "MLFLOW_RUN_NAME": tricky,
+           "HF_HUB_TOKEN_X": "hf_SENTINEL_5", "WANDB_KEY": "wb_SENTINEL_6",
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     creds = tmp_path / "creds"
     r = subprocess.run([sys.executable, "-m", "dflash_ds.distributed.hostfile", "env-file", str(tmp_path / "out"),
                         "--credentials-dir", str(creds), "--user-env-file", "my.env"], cwd=tmp_path, env=env,
@@ -129,13 +131,16 @@ def test_env_file_values_arrive_intact_and_a_users_ds_env_file_is_filtered(tmp_p
     assert "SENTINEL" not in text and text.startswith("NCCL_IB_HCA=mlx5_0\n")
     assert (creds / "secrets.env").read_text() == \
         "HF_HUB_TOKEN_X=hf_SENTINEL_5\nMLFLOW_TRACKING_TOKEN=ml_SENTINEL_4\nWANDB_KEY=wb_SENTINEL_6\n"
+    # As deepspeed/launcher/runner.py forwards: its own prefixes from its (secret-free) environment, then the file's
+    # lines, which replace them; then PDSHRunner.get_cmd's `export K=V; ` line for the remote shell.
     runner = type("Runner", (), {"exports": {}})()
-    for line in text.splitlines(keepends=True):  # as deepspeed/launcher/runner.py reads the file
+    MultiNodeRunner.add_export(runner, "MLFLOW_RUN_NAME", tricky)  # by its MLFLOW prefix
+    for line in text.splitlines(keepends=True):
         MultiNodeRunner.add_export(runner, *line.split("=", 1))
-    exports = "".join(f"export {k}={v}; " for k, v in runner.exports.items())  # as PDSHRunner.get_cmd builds it
-    got = subprocess.run(["bash", "-c", exports + 'printf %s "$WANDB_NAME"'], capture_output=True, text=True,
-                         timeout=30, env={"HOME": "/elsewhere"})
-    assert got.stdout == tricky and not marker.exists(), got
+    exports = "".join(f"export {k}={v}; " for k, v in runner.exports.items())
+    got = subprocess.run(["bash", "-c", exports + 'printf "%s|%s" "$WANDB_NAME" "$MLFLOW_RUN_NAME"'],
+                         capture_output=True, text=True, timeout=30, env={"HOME": "/elsewhere"})
+    assert got.stdout == f"{tricky}|{tricky}" and not marker.exists(), got
 
 
 STUB = """\
