@@ -5,7 +5,8 @@ Masked (`redact`):
   PASSWORD, CREDENTIAL or AUTH, less an allowlist) of 8 characters or more, wherever they appear;
 - the value after a secret-looking name, bare or quoted: `HF_TOKEN=v`, `WANDB_API_KEY="v"`, `export K='v';`,
   `--hf-token v`, `--api-key 'v w'`, `--wandb.api_key=v`, JSON / YAML / Python dicts (`"api_key": "v"`,
-  `token: v`, `{'hf_token': 'v'}`); null, None, true and false are left as they are;
+  `token: v`, `{'hf_token': 'v'}`); null, none, true, false, yes, no, on and off (any case) are left as
+  they are;
 - the password of a URL (`https://user:v@host` -> `https://user:***@host`), an HTTP `Bearer v` / `Basic v`.
 What it cannot see is not masked: a secret under an innocent name that is not in the environment, a value
 split over lines.
@@ -41,13 +42,14 @@ _KEY_BARE = re.compile(rf"(?:^[ \t]*(?:-[ \t]+)?|(?<=[{{,])[ \t]*)(?P<name>{_NAM
                        re.MULTILINE)
 _BEARER = re.compile(r"(?P<head>\b(?:Bearer|Basic)\s+)(?P<value>[A-Za-z0-9._~+/=\-]{8,})")  # an HTTP Authorization
 _URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]+:)(?P<pw>[^\s/@]+)(?P<at>@)")
-_LITERALS = {"null", "None", "true", "false", "True", "False", "~"}
+# Values that say whether, never what: `ssh -o PasswordAuthentication=no` keeps its meaning in an error message.
+_LITERALS = {"null", "none", "true", "false", "yes", "no", "on", "off", "~"}
 
 
 def _mask_value(m: re.Match) -> str:
     """The match with its value masked when its name is a secret's (quotes kept, so the line still parses)."""
     value = m["inner"] if m["q"] else m["bare"]
-    if not is_secret_name(m["name"]) or not value or value in _LITERALS:
+    if not is_secret_name(m["name"]) or not value or value.lower() in _LITERALS:
         return m[0]
     head = m[0][: m.start("sep") - m.start(0)] + m["sep"]
     return head + (f"{m['q']}{MASK}{m['q']}" if m["q"] else MASK)
