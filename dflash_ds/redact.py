@@ -113,9 +113,18 @@ class _RedactedStream:
         return getattr(self._stream, name)
 
 
-def redact_stdio() -> None:
+def redact_stdio(copiers: Sequence[str] = ()) -> None:
     """Redact what this process prints through sys.stdout and sys.stderr from now on (print, logging handlers
-    made later, warnings, tracebacks); native code writing to fds 1 and 2 itself is not seen."""
+    made later, warnings, tracebacks); native code writing to fds 1 and 2 itself is not seen. `copiers`: modules
+    that patch the streams' write on import to copy the console elsewhere (W&B's console_capture: output.log and
+    the cloud), imported first so that the filter sits on top and they copy filtered text."""
+    import importlib
+
+    for module in copiers:
+        try:
+            importlib.import_module(module)
+        except ImportError:  # not installed: nothing copies the console
+            pass
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, _RedactedStream):

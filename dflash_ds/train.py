@@ -147,10 +147,13 @@ def main(argv: list[str] | None = None, as_rank: bool = False) -> int:
         cfg = config_from_args(argv)  # first: --help and config errors need no torch
         if as_rank:
             # Under every launcher (torchrun, SLURM, deepspeed with or without ssh) a rank's own prints are
-            # filtered here, before torch, DeepSpeed or W&B is imported and before any file is written.
+            # filtered from here on, before torch or DeepSpeed is imported and before any file is written. Rank 0
+            # runs W&B, which copies the console as it is written (output.log, the cloud): its copier goes under
+            # the filter, so it copies filtered text (on top, it was seen copying a secret as printed).
             from dflash_ds.config_rules import umask_of
 
-            redact_stdio()
+            w_and_b = cfg.wandb.enabled and rank == "0"
+            redact_stdio(["wandb.sdk.lib.console_capture"] if w_and_b else [])
             os.umask(umask_of(cfg.train.umask))
         from dflash_ds.runtime.launch import run_job
 
