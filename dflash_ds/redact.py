@@ -27,12 +27,15 @@ MASK = "***"
 # Shorter values would mask common words all over the log (a variable AUTH_MODE=none) without hiding a
 # credential: real ones (HF, W&B, MLflow tokens) are 20 to 40 characters.
 MIN_LEN = 8
-_NAME = r"[A-Za-z_][A-Za-z0-9_.\-]*"
+# A name starts where a word does: tried at every character of a long word (a base64 blob, a path), a pattern would
+# rescan the rest of it each time, and one long line would take minutes.
+_NAME = r"(?<![A-Za-z0-9_.\-])[A-Za-z_][A-Za-z0-9_.\-]*"
 _QUOTED = r"""(?P<q>["'])(?P<inner>(?:\\.|(?!(?P=q)).)*)(?P=q)"""
 # NAME=VALUE (a shell assignment, a --flag=value); a bare value runs to the next blank, quote or semicolon.
-_ASSIGN = re.compile(rf"(?P<name>{_NAME})(?P<sep>=)(?:{_QUOTED}|(?P<bare>[^\s;'\"]+))")
+_ASSIGN = re.compile(rf"(?P<name>(?<![A-Za-z0-9_.\-])(?:--?)?[A-Za-z_][A-Za-z0-9_.\-]*)(?P<sep>=)(?:{_QUOTED}|(?P<bare>[^\s;'\"]+))")
 # --flag VALUE; a bare value must not start with "-" (that is the next flag).
-_FLAG = re.compile(rf"(?P<name>--{_NAME})(?P<sep>\s+)(?:{_QUOTED}|(?P<bare>[^\s;'\"-][^\s;'\"]*))")
+_FLAG = re.compile(rf"(?P<name>(?<![A-Za-z0-9_.\-])--[A-Za-z_][A-Za-z0-9_.\-]*)(?P<sep>\s+)"
+                   rf"(?:{_QUOTED}|(?P<bare>[^\s;'\"-][^\s;'\"]*))")
 # "key": value / 'key': value anywhere (JSON, a Python dict); key: value where YAML or a dict has its keys (a line's
 # start, after "- ", "{" or ","), not in prose ("a config key: none"). A bare value ends at , } ] too; a { or [
 # opens a nested value, which is matched on its own.
@@ -41,7 +44,8 @@ _KEY_QUOTED = re.compile(rf"(?P<kq>[\"'])(?P<name>{_NAME})(?P=kq)(?P<sep>[ \t]*:
 _KEY_BARE = re.compile(rf"(?:^[ \t]*(?:-[ \t]+)?|(?<=[{{,])[ \t]*)(?P<name>{_NAME})(?P<sep>[ \t]*:[ \t]+){_VALUE}",
                        re.MULTILINE)
 _BEARER = re.compile(r"(?P<head>\b(?:Bearer|Basic)\s+)(?P<value>[A-Za-z0-9._~+/=\-]{8,})")  # an HTTP Authorization
-_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]+:)(?P<pw>[^\s/@]+)(?P<at>@)")
+_URL_PASSWORD = re.compile(r"(?P<head>(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]+:)"
+                           r"(?P<pw>[^\s/@]+)(?P<at>@)")
 # Values that say whether, never what: `ssh -o PasswordAuthentication=no` keeps its meaning in an error message.
 _LITERALS = {"null", "none", "true", "false", "yes", "no", "on", "off", "~"}
 
