@@ -200,6 +200,10 @@ class TrainConfig:
     """Seed of data order, anchors, noise and init."""
     output_dir: str = "runs/dflash"
     """Run folder: metrics.jsonl, checkpoints, exports."""
+    umask: str = "0o027"
+    """Permission mask of every file and folder the ranks write (checkpoints, metrics.jsonl, records, exports, exit
+    records, W&B's files), set as each rank starts: 0o027 = the group may read, others nothing; 0o077 = the owner
+    only; 0o022 = every user of the machine may read. Octal, as a string: "027" or 0o027 (a bare 027 is a number)."""
     log_interval: int = 10
     """Steps between metric records."""
     save_interval: int = 500

@@ -7,6 +7,7 @@ the functions below. Nothing here imports dflash_ds.config (no cycle).
 
 from __future__ import annotations
 
+import re
 import typing
 from typing import Any
 
@@ -69,6 +70,8 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("data.prefetch", "must be >= 1", lambda v: v >= 1),
     ("data.val_fraction", "must be in [0, 1)", lambda v: 0 <= v < 1),
     ("train.max_steps", "must be >= 1", lambda v: v >= 1),
+    ("train.umask", 'must be an octal mask written as a string, 0o027 or "027" (a bare 027 is read as the number '
+     "23: quote it or write 0o027)", lambda v: re.fullmatch(r"0[oO]?[0-7]{2,3}", v) is not None),
     ("train.log_interval", "must be >= 1", lambda v: v >= 1),
     ("train.save_interval", "must be >= 1", lambda v: v >= 1),
     ("train.keep_last", "must be >= 1", lambda v: v >= 1),
@@ -93,6 +96,11 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("topology.targets_per_node", "must be >= 0", lambda v: v >= 0),
     ("topology.target_parallel", "must be >= 1", lambda v: v >= 1),
 ]
+
+
+def umask_of(text: str) -> int:
+    """train.umask as a number for os.umask ("0o027", "027" -> 0o027)."""
+    return int(text.replace("o", "").replace("O", ""), 8)
 
 
 def _get(cfg: Config, dotted: str) -> Any:

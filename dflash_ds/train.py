@@ -135,15 +135,26 @@ def _merge(into: dict, other: dict) -> None:
             into[k] = v
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Validate everything cheap, then join the role groups and run this rank's role."""
+def main(argv: list[str] | None = None, as_rank: bool = False) -> int:
+    """Validate everything cheap, then join the role groups and run this rank's role; `as_rank`: this process is the
+    rank (python -m dflash_ds.train), whose output is filtered and whose files take train.umask."""
     from dflash_ds.errors import DFlashError
-    from dflash_ds.redact import redact
+    from dflash_ds.redact import redact, redact_stdio
 
     argv = sys.argv[1:] if argv is None else argv
     rank = os.environ.get("RANK", "?")
     try:
         cfg = config_from_args(argv)  # first: --help and config errors need no torch
+        if as_rank:
+            # Under every launcher (torchrun, SLURM, deepspeed with or without ssh) a rank's own prints are
+            # filtered from here on, before torch or DeepSpeed is imported and before any file is written. Rank 0
+            # runs W&B, which copies the console as it is written (output.log, the cloud): its copier goes under
+            # the filter, so it copies filtered text (on top, it was seen copying a secret as printed).
+            from dflash_ds.config_rules import umask_of
+
+            w_and_b = cfg.wandb.enabled and rank == "0"
+            redact_stdio(["wandb.sdk.lib.console_capture"] if w_and_b else [])
+            os.umask(umask_of(cfg.train.umask))
         from dflash_ds.runtime.launch import run_job
 
         return run_job(cfg)
@@ -158,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
+    status = main(as_rank=True)
     if status == 0:  # a finished job: no teardown (process_exit.py)
         from dflash_ds.process_exit import exit_now
 

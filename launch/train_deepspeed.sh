@@ -18,12 +18,14 @@ if [[ -n "${NO_SSH:-}" ]]; then
 fi
 # Other hosts get only NCCL*, PYTHON*, MV2*, UCX*, MLFLOW* and the lines of an env file: write one with the
 # variables the ranks read (PATH, HF_*, WANDB_*, PYTORCH_CUDA_ALLOC_CONF, GLOO_SOCKET_IFNAME, ...) after the
-# lines of the user's own .deepspeed_env, which is never written. A DS_ENV_FILE of the user's is used as is.
-# The launcher puts every line on pdsh's command line (`ps` on every host) and in its log, so no secret goes
-# there: HF_TOKEN, WANDB_API_KEY, ... (*TOKEN, *API_KEY, *SECRET*, *PASSWORD*) are written to a folder of mode
-# 0700 on the shared filesystem (here, or $DFLASH_CREDENTIALS_DIR) and reach the ranks by path (HF_TOKEN_PATH,
-# DFLASH_SECRETS_FILE; dflash_ds/distributed/credentials.py). Both are removed when the job ends, however it ends
-# (but SIGKILL to this script): so the launcher runs as a child, not exec'd, and signals are passed on to it.
+# lines of the user's own .deepspeed_env (or of the DS_ENV_FILE they set), which is never written. The launcher
+# puts every line on pdsh's command line (`ps` on every host) and in its log, so no secret goes there: every
+# variable named like one (*TOKEN*, *KEY*, *SECRET*, *PASSWORD*, *CREDENTIAL*, *AUTH*, from this environment or
+# the user's file; dflash_ds/distributed/credentials.py) is written to a folder of mode 0700 on the shared
+# filesystem (here, or $DFLASH_CREDENTIALS_DIR) and reaches the ranks by path (HF_TOKEN_PATH,
+# DFLASH_SECRETS_FILE), and is unset here: the launcher, which forwards MLFLOW_* and the rest by value itself,
+# never sees one. Both are removed when the job ends, however it ends (but SIGKILL to this script): so the
+# launcher runs as a child, not exec'd, and signals are passed on to it.
 # What the launcher and the ranks print passes through a filter that shows secret values as *** (it knows them:
 # started before they are unset here), e.g. one a user put on the command line (dflash_ds/redact.py).
 PYTHON="$(dirname "$(command -v deepspeed)")/python"
@@ -31,17 +33,18 @@ exec > >("$PYTHON" -m dflash_ds.redact) 2> >("$PYTHON" -m dflash_ds.redact >&2)
 CLEANUP=()
 cleanup() { if ((${#CLEANUP[@]})); then rm -rf -- "${CLEANUP[@]}"; fi; }
 trap cleanup EXIT
-if [[ -z "${DS_ENV_FILE:-}" ]]; then
-    DS_ENV_FILE=$(mktemp "${TMPDIR:-/tmp}/dflash-deepspeed-env.XXXXXX")  # 0600; read on this host only, at launch
-    CLEANUP+=("$DS_ENV_FILE")
-    export DS_ENV_FILE
-    CREDENTIALS=$(mktemp -d "${DFLASH_CREDENTIALS_DIR:-$PWD}/.dflash-credentials.XXXXXX")  # 0700
-    CLEANUP+=("$CREDENTIALS")
-    # Prints `unset HF_TOKEN ...; export HF_TOKEN_PATH=... DFLASH_SECRETS_FILE=...` (paths, shell-quoted): the
-    # launcher gets no secret (it would forward an MLFLOW_TRACKING_TOKEN by value itself), only where to read them.
-    SETUP=$("$PYTHON" -m dflash_ds.distributed.hostfile env-file "$DS_ENV_FILE" --credentials-dir "$CREDENTIALS")
-    eval "$SETUP"
-fi
+USER_ENV=()
+if [[ -n "${DS_ENV_FILE:-}" ]]; then USER_ENV=(--user-env-file "$DS_ENV_FILE"); fi
+DS_ENV_FILE=$(mktemp "${TMPDIR:-/tmp}/dflash-deepspeed-env.XXXXXX")  # 0600; read on this host only, at launch
+CLEANUP+=("$DS_ENV_FILE")
+export DS_ENV_FILE
+CREDENTIALS=$(mktemp -d "${DFLASH_CREDENTIALS_DIR:-$PWD}/.dflash-credentials.XXXXXX")  # 0700
+CLEANUP+=("$CREDENTIALS")
+# Prints `unset HF_TOKEN ...; export HF_TOKEN_PATH=... DFLASH_SECRETS_FILE=...` (paths, shell-quoted): the
+# launcher gets no secret, only where to read them.
+SETUP=$("$PYTHON" -m dflash_ds.distributed.hostfile env-file "$DS_ENV_FILE" --credentials-dir "$CREDENTIALS" \
+    "${USER_ENV[@]}")
+eval "$SETUP"
 deepspeed --hostfile "$HOSTFILE" --master_port "$MASTER_PORT" --module dflash_ds.train "$@" &
 LAUNCHER=$!
 SIGNALLED=0

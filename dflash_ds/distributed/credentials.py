@@ -10,9 +10,13 @@ when the job ends) and forwards only paths, which the libraries read on each hos
 - every other secret (`WANDB_API_KEY`, ...) -> the file `secrets.env`, named by `DFLASH_SECRETS_FILE`; each rank
   loads it into its own environment as it starts (`load_secrets_file`), where W&B and the rest read it.
 
-A secret is a variable whose name ends in TOKEN or API_KEY (APIKEY), or holds SECRET or PASSWORD (PASSWD) as a
-word, except names that hold a path (`*_PATH`, `*_FILE`, `*_DIR`): `HF_TOKEN`, `WANDB_API_KEY`, `CLIENT_SECRET`,
-`AWS_SECRET_ACCESS_KEY`, `DB_PASSWORD` are; `TOKENIZERS_PARALLELISM`, `HF_TOKEN_PATH`, a `token_budget` are not.
+One rule says which names are secrets, for the env file, for what the launcher may forward and for redaction
+(`is_secret_name`): a name holding TOKEN, KEY, SECRET, PASSWORD (PASSWD), CREDENTIAL or AUTH anywhere, in any
+case (`HF_TOKEN`, `HF_HUB_TOKEN_X`, `WANDB_KEY`, `MLFLOW_TRACKING_TOKEN`, `AWS_SECRET_ACCESS_KEY`, `--api-key`),
+except an allowlist: `TOKENIZERS_*`; names of where a secret is kept rather than the secret (`*_PATH`, `*_FILE`,
+`*_DIR`, and `*_SOCK`: ssh-agent's `SSH_AUTH_SOCK`, which pdsh's ssh needs in the launcher's environment); and the
+model's own vocabulary that logs must show: the words TOKENS and TOKENIZER (`--max-new-tokens`,
+`embed_tokens.weight`), `*TOKEN_ID(S)`, `*TOKEN_BUDGET`, `*KEY_VALUE_HEADS` (`model.mask_token_id`).
 """
 
 from __future__ import annotations
@@ -24,17 +28,24 @@ from pathlib import Path
 
 SECRETS_FILE_VAR = "DFLASH_SECRETS_FILE"
 HF_TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # huggingface_hub's own names, HF_TOKEN first
-_WORDS = re.compile(r"[_.\-]+")
-_PATHS = ("PATH", "FILE", "DIR")
+_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+_ALLOWED_PREFIXES = ("TOKENIZERS_",)
+_ALLOWED_SUFFIXES = ("_PATH", "_FILE", "_DIR", "_SOCK", "TOKEN_ID", "TOKEN_IDS", "TOKEN_BUDGET", "KEY_VALUE_HEADS")
+
+
+def normalized_name(name: str) -> str:
+    """`--wandb.api-key` -> `WANDB_API_KEY`: flags, config keys and variables compared alike."""
+    return re.sub(r"[.\-]+", "_", name.strip().lstrip("-")).upper()
 
 
 def is_secret_name(name: str) -> bool:
     """Whether a variable (or flag, or config key) named `name` holds a credential: its value must not travel."""
-    words = [w for w in _WORDS.split(name.upper()) if w]
-    if not words or words[-1] in _PATHS:
+    n = normalized_name(name)
+    if not n or n.startswith(_ALLOWED_PREFIXES) or n.endswith(_ALLOWED_SUFFIXES):
         return False
-    return (words[-1].endswith("TOKEN") or words[-1] == "APIKEY" or words[-2:] == ["API", "KEY"]
-            or any(w in ("SECRET", "PASSWORD", "PASSWD") for w in words))
+    # Words of the model, never a credential: a tokenizer (`--tokenizer DIR`), text tokens (`embed_tokens.weight`).
+    n = n.replace("TOKENIZER", "").replace("TOKENS", "")
+    return any(word in n for word in _SECRET_WORDS)
 
 
 def secrets_of(environ: dict[str, str]) -> dict[str, str]:
@@ -95,7 +106,8 @@ def shell_setup(environ: dict[str, str], forward: dict[str, str]) -> str:
     """The line a launch script evals: unset the secrets of `environ`, export the paths that replace them."""
     import shlex
 
-    names = sorted(secrets_of(environ))
+    # A name the shell cannot unset would end the script (set -e); the launcher cannot forward one either.
+    names = sorted(k for k in secrets_of(environ) if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k))
     return "; ".join([*(["unset " + " ".join(names)] if names else []),
                       *(f"export {k}={shlex.quote(v)}" for k, v in forward.items())])
 
@@ -106,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m dflash_ds.distributed.credentials",
-                                     description="Move this environment's secrets (*TOKEN, *API_KEY, *SECRET*, "
-                                                 "*PASSWORD*) into files; print the shell line to eval.")
+                                     description="Move this environment's secrets (*TOKEN*, *KEY*, *SECRET*, "
+                                                 "*PASSWORD*, *CREDENTIAL*, *AUTH*; credentials.is_secret_name) "
+                                                 "into files; print the shell line to eval.")
     parser.add_argument("dir", help="a folder on the shared filesystem (made mode 0700) for the files, mode 0600: "
                                     "hf_token (named by HF_TOKEN_PATH) and secrets.env (DFLASH_SECRETS_FILE)")
     args = parser.parse_args(argv)

@@ -62,6 +62,37 @@ def parse_hostfile(path: str | Path) -> list[tuple[str, int]]:
 FORWARD_NAMES = ("PATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
                  "PYTORCH_CUDA_ALLOC_CONF", "GLOO_SOCKET_IFNAME", "DS_ACCELERATOR", "TOKENIZERS_PARALLELISM")
 FORWARD_PREFIXES = ("HF_", "TRANSFORMERS_", "WANDB_", "DFLASH_", "TORCH_", "TORCHINDUCTOR_", "TRITON_")
+# What the launcher forwards by itself (runner.EXPORT_ENVS, CUDA's export_envs): a value it would let the remote shell
+# expand is written escaped to the env file instead, whose lines replace its own. PYTHONPATH is not: the launcher
+# puts its working directory in front of it.
+LAUNCHER_PREFIXES = ("NCCL", "PYTHON", "MV2", "UCX", "MLFLOW")
+
+
+# DeepSpeed's pdsh runner builds `export K=V; ...` for the remote shell, V stripped and, when it holds anything but
+# these characters, wrapped in double quotes (multinode_runner.add_export): inside them the shell still expands
+# $, ` and \, so a value holding $(cmd) would run cmd on every host. `ds_env_value` escapes exactly those.
+_DS_PLAIN = re.compile(r"[\w@%+=:,./-]*")
+
+
+def ds_env_value(value: str) -> str | None:
+    """`value` as an env-file line must hold it for DeepSpeed's pdsh runner to hand the ranks `value` intact;
+    None when it cannot travel (a newline, or blanks at either end, which DeepSpeed strips)."""
+    if "\n" in value or value != value.strip():
+        return None
+    if _DS_PLAIN.fullmatch(value):
+        return value  # DeepSpeed passes it bare: nothing to escape
+    return re.sub(r'([\\"$`])', r"\\\1", value)
+
+
+def _unquoted(value: str) -> str:
+    """A user's env-file value as the remote shell would read it (`"abc"` -> abc) when it is one shell word."""
+    import shlex
+
+    try:
+        words = shlex.split(value)
+    except ValueError:
+        return value
+    return words[0] if len(words) == 1 and "$" not in value and "`" not in value else value
 
 
 def _user_lines(user_files: list[Path]) -> list[tuple[str, str]]:
@@ -79,52 +110,66 @@ def _user_lines(user_files: list[Path]) -> list[tuple[str, str]]:
 
 
 def deepspeed_env_text(environ: dict[str, str], user_files: list[Path], extra: dict[str, str] | None = None) -> str:
-    """The lines of an env file for the deepspeed launcher: the user's files' lines first (theirs win), then
-    every variable of `environ` the job uses that they do not set, then `extra`. No secret is written
-    (credentials.is_secret_name): they travel by path (`secret_variables`). Values with a newline cannot travel."""
+    """The lines of an env file for the deepspeed launcher: the user's files' lines first (theirs win, as written:
+    they are the user's shell text), then every variable of `environ` the job uses that they do not set, then
+    `extra`, these values escaped for DeepSpeed's shell line (`ds_env_value`). No secret is written
+    (credentials.is_secret_name): they travel by path (`secret_variables`)."""
+    import sys
+
     lines: list[str] = []
     seen: set[str] = set()
     for key, line in _user_lines(user_files):
         seen.add(key)
         if not is_secret_name(key):
             lines.append(line)
-    for key in sorted(environ):
-        if key in seen or "\n" in environ[key] or is_secret_name(key):
-            continue
-        if key in FORWARD_NAMES or key.startswith(FORWARD_PREFIXES):
-            lines.append(f"{key}={environ[key]}")
-    lines += [f"{k}={v}" for k, v in (extra or {}).items() if k not in seen]
+    wanted = [(k, v) for k, v in sorted(environ.items()) if k not in seen and not is_secret_name(k)
+              and (k in FORWARD_NAMES or k.startswith(FORWARD_PREFIXES)
+                   or (k.startswith(LAUNCHER_PREFIXES) and k != "PYTHONPATH" and ds_env_value(v) not in (v, None)))]
+    for key, value in [*wanted, *((k, v) for k, v in (extra or {}).items() if k not in seen)]:
+        quoted = ds_env_value(value)
+        if quoted is None:  # the name only: the value may be anything
+            print(f"[dflash-ds] warning: {key} is not forwarded to other hosts (its value has a newline or blanks "
+                  "at an end, which the deepspeed launcher cannot pass)", file=sys.stderr, flush=True)
+        else:
+            lines.append(f"{key}={quoted}")
     return "".join(f"{line}\n" for line in lines)
 
 
 def secret_variables(environ: dict[str, str], user_files: list[Path]) -> dict[str, str]:
     """The secrets the ranks need: those of the user's env files (theirs win), then this environment's."""
-    found = {k: line.split("=", 1)[1].strip() for k, line in _user_lines(user_files) if is_secret_name(k)}
+    found = {k: _unquoted(line.split("=", 1)[1].strip()) for k, line in _user_lines(user_files)
+             if is_secret_name(k)}
     return {**secrets_of(environ), **found}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dflash_ds.distributed.hostfile env-file OUT [--credentials-dir DIR]`: write the deepspeed
-    launcher's env file (mode 0600, no secret) and the credentials; print the shell line that unsets the secrets
-    and exports their paths."""
+    """`python -m dflash_ds.distributed.hostfile env-file OUT [--credentials-dir DIR] [--user-env-file F]`: write
+    the deepspeed launcher's env file (mode 0600, no secret) and the credentials; print the shell line that unsets
+    the secrets and exports their paths."""
     import argparse
     import os
 
     parser = argparse.ArgumentParser(prog="python -m dflash_ds.distributed.hostfile",
                                      description="Helpers of launch/train_deepspeed.sh.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("env-file", help="write OUT: the lines of the user's .deepspeed_env (~ and the working "
-                                        "directory; theirs win), then the job's variables from this environment "
-                                        "(PATH, HF_*, WANDB_*, GLOO_SOCKET_IFNAME, ...) so they reach every host; "
-                                        "no secret (*TOKEN, *API_KEY, *SECRET*, *PASSWORD*): those go to "
-                                        "--credentials-dir, and OUT names them by path")
+    p = sub.add_parser("env-file", help="write OUT: the lines of the user's env file (.deepspeed_env in ~ and the "
+                                        "working directory, or --user-env-file; theirs win), then the job's "
+                                        "variables from this environment (PATH, HF_*, WANDB_*, GLOO_SOCKET_IFNAME, "
+                                        "...) so they reach every host, escaped for the launcher's shell line; no "
+                                        "secret (*TOKEN*, *KEY*, *SECRET*, *PASSWORD*, *CREDENTIAL*, *AUTH*): "
+                                        "those go to --credentials-dir, and OUT names them by path")
     p.add_argument("out", help="the file to write, mode 0600 (point DS_ENV_FILE at it)")
     p.add_argument("--credentials-dir", default=None,
                    help="a folder on the shared filesystem (mode 0700) for the secrets, files of mode 0600: "
                         "hf_token (forwarded as HF_TOKEN_PATH) and secrets.env (DFLASH_SECRETS_FILE); "
                         "without it secrets are not forwarded at all")
+    p.add_argument("--user-env-file", default=None,
+                   help="the DS_ENV_FILE the user set, read instead of .deepspeed_env and filtered the same way "
+                        "(its secrets go to --credentials-dir); a relative name is looked up in ~ and the working "
+                        "directory, as the deepspeed launcher does")
     args = parser.parse_args(argv)
-    user = [Path(".deepspeed_env"), Path.home() / ".deepspeed_env"]  # the launcher reads ~ first, . wins
+    name = args.user_env_file or ".deepspeed_env"
+    user = [Path(name), Path.home() / name]  # the launcher reads ~ first, . wins (an absolute name: one file)
     secrets = secret_variables(dict(os.environ), user)
     forward = write_credentials(args.credentials_dir, secrets) if args.credentials_dir and secrets else {}
     fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

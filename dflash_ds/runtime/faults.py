@@ -18,9 +18,12 @@ DFLASH_EXIT_STATUS_DIR     every rank writes rank{R}.json there, {"rank", "statu
                            and the time of the kill, a hanging rank writes rank{R}.hang as it starts to hang.
                            "threads": the Python threads other than the caller still running when the rank
                            leaves through the interpreter's teardown (none are expected: see record_exit);
-                           "credentials": sha256 digests of the credentials as the libraries read them here
-                           (huggingface_hub.get_token(), W&B's WANDB_API_KEY; null where none), never the values
-                           (launch/train_slurm.sbatch sets it too: it requeues a job whose ranks all wrote 75)
+                           (launch/train_slurm.sbatch sets it too: it requeues a job whose ranks all wrote 75).
+                           The record holds nothing derived from a credential, unless:
+DFLASH_TEST_EXIT_SALT      (tests only) "credentials": HMAC-SHA256 under this salt of each credential as the
+                           libraries read them here (huggingface_hub.get_token(), W&B's WANDB_API_KEY; null where
+                           none): a test with a fresh random salt can check a rank got the right value, while no
+                           plain sha256 of a token (an offline guess check against `sha256sum`) is ever written
 """
 
 from __future__ import annotations
@@ -60,19 +63,23 @@ def record_exit(status: int, teardown: bool = True) -> None:
     me = threading.current_thread()
     threads = sorted(t.name for t in threading.enumerate() if t is not me and t.is_alive()) if teardown else []
     path = os.path.join(folder, f"rank{rank}.json")
-    record = {"rank": int(rank), "status": status, "time": time.time(), "threads": threads,
-              "credentials": _credential_digests()}
-    with open(path + ".tmp", "w") as f:
+    record = {"rank": int(rank), "status": status, "time": time.time(), "threads": threads}
+    salt = os.environ.get("DFLASH_TEST_EXIT_SALT")
+    if salt:
+        record["credentials"] = _credential_macs(salt)
+    # 0640 whatever the umask (a rank that failed on its config has not set train.umask yet): no world read.
+    with os.fdopen(os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "w") as f:
         json.dump(record, f)
     os.replace(path + ".tmp", path)  # a reader never sees half a file
 
 
-def _credential_digests() -> dict[str, str | None]:
-    """What a test may know of this rank's credentials: a digest of each, as its library reads it."""
+def _credential_macs(salt: str) -> dict[str, str | None]:
+    """Tests: what a test may know of this rank's credentials, keyed by its own salt, as each library reads them."""
     import hashlib
+    import hmac
 
-    def digest(value: str | None) -> str | None:
-        return hashlib.sha256(value.encode()).hexdigest() if value else None
+    def mac(value: str | None) -> str | None:
+        return hmac.new(salt.encode(), value.encode(), hashlib.sha256).hexdigest() if value else None
 
     try:
         from huggingface_hub import get_token
@@ -80,7 +87,7 @@ def _credential_digests() -> dict[str, str | None]:
         hf = get_token()
     except Exception:  # noqa: BLE001 - no huggingface_hub, or an unreadable token file: none
         hf = None
-    return {"hf_token": digest(hf), "wandb_api_key": digest(os.environ.get("WANDB_API_KEY"))}
+    return {"hf_token": mac(hf), "wandb_api_key": mac(os.environ.get("WANDB_API_KEY"))}
 
 
 def _kill_self() -> None:

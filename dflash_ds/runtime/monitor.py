@@ -15,6 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from dflash_ds.distributed.credentials import is_secret_name
+
 # metric key -> W&B namespace
 NAMESPACES = {
     **{k: "train" for k in ("loss", "accuracy", "avg_streak", "tau", "top4_accuracy", "top8_accuracy",
@@ -34,14 +36,6 @@ REQUIRED_KEYS = ("step", "epoch", "loss", "accuracy", "avg_streak", "tau", "top4
                  "dft_batch_per_sec", "tok_per_sec", "hs_queue_depth", "avg_seq_len", "padding_efficiency",
                  "bucket_pct", "eta_s", "anchors", "label_positions", "peak_mem_gb")
 
-SECRET_WORDS = ("api_key", "apikey", "token", "secret", "password", "passwd", "credentials")
-
-
-def _is_secret(key: str) -> bool:
-    # hf_token / wandb_api_key / client_secret are secrets; token_budget / mask_token_id are not.
-    k = key.lower().replace("-", "_")
-    return any(k == w or k.endswith("_" + w) for w in SECRET_WORDS)
-
 
 def wandb_flatten(record: dict[str, Any]) -> dict[str, Any]:
     """metrics.jsonl record -> W&B dict with namespaced keys (lists/dicts flattened with '/')."""
@@ -60,9 +54,10 @@ def wandb_flatten(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def scrub_secrets(obj: Any) -> Any:
-    """Drop values whose key looks like a credential before a config is logged or saved."""
+    """Drop values whose key looks like a credential (credentials.is_secret_name) before a config is logged or
+    saved."""
     if isinstance(obj, dict):
-        return {k: ("<redacted>" if _is_secret(k) else scrub_secrets(v))
+        return {k: ("<redacted>" if is_secret_name(k) else scrub_secrets(v))
                 for k, v in obj.items()}
     return obj
 

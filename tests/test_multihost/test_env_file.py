@@ -1,5 +1,6 @@
 """The env file launch/train_deepspeed.sh hands the deepspeed launcher (`python -m dflash_ds.distributed.hostfile
-env-file`): the user's .deepspeed_env lines first and unchanged, then the job's variables it does not set."""
+env-file`): the user's .deepspeed_env lines first and unchanged, then the job's variables it does not set; the one
+secret-name rule it filters by (distributed/credentials.py) and the log filter (redact.py)."""
 
 from __future__ import annotations
 
@@ -59,11 +60,29 @@ def test_secrets_reach_the_env_file_only_by_path(tmp_path):
     assert rank_env["WANDB_API_KEY"] == "wb_SENTINEL_2" and rank_env["DB_PASSWORD"] == "mine"
 
 
+def test_one_secret_name_rule():
+    """credentials.is_secret_name: TOKEN, KEY, SECRET, PASSWORD, CREDENTIAL, AUTH anywhere, any case, less the
+    allowlist; no config field is a secret (scrub_secrets would hide it in saved configs)."""
+    from dflash_ds.config import field_docs
+    from dflash_ds.distributed.credentials import is_secret_name
+
+    secret = ["HF_TOKEN", "HF_HUB_TOKEN_X", "WANDB_KEY", "WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN", "db_password",
+              "AWS_SECRET_ACCESS_KEY", "GCP_CREDENTIALS", "PROXY_AUTH", "NCCL_IB_PKEY", "--api-key", "wandb.api_key",
+              "hub.hf_token", "token", "Authorization"]
+    plain = ["TOKENIZERS_PARALLELISM", "HF_TOKEN_PATH", "GOOGLE_APPLICATION_CREDENTIALS_FILE",
+             "DFLASH_CREDENTIALS_DIR", "SSH_AUTH_SOCK", "DFLASH_SECRETS_FILE", "--max-new-tokens",
+             "embed_tokens.weight", "tokenizer", "data.token_budget", "model.mask_token_id", "num_key_value_heads",
+             "PATH", "MASTER_ADDR"]
+    assert [n for n in secret if not is_secret_name(n)] == [] and [n for n in plain if is_secret_name(n)] == []
+    assert [k for k in field_docs() if is_secret_name(k)] == []
+
+
 def test_logs_show_secrets_as_stars():
-    """dflash_ds/redact.py: the environment's secret values anywhere, and secret NAME=VALUE / --flag VALUE."""
+    """dflash_ds/redact.py: the environment's secret values anywhere, and the value after a secret name in every
+    form a log shows one (bare, quoted, flag, JSON, YAML, a Python dict, a URL's password, a Bearer header)."""
     from dflash_ds.redact import redact, redact_argv
 
-    env = {"HF_TOKEN": "hf_SENTINEL_1", "TOKENIZERS_PARALLELISM": "false", "X": "1"}
+    env = {"HF_TOKEN": "hf_SENTINEL_1", "TOKENIZERS_PARALLELISM": "false", "X": "1", "AUTH_MODE": "none"}
     line = ("pdsh -w h0,h1 export HF_TOKEN=hf_SENTINEL_1; export WANDB_API_KEY=wb_other; cd /r; python -m t "
             "--hf-token hf_SENTINEL_1 --data.token_budget 1024 --x.client_secret=abc TOKENIZERS_PARALLELISM=false")
     assert redact(line, env) == ("pdsh -w h0,h1 export HF_TOKEN=***; export WANDB_API_KEY=***; cd /r; python -m t "
@@ -71,6 +90,58 @@ def test_logs_show_secrets_as_stars():
                                  "TOKENIZERS_PARALLELISM=false")
     assert redact_argv(["--wandb-api-key", "k", "--max-steps", "5", "in hf_SENTINEL_1"], env) == \
         ["--wandb-api-key", "***", "--max-steps", "5", "in ***"]
+    forms = {
+        'export WANDB_API_KEY="a b"; HF_HUB_TOKEN_X=\'c\' run':
+            'export WANDB_API_KEY="***"; HF_HUB_TOKEN_X=\'***\' run',
+        "serve --api-key 'k y' --port 8000": "serve --api-key '***' --port 8000",
+        '{"api_key": "s\\"x", "token_budget": 1024, "hf_token": null}':
+            '{"api_key": "***", "token_budget": 1024, "hf_token": null}',
+        "{'hf_token': 'hf_x', 'n': 1}": "{'hf_token': '***', 'n': 1}",
+        "wandb:\n  api_key: abc\n  - token: t1\nmask_token_id: 5\nx: {password: pw, n: 2}":
+            "wandb:\n  api_key: ***\n  - token: ***\nmask_token_id: 5\nx: {password: ***, n: 2}",
+        "fetch https://user:pw9@host:443/x from http://host:80/y":
+            "fetch https://user:***@host:443/x from http://host:80/y",
+        "Authorization: Bearer abcdefgh123": "Authorization: *** ***",
+        "ssh -o PasswordAuthentication=no h0": "ssh -o PasswordAuthentication=no h0",
+        "a config key: none, embed_tokens.weight: a.embed_tokens.weight": "a config key: none, embed_tokens.weight: "
+                                                                          "a.embed_tokens.weight",
+    }
+    assert {text: redact(text, env) for text in forms} == forms
+
+
+def test_env_file_values_arrive_intact_and_a_users_ds_env_file_is_filtered(tmp_path):
+    """A value with a space, `;` and `$(touch X)`, in a variable of the env file or one DeepSpeed forwards itself
+    (MLFLOW_*), goes through DeepSpeed's export line (its add_export, then the remote shell) intact and X is not
+    created; a user's DS_ENV_FILE loses its secrets (to the credentials folder, unquoted as the shell would read
+    them) like .deepspeed_env, and HF_HUB_TOKEN_X and WANDB_KEY go by path."""
+    from deepspeed.launcher.multinode_runner import MultiNodeRunner
+
+    marker = tmp_path / "pwned"
+    tricky = f"a b; $(touch {marker}) `touch {marker}` \\ \"q\" 'p' $HOME"
+    (tmp_path / "my.env").write_text('NCCL_IB_HCA=mlx5_0\nMLFLOW_TRACKING_TOKEN="ml_SENTINEL_4"\n')
+    env = {"PATH": "/usr/bin", "HOME": str(tmp_path), "WANDB_NAME": tricky, "MLFLOW_RUN_NAME": tricky,
+           "HF_HUB_TOKEN_X": "hf_SENTINEL_5", "WANDB_KEY": "wb_SENTINEL_6",
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    creds = tmp_path / "creds"
+    r = subprocess.run([sys.executable, "-m", "dflash_ds.distributed.hostfile", "env-file", str(tmp_path / "out"),
+                        "--credentials-dir", str(creds), "--user-env-file", "my.env"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("unset HF_HUB_TOKEN_X WANDB_KEY; export DFLASH_SECRETS_FILE=")
+    text = (tmp_path / "out").read_text()
+    assert "SENTINEL" not in text and text.startswith("NCCL_IB_HCA=mlx5_0\n")
+    assert (creds / "secrets.env").read_text() == \
+        "HF_HUB_TOKEN_X=hf_SENTINEL_5\nMLFLOW_TRACKING_TOKEN=ml_SENTINEL_4\nWANDB_KEY=wb_SENTINEL_6\n"
+    # As deepspeed/launcher/runner.py forwards: its own prefixes from its (secret-free) environment, then the file's
+    # lines, which replace them; then PDSHRunner.get_cmd's `export K=V; ` line for the remote shell.
+    runner = type("Runner", (), {"exports": {}})()
+    MultiNodeRunner.add_export(runner, "MLFLOW_RUN_NAME", tricky)  # by its MLFLOW prefix
+    for line in text.splitlines(keepends=True):
+        MultiNodeRunner.add_export(runner, *line.split("=", 1))
+    exports = "".join(f"export {k}={v}; " for k, v in runner.exports.items())
+    got = subprocess.run(["bash", "-c", exports + 'printf "%s|%s" "$WANDB_NAME" "$MLFLOW_RUN_NAME"'],
+                         capture_output=True, text=True, timeout=30, env={"HOME": "/elsewhere"})
+    assert got.stdout == f"{tricky}|{tricky}" and not marker.exists(), got
 
 
 STUB = """\

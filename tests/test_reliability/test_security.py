@@ -168,3 +168,39 @@ def test_a_secret_in_a_config_file_is_rejected_without_echoing_it(tmp_path):
 def test_scrub_keeps_ordinary_fields():
     scrubbed = scrub_secrets(to_dict(load_config()))
     assert scrubbed["data"]["token_budget"] == 16384 and scrubbed["model"]["mask_token_id"] is None
+
+
+def test_a_rank_takes_the_configured_umask_and_filters_what_it_prints(tmp_path, monkeypatch, capsys):
+    """train.main(as_rank=True), as `python -m dflash_ds.train` runs under every launcher: train.umask is set before
+    any file is written, and what the rank prints afterwards shows a secret as *** (W&B's console copy too: a
+    manual check found it copied the raw text when imported after the filter); a bare 027 (YAML's number 23) is
+    refused rather than read as another mask."""
+    import subprocess
+    import sys
+
+    from dflash_ds import train
+
+    with pytest.raises(DFlashError, match=r"train.umask = '23' must be an octal mask"):
+        load_config(None, ["--train.umask", "027"])
+    assert load_config(None, ["--train.umask", "'077'"]).train.umask == "077"
+    masks: list[int] = []
+    monkeypatch.setattr(os, "umask", lambda mask: masks.append(mask) or 0o022)  # this process's stays as it is
+    monkeypatch.setenv("WANDB_API_KEY", ENV_SECRET)
+    monkeypatch.setenv("RANK", "0")  # rank 0 runs W&B: its console copier is imported first, under the filter
+    saved = sys.stdout, sys.stderr
+    try:
+        rc = train.main(["--train.umask", "0o077", "--target", str(tmp_path / "none")], as_rank=True)
+        print(f"WANDB_API_KEY={CFG_SECRET} and {ENV_SECRET}", flush=True)
+    finally:
+        sys.stdout, sys.stderr = saved
+    out = capsys.readouterr()
+    assert rc == 2 and masks == [0o077] and "dflash-ds train (rank 0): error:" in out.err
+    assert out.out == "WANDB_API_KEY=*** and ***\n" and "wandb.sdk.lib.console_capture" in sys.modules
+    # What W&B's copier (the callbacks a run installs) receives once it sits under the filter.
+    code = ("import sys\nfrom dflash_ds.redact import redact_stdio\n"
+            "redact_stdio(['wandb.sdk.lib.console_capture'])\nfrom wandb.sdk.lib import console_capture\n"
+            "got = []\nconsole_capture.capture_stdout(lambda s, n: got.append(s))\n"
+            f"print('--api-key {CFG_SECRET}', flush=True)\nsys.__stderr__.write(repr(got))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert r.stdout == "--api-key ***\n" and r.stderr.endswith("['--api-key ***\\n']"), r.stderr[-2000:]

@@ -19,7 +19,8 @@ import torch
 
 from conftest_runtime import COMMON, STEPS
 from proc_utils import run_bounded
-from runtime_utils import env_for_children, free_port, per_batch, read_jsonl, torchrun, torchrun_exit_codes
+from runtime_utils import (env_for_children, exit_statuses, free_port, per_batch, read_jsonl, torchrun,
+                           torchrun_exit_codes)
 
 
 def args_for(setup, out, *extra):
@@ -145,16 +146,25 @@ def test_one_colocated_rank_sigterm_resume_export_eval(setup, reference, tmp_pat
 def test_disaggregated_checkpoint_resumes_colocated_and_a_lost_rank_is_named(setup, reference, tmp_path):
     """The reference's (1 target + 2 drafters) step-10 checkpoint resumes on 2 colocated ranks: steps 10-13
     train the reference's batches (losses within 1e-4); rank 1 is then SIGKILLed at step 14 and rank 0
-    names it and exits non-zero."""
+    names it and exits non-zero within 2 heartbeats of the kill."""
     ref_out, _ = reference
     ckpts = tmp_path / "checkpoints"
     ckpts.mkdir()
     shutil.copytree(ref_out / "checkpoints" / "step_00000010", ckpts / "step_00000010")
     (ckpts / "latest").write_text("step_00000010\n")
-    r = torchrun(2, args_for(setup, tmp_path, "--train.timeout_s", "20", "--train.heartbeat_timeout_s", "10"),
-                 env={"DFLASH_FAULT_RANK": "1", "DFLASH_FAULT_KILL_AT": "14"}, timeout=300, cwd=tmp_path)
+    heartbeat_s = 10
+    (tmp_path / "status").mkdir()
+    r = torchrun(2, args_for(setup, tmp_path, "--train.timeout_s", "20", "--train.heartbeat_timeout_s",
+                             str(heartbeat_s)),
+                 env={"DFLASH_FAULT_RANK": "1", "DFLASH_FAULT_KILL_AT": "14",
+                      "DFLASH_EXIT_STATUS_DIR": str(tmp_path / "status")}, timeout=300, cwd=tmp_path)
     assert r.returncode != 0
     assert "lost rank 1 (colocated 1)" in r.stderr, r.stderr[-4000:]
+    got = exit_statuses(tmp_path / "status")
+    assert got[1]["status"] == -9 and got[0]["status"] != 0, got
+    took = round(got[0]["time"] - got[1]["time"], 1)  # from the kill to rank 0's exit
+    print(f"colocated rank 1 killed: rank 0 exited {got[0]['status']} {took} s later (heartbeat {heartbeat_s} s)")
+    assert took <= 2 * heartbeat_s, (took, r.stderr[-4000:])
     got, want = per_batch(tmp_path), per_batch(ref_out)
     trained = [b for b in sorted(want) if 10 <= want[b]["step"] < 14]
     assert sorted(got) == trained == list(range(20, 28)), sorted(got)  # nothing of step 14 was recorded

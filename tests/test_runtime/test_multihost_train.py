@@ -9,6 +9,7 @@ and the job's store all cross the link.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import re
 import shutil
@@ -36,19 +37,24 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
     """launch/train_deepspeed.sh on h0 with a 2-host hostfile (pdsh + ssh); the env file it writes carries the
     job's variables (here DFLASH_EXIT_STATUS_DIR: every rank on both hosts records its exit).
 
-    With sentinel credentials in the launching environment (HF_TOKEN, WANDB_API_KEY, and MLFLOW_TRACKING_TOKEN,
-    which the deepspeed launcher itself forwards by prefix): the ranks on h1 read them as the libraries do
-    (huggingface_hub.get_token(), W&B's WANDB_API_KEY; each rank records a digest), while no process's command
-    line on any host (sampled all along), no output and no file left under /tmp or the run folder holds one.
+    With sentinel credentials in the launching environment (HF_TOKEN, WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, which
+    the deepspeed launcher itself forwards by prefix, and HF_HUB_TOKEN_X and WANDB_KEY, which an HF_* / WANDB_*
+    prefix would forward): the ranks on h1 read them as the libraries do (huggingface_hub.get_token(), W&B's
+    WANDB_API_KEY; each rank records an HMAC under the test's salt), while no process's command line on any host
+    (sampled all along), no output and no file left under /tmp or the run folder holds one or its sha256; no
+    file of the run (records, checkpoints, exit records) is readable by others (train.umask).
     The job's listening sockets are bound to a host's own address, none to all addresses."""
     target, data = setup
     ref_out, _ = reference
     (tmp_path / "hostfile").write_text("h0 slots=1\nh1 slots=2\n")
     (tmp_path / "exits").mkdir()
     sentinels = {k: f"{k.lower()}-sentinel-{uuid.uuid4().hex}" for k in ("HF_TOKEN", "WANDB_API_KEY",
-                                                                         "MLFLOW_TRACKING_TOKEN")}
+                                                                         "MLFLOW_TRACKING_TOKEN", "HF_HUB_TOKEN_X",
+                                                                         "WANDB_KEY")}
+    salt = uuid.uuid4().hex
     env = hosts.env({**env_for_children(), "HOSTFILE": str(tmp_path / "hostfile"), "MASTER_PORT": "29500",
-                     "DFLASH_EXIT_STATUS_DIR": str(tmp_path / "exits"), "TMPDIR": str(tmp_path), **sentinels})
+                     "DFLASH_EXIT_STATUS_DIR": str(tmp_path / "exits"), "TMPDIR": str(tmp_path),
+                     "DFLASH_TEST_EXIT_SALT": salt, **sentinels})
     env.pop("GLOO_SOCKET_IFNAME", None)
     started = time.time()
     proc = hosts.popen("h0", ["bash", str(REPO / "launch/train_deepspeed.sh"), *COMMON, "--target", str(target),
@@ -70,16 +76,19 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
     assert_reference_losses(tmp_path / "out", ref_out)
     exits = exit_statuses(tmp_path / "exits")
     assert sorted(exits) == [0, 1, 2]
-    digest = {k: hashlib.sha256(v.encode()).hexdigest() for k, v in sentinels.items()}
+    mac = {k: hmac.new(salt.encode(), v.encode(), hashlib.sha256).hexdigest() for k, v in sentinels.items()}
     for rank in (0, 1, 2):  # 1 and 2 run on h1
-        assert exits[rank]["credentials"] == {"hf_token": digest["HF_TOKEN"],
-                                              "wandb_api_key": digest["WANDB_API_KEY"]}, (rank, exits[rank])
+        assert exits[rank]["credentials"] == {"hf_token": mac["HF_TOKEN"],
+                                              "wandb_api_key": mac["WANDB_API_KEY"]}, (rank, exits[rank])
     print(f"{samples} samples of every command line during the run; listening: {listening}")
     assert samples > 20 and seen == set(), seen
     assert not any(v in out + err for v in sentinels.values())
-    leaks = [p for p in _files(tmp_path, Path("/tmp"), since=started) if any(v.encode() in p.read_bytes()
-                                                                           for v in sentinels.values())]
+    traces = [v.encode() for v in sentinels.values()] + [hashlib.sha256(v.encode()).hexdigest().encode()
+                                                         for v in sentinels.values()]
+    leaks = [p for p in _files(tmp_path, Path("/tmp"), since=started) if any(t in p.read_bytes() for t in traces)]
     assert leaks == []
+    readable = [p for d in (tmp_path / "out", tmp_path / "exits") for p in d.rglob("*") if p.stat().st_mode & 0o004]
+    assert readable == []
     assert not list(tmp_path.glob("dflash-deepspeed-env.*")) and not list(tmp_path.glob(".dflash-credentials.*"))
     # The job's store on h0's own address; gloo's pairs (the bridge, ZeRO's group) on eth0's, by GLOO_SOCKET_IFNAME.
     assert "198.18.0.1:29501" in listening["h0"], listening

@@ -123,8 +123,8 @@ def test_a_replica_of_two_trains_like_one_target_stops_on_sigterm_and_resumes(jo
 
 
 def test_a_lost_replica_rank_ends_the_job_named(job):
-    """SIGKILL to the replica's second rank (it sends nothing) at step 2: the others leave within the heartbeat
-    bound (8 s + 12 s margin, as the reliability table's lost target) and the log names it."""
+    """SIGKILL to the replica's second rank (it sends nothing) at step 2: the others leave within 2 heartbeats
+    (8 s each, as the reliability table's lost target) and the log names it."""
     runs, _ = job
     out = runs / "lost"
     out.mkdir()
@@ -137,6 +137,6 @@ def test_a_lost_replica_rank_ends_the_job_named(job):
     got = exit_statuses(out / "status")
     assert sorted(got) == [0, 1, 2] and got[2]["status"] == -9, (got, r.stderr[-4000:])
     took = {rank: round(s["time"] - got[2]["time"], 1) for rank, s in got.items() if rank != 2}
-    assert max(took.values()) <= 8 + 12, (took, r.stderr[-4000:])
+    assert max(took.values()) <= 2 * 8, (took, r.stderr[-4000:])
     assert "lost rank 2 (target replica 0, its rank 1 of 2)" in r.stderr, r.stderr[-4000:]
     print(f"lost replica rank: statuses {({k: v['status'] for k, v in got.items()})}, seconds from the kill {took}")
