@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(name)
     cuda = device.type == "cuda"
     if cuda:
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg = shrunk_config(args)
