@@ -20,7 +20,7 @@
 #     kernels ($OUT/profile.txt, .dflash2, .dspark);
 #  2. real_shape (130 s): `bench real-shape`: a random Qwen3-8B target made on the GPU + the default drafter
 #     in DeepSpeed ZeRO-2, colocated: tokens/s, MFU of each part, peak and reserved memory against plan;
-#  3. warmup (90 s) + colocated (100 s): launch/gpu_colocated.sh (NCCL, bf16, flex_attention, DeepSpeed on
+#  3. warmup (90 s) + colocated (150 s): launch/gpu_colocated.sh (NCCL, bf16, flex_attention, DeepSpeed on
 #     CUDA, checkpoint, resume equal to an uninterrupted run, export, eval): tokens/s, peak and reserved memory,
 #     compiled graphs;
 #  4. gpu_tests (FULL=1: 180 s; else 100): the CUDA unit tests (DFLASH_REQUIRE_GPU=1: a skipped one fails);
@@ -77,7 +77,7 @@ skip() {  # skip NAME WHY
 WHEELS="${WHEELHOUSE:-.whl}"
 if ! "$PY" -c "import deepspeed, datasets" 2>/dev/null && compgen -G "$WHEELS/*.whl" > /dev/null; then
     SITE="${SITE:-/tmp/dflash-site}"
-    step install 90 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    STEPS=all step install 90 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" "$WHEELS"/*.whl
     export PYTHONPATH="$SITE:$PYTHONPATH"
 fi
@@ -92,7 +92,7 @@ print(torch.cuda.get_device_name(0), \"free/total GiB\", [round(x / 2**30, 1) fo
         --json "$OUT/bench_memory.json"
     step real_shape 130 "$PY" -m dflash_ds bench real-shape --preset qwen3-8b --json "$OUT/real_shape.json"
     step warmup 90 env OUT="$OUT/colocated" PYTHON="$PY" WARMUP_ONLY=1 bash launch/gpu_colocated.sh
-    step colocated 100 env OUT="$OUT/colocated" PYTHON="$PY" KEEP_DATA=1 bash launch/gpu_colocated.sh
+    step colocated 150 env OUT="$OUT/colocated" PYTHON="$PY" KEEP_DATA=1 bash launch/gpu_colocated.sh
     if [ "${FULL:-0}" = 1 ]; then
         GPU_TESTS=(tests/test_core/test_drafter_flex.py tests/test_core/test_flex_compiles.py
                    tests/test_core/test_single_step.py tests/test_bench/test_bench_memory.py)

@@ -88,7 +88,10 @@ def write_profile(one_step, device, path: str, top: int = 25) -> list[dict[str, 
         if cuda:
             torch.cuda.synchronize(device)
     key = "device_time_total" if cuda else "cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    # CUDA: the kernels themselves (device-side events), not the ops that launched them too: an op's device time
+    # is its kernels', so listing both counts every kernel twice
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0
+              and (not cuda or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)]
     total = sum(getattr(e, "self_" + key, 0) for e in events) or 1.0
     events.sort(key=lambda e: getattr(e, "self_" + key, 0), reverse=True)
     rows = [{"name": e.key[:120], "calls": e.count, "self_ms": getattr(e, "self_" + key, 0) / 1e3,
