@@ -8,7 +8,7 @@
 #
 # A bare machine (torch with CUDA, no deepspeed/datasets): the wheelhouse `.whl/` (../shared/gpu/wheelhouse.sh
 # .whl, carried with the checkout) is installed into $SITE first, offline. HF_HUB_OFFLINE=1 (compute nodes often
-# have no internet) and no USE_HUB_KERNELS: every model load passes use_kernels=False (DESIGN.md §13).
+# have no internet) and no USE_HUB_KERNELS: every model load passes use_kernels=False (docs/DESIGN.md §9).
 #
 # Steps, in order of what they are worth (each with a timeout, all within BUDGET_S; a step with under 15 s of
 # budget left is skipped and counts as failed):

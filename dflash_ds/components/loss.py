@@ -271,7 +271,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 inputs = [hidden[lo:hi].detach().requires_grad_(need_grad)]
                 # The head as one [c*K, H] x [H, V] GEMM: `hidden` is usually a strided view (positions 1.. of each
                 # block), and a 3-D input that cannot be viewed as 2-D makes matmul broadcast the V x H head into a
-                # batched GEMM of c skinny [K, H] products, reading the whole head once per block (DESIGN.md §13:
+                # batched GEMM of c skinny [K, H] products, reading the whole head once per block (docs/DESIGN.md §9:
                 # 47% of an H200 step). reshape copies the chunk (c*K*H) only when it must.
                 logits = head(inputs[0].reshape(-1, inputs[0].shape[-1]))
                 if biased:

@@ -69,7 +69,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 
     `hub_kernels` (train.target_hub_kernels): let transformers kernelize the model with kernels it fetches from
     the Hugging Face Hub (`kernels` package). Off by default: transformers >= 5.2x turns it on for every model
-    loaded on CUDA, which downloads and runs third-party code on each rank, and fails offline (DESIGN.md §13).
+    loaded on CUDA, which downloads and runs third-party code on each rank, and fails offline (docs/DESIGN.md §9).
     """
     from transformers import AutoModelForCausalLM
 

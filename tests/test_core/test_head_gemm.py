@@ -1,4 +1,4 @@
-"""The vocabulary head runs as one GEMM per chunk in every kind's micro-step (DESIGN.md §13).
+"""The vocabulary head runs as one GEMM per chunk in every kind's micro-step (docs/DESIGN.md §9).
 
 A 3-D strided input to the head (positions 1.. of each block) made matmul broadcast the V x H head into a batched
 GEMM of per-block [K x H] products: 47% of an H200 micro-step at Qwen3-8B's shape. The same dispatch happens on

@@ -1,4 +1,4 @@
-"""No model load asks transformers for Hub kernels unless the config opts in (DESIGN.md §13).
+"""No model load asks transformers for Hub kernels unless the config opts in (docs/DESIGN.md §9).
 
 transformers >= 5.2x kernelizes every model it loads (`PreTrainedModel.set_use_kernels(True)`) unless the caller
 passes `use_kernels=False`; on CUDA that fetches kernels from the Hub (offline: the load fails). CPU loads call the
