@@ -40,7 +40,9 @@ class DrafterConfig:
     target_layer_ids: list[int] | None = None
     """Target decoder layers whose outputs feed the drafter; None uses the default rule."""
     activation_checkpointing: bool | None = None
-    """Recompute each draft layer in backward instead of keeping its activations; null = on with CUDA, off on CPU."""
+    """Recompute each draft layer in backward instead of keeping its activations (a fourth more layer FLOPs, a
+    fourth of the step memory); null = off on CPU, and on a GPU off when its free memory holds the step without
+    it (bench memory's formula, runtime/checkpointing.py), on otherwise."""
     layer_types: list[str] | None = None
     """Per draft layer "full_attention" or "sliding_attention" (causal, windowed); null/empty = all full."""
     sliding_window: int | None = None

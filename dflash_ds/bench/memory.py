@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measurement dtype (default: fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
     parser.add_argument("--activation-checkpointing", choices=["on", "off", "auto", "both"], default="auto",
-                        help="recompute each draft layer in backward (auto: on with CUDA, off on CPU, as training; "
+                        help="recompute each draft layer in backward (auto: on with CUDA, off on CPU; training decides by "
+                             "the free memory, runtime/checkpointing.py; "
                              "both: each row measured on, then off, on the same build)")
     parser.add_argument("--mask-backend", choices=["auto", "dense", "flex"], default="auto",
                         help="block-sparse mask: dense boolean + SDPA, flex_attention, auto (flex on CUDA, dense on CPU)")

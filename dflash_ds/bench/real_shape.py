@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps (the median is reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (flex_attention compiles here)")
     p.add_argument("--activation-checkpointing", choices=["on", "off", "auto"], default="auto",
-                   help="recompute each draft layer in backward (auto: on with CUDA, as training)")
+                   help="recompute each draft layer in backward (auto: as training decides, "
+                        "runtime/checkpointing.py: off where the GPU's free memory holds the step without it)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
     p.add_argument("--width", type=int, default=0,
                    help="shrink: hidden size of target and drafter (heads and MLP scaled; 0 = the preset's). For a "
@@ -186,12 +187,12 @@ def run(args: argparse.Namespace) -> int:
     step_args = argparse.Namespace(token_budget=args.token_budget, seq_len=args.seq_len, block_size=args.block_size,
                                    num_anchors=run_cfg.loss.num_anchors, max_anchors=run_cfg.loss.max_anchors_per_batch,
                                    chunk_blocks=run_cfg.loss.chunk_blocks, kl_weight=run_cfg.loss.kl_weight)
-    ckpt = cuda if run_cfg.model.activation_checkpointing is None else run_cfg.model.activation_checkpointing
-    step = bench_memory.step_shape(step_args, 2 if cuda else 4, ckpt, not cuda, cuda)
     arch = micro_step.drafter_arch(cfg, shape, args.seq_len)
     _init_single_rank(cuda)
     try:
         engine = build_drafter_engine(run_cfg, arch, dtype, device, target=target)
+        ckpt = engine.module.drafter.activation_checkpointing
+        step = bench_memory.step_shape(step_args, 2 if cuda else 4, ckpt, not cuda, cuda)
         result = _measure(args, cfg, target, engine, step, shape, run_cfg, dtype, device,
                           Batch=Batch, capture_batch=capture_batch, forward=forward,
                           peak=lambda: peak_memory_bytes(device), reset=lambda: reset_peak_memory(device))
@@ -208,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     result.update(
         preset=args.preset, stand_in=args.preset != "qwen3-8b", device=torch.cuda.get_device_name(device) if cuda
         else "cpu", torch=torch.__version__, dtype="bf16" if cuda else "fp32", shape=cfg, kind=args.kind,
-        activation_checkpointing=ckpt, target_params=sum(p.numel() for p in target.parameters()),
+        activation_checkpointing=ckpt, checkpointing_reason=engine.module.checkpointing_reason,
+        target_params=sum(p.numel() for p in target.parameters()),
         target_build_s=build_s, drafter_params=mm.drafter_params(shape), tokens=b * s,
         target_tflop=t_flops / 1e12, drafter_tflop=d_flops / 1e12,
         tok_per_s=b * s / times["step"], target_tok_per_s=b * s / times["target"],

@@ -128,7 +128,10 @@ def _build_engine(ctx: RoleContext, cfg: Config, data: BatchStream, resume: Resu
     if layout.colocated:
         target = load_run_target(cfg, dtype, ctx.device, ctx.global_rank)
     engine = build_drafter_engine(cfg, arch, dtype, ctx.device, data.accumulation,
-                                  universal=resume.mode == "universal", target=target)
+                                  universal=resume.mode == "universal", target=target,
+                                  num_drafters=layout.num_drafters)
+    if leader:
+        print(f"[dflash-ds] activation checkpointing {engine.module.checkpointing_reason}", flush=True)
     if target is not None and leader:
         warning = check_shared_head(engine, target)
         if warning:

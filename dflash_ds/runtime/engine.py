@@ -23,6 +23,7 @@ from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter import DFlashDrafter
 from dflash_ds.models.drafter_arch import DrafterArch
 from dflash_ds.models.target import load_target_head, target_parts
+from dflash_ds.runtime.checkpointing import choose_checkpointing
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -216,17 +217,22 @@ def frozen_head(target: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 
 def build_drafter_engine(cfg: Config, arch: DrafterArch, dtype: torch.dtype, device: torch.device,
-                         accumulation: int = 1, universal: bool = False, target: nn.Module | None = None):
+                         accumulation: int = 1, universal: bool = False, target: nn.Module | None = None,
+                         num_drafters: int = 1):
     """The DeepSpeed engine over the drafter, with the target's frozen embedding and LM head.
 
-    Those two are read from the target's safetensors, or shared with the loaded target (colocated).
+    Those two are read from the target's safetensors, or shared with the loaded target (colocated). Activation
+    checkpointing: the config's, else off where the GPU's free memory holds the step without it
+    (runtime/checkpointing.py); `engine.module.checkpointing_reason` says which and why.
     """
+    # decided first: the free memory is read before this rank's frozen head and drafter reach the device
+    ac, why = choose_checkpointing(cfg, arch, device, colocated=target is not None, num_drafters=num_drafters)
     embed, head = frozen_head(target) if target is not None else load_target_head(cfg.target, dtype=dtype)
     drafter = load_drafter(cfg, arch).to(dtype)  # an export may be bf16 (a bf16 target's init)
-    ac = cfg.model.activation_checkpointing
-    drafter.activation_checkpointing = device.type == "cuda" if ac is None else ac
+    drafter.activation_checkpointing = ac
     drafter.mask_backend = cfg.model.attention_backend
     module = DrafterTrainModule(drafter, embed, head)
+    module.checkpointing_reason = why
     ds = load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16, accumulation=accumulation,
                         load_universal=universal)
     return build_engine(module, cfg, ds)

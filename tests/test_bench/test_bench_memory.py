@@ -267,3 +267,35 @@ def test_bench_real_shape_runs_colocated_and_counts_flops(tmp_path: Path) -> Non
     want = 2 * body * 1024 + 6 * 4 * 4 * 128 * 256 * 257 / 2
     assert r["target_tflop"] * 1e12 == pytest.approx(want)
     assert r["plan"]["target_bytes"] == 4 * r["target_params"]
+
+
+def test_checkpointing_follows_the_free_memory_unless_configured() -> None:
+    """model.activation_checkpointing null: off on CPU; on a GPU off when the step without it (bench memory's formula
+    at the run's config) fits 85% of the free memory, on otherwise; a configured value always wins."""
+    from dataclasses import replace
+
+    from dflash_ds.bench.memory import drafter_shape
+    from dflash_ds.bench.micro_step import drafter_arch
+    from dflash_ds.config import Config
+    from dflash_ds.models.presets import PRESETS
+    from dflash_ds.runtime.checkpointing import choose_checkpointing, step_bytes_without_checkpointing
+
+    cfg, preset = Config(), dict(PRESETS["qwen3-8b"])
+    arch = drafter_arch(preset, drafter_shape(preset, 4096, 5, 16), 2048)
+    need = step_bytes_without_checkpointing(cfg, arch, colocated=False, num_drafters=1)
+    d = drafter_shape(preset, 4096, 5, 16)
+    s = mm.StepShape(batch=8, seq_len=2048, anchors_per_row=256, chunk_blocks=64, dtype_bytes=2, checkpointing=False,
+                     dense_mask=False, cuda=True)
+    assert need == mm.micro_step_peak(d, s, param_grads=False) + sum(mm.static_terms(d, 16384, 2, 1).values())
+    assert round(need / 1e9, 1) == 64.3  # the figure runtime/checkpointing.py states
+    cuda = torch.device("cuda")
+    assert choose_checkpointing(cfg, arch, torch.device("cpu"))[0] is False
+    assert choose_checkpointing(cfg, arch, cuda, free_bytes=int(need / 0.85) + 1)[0] is False
+    on, why = choose_checkpointing(cfg, arch, cuda, free_bytes=int(need / 0.85) - 1)
+    assert on and "over 85%" in why
+    colocated = step_bytes_without_checkpointing(cfg, arch, colocated=True, num_drafters=1)
+    assert need - colocated == pytest.approx(2 * 151936 * 4096 * 2 + 7 * 16384 * 5 * 4096 * 2)  # head, 7 buffers
+    two = step_bytes_without_checkpointing(cfg, arch, colocated=False, num_drafters=2)
+    assert need - two == pytest.approx(7 * mm.drafter_params(d))  # ZeRO-2 halves the 14 bytes per parameter
+    forced = replace(cfg, model=replace(cfg.model, activation_checkpointing=False))
+    assert choose_checkpointing(forced, arch, cuda, free_bytes=1) == (False, "model.activation_checkpointing = false")
