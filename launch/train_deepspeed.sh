@@ -40,16 +40,38 @@ CLEANUP+=("$DS_ENV_FILE")
 export DS_ENV_FILE
 CREDENTIALS=$(mktemp -d "${DFLASH_CREDENTIALS_DIR:-$PWD}/.dflash-credentials.XXXXXX")  # 0700
 CLEANUP+=("$CREDENTIALS")
+# Where a SIGTERM asks the job to stop (below); DFLASH_* variables reach every host through the env file.
+STOP_FILE=$(mktemp -u "${DFLASH_CREDENTIALS_DIR:-$PWD}/.dflash-stop.XXXXXX")
+CLEANUP+=("$STOP_FILE")
+export DFLASH_STOP_FILE="$STOP_FILE"
 # Prints `unset HF_TOKEN ...; export HF_TOKEN_PATH=... DFLASH_SECRETS_FILE=...` (paths, shell-quoted): the
 # launcher gets no secret, only where to read them.
 SETUP=$("$PYTHON" -m dflash_ds.distributed.hostfile env-file "$DS_ENV_FILE" --credentials-dir "$CREDENTIALS" \
     "${USER_ENV[@]}")
 eval "$SETUP"
-deepspeed --hostfile "$HOSTFILE" --master_port "$MASTER_PORT" --module dflash_ds.train "$@" &
+# A preemption (SIGTERM to this script) must reach the ranks as a stop, not through the deepspeed runner: it
+# answers SIGTERM with SIGINT to pdsh, `pkill -f` of the script on every host and exit 1 a second later, and the
+# job would end with no checkpoint. The first SIGTERM creates DFLASH_STOP_FILE instead (on the shared
+# filesystem): global rank 0 sees it within a second and the job stops as on a SIGTERM to a rank (drafters
+# checkpoint at an agreed step, every rank exits 75, and so does this script through pdsh -S and the runner). A second SIGTERM, or SIGINT / SIGHUP, goes to the runner: the hard stop. The runner
+# gets a session of its own (setsid), so a signal to this script's process group reaches only this script.
+setsid deepspeed --hostfile "$HOSTFILE" --master_port "$MASTER_PORT" --module dflash_ds.train "$@" &
 LAUNCHER=$!
 SIGNALLED=0
+STOPPING=0
 forward() { SIGNALLED=1; kill -s "$1" "$LAUNCHER" 2>/dev/null || true; }
-trap 'forward TERM' TERM
+graceful() {  # no bare `return` here: in a trap it returns wait's 143, and errexit would end the script
+    SIGNALLED=1
+    if ((STOPPING)); then
+        forward TERM
+    else
+        STOPPING=1
+        : > "$STOP_FILE"
+        echo "[dflash-ds] SIGTERM: asked the job to stop (checkpoint, exit 75) through $STOP_FILE; a second" \
+            "SIGTERM stops it at once" >&2
+    fi
+}
+trap graceful TERM
 trap 'forward INT' INT
 trap 'forward HUP' HUP
 STATUS=0

@@ -2,7 +2,10 @@
 
 Every rank runs one daemon thread that, once a second:
 - bumps its own heartbeat counter and publishes its current step;
-- turns a local SIGTERM/SIGINT into the job-wide stop request `dflash/stop`;
+- turns a local SIGTERM/SIGINT into the job-wide stop request `dflash/stop`, and so does (on global rank 0)
+  the appearance of the file `DFLASH_STOP_FILE` names: a launcher whose own signal handling would kill the
+  ranks (the deepspeed runner over pdsh: SIGINT to pdsh, `pkill -f` on every host, exit 1, no checkpoint)
+  asks for the stop through the shared filesystem instead (launch/train_deepspeed.sh);
 - sees a stop request from any other rank and sets this rank's stop event;
 - notices a peer whose counter has not moved for `heartbeat_timeout_s` and ends this
   rank (non-zero) after printing which ranks were lost (every peer silent by then: a lost
@@ -178,6 +181,7 @@ class Watchdog:
         self._orphan_deadline: float | None = None
         self._done = False  # this rank finished its work: a lost peer is named, no longer fatal
         self.lost: set[int] = set()  # peers found lost after this rank finished (they never check out)
+        self.stop_file = os.environ.get("DFLASH_STOP_FILE", "") if rank == 0 else ""
 
     def start(self) -> "Watchdog":
         """Install the signal handlers (main thread) and start the thread."""
@@ -227,6 +231,7 @@ class Watchdog:
                 if self._closed.is_set():
                     return
                 self._check_launcher()
+                self._check_stop_file()
                 self._beat()
                 self._publish_stop()
                 if not self.stop_event.is_set() and self.store.check([STOP_KEY]):
@@ -252,6 +257,13 @@ class Watchdog:
             if silent > self.timeout_s and not self._closed.is_set():
                 self._die(0, f"lost contact with the job store on {self.describe_rank(0)}: no answer for "
                              f"{silent:.0f}s; rank 0 is probably lost")
+
+    def _check_stop_file(self) -> None:
+        """Rank 0: DFLASH_STOP_FILE exists -> a stop like a SIGTERM (one stat a second, on one rank only)."""
+        path = self.stop_file
+        if path and self.local_signal is None and os.path.exists(path):
+            self.local_signal = f"stop file {path}"
+            self.stop_event.set()
 
     def _publish_stop(self) -> None:
         """This rank's signal becomes the job-wide stop (the targets stop only on it; drafters may agree sooner)."""

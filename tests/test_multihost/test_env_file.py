@@ -146,7 +146,7 @@ def test_env_file_values_arrive_intact_and_a_users_ds_env_file_is_filtered(tmp_p
 
 STUB = """\
 import json, os, signal, stat, sys, time
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))  # before the record: the test signals once it is there
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(76))  # before the record: the test signals once it is there
 env_file = os.environ["DS_ENV_FILE"]
 creds = {k: v for k, v in (line.split("=", 1) for line in open(env_file).read().splitlines())
          if k in ("HF_TOKEN_PATH", "DFLASH_SECRETS_FILE")}
@@ -156,12 +156,17 @@ record = {"argv": sys.argv[1:], "secret_env": secret_env,
            "env_file": open(env_file).read(), "env_mode": stat.S_IMODE(os.stat(env_file).st_mode),
            "modes": {k: stat.S_IMODE(os.stat(v).st_mode) for k, v in creds.items()},
            "dir_mode": stat.S_IMODE(os.stat(os.path.dirname(creds["HF_TOKEN_PATH"])).st_mode),
-           "files": [env_file, os.path.dirname(creds["HF_TOKEN_PATH"])]}
+           "files": [env_file, os.path.dirname(creds["HF_TOKEN_PATH"]), os.environ["DFLASH_STOP_FILE"]],
+           "stop_file_forwarded": f"DFLASH_STOP_FILE={os.environ['DFLASH_STOP_FILE']}" in open(env_file).read()}
 with open(os.environ["STUB_OUT"] + ".tmp", "w") as f:
     json.dump(record, f)
 os.replace(os.environ["STUB_OUT"] + ".tmp", os.environ["STUB_OUT"])  # read whole or not at all
 print("launcher: --hf-token", os.environ.get("STUB_ECHO", ""), flush=True)
-time.sleep(float(os.environ["STUB_SLEEP"]))
+deadline = time.monotonic() + float(os.environ["STUB_SLEEP"])
+while time.monotonic() < deadline:  # as global rank 0 does: the stop file is a SIGTERM to the job (exit 75)
+    if os.environ.get("STUB_OBEY_STOP") == "1" and os.path.exists(os.environ["DFLASH_STOP_FILE"]):
+        sys.exit(75)
+    time.sleep(0.05)
 sys.exit(3)
 """
 
@@ -169,8 +174,10 @@ sys.exit(3)
 def test_launch_script_writes_no_secret_removes_its_files_and_passes_signals_on(tmp_path):
     """launch/train_deepspeed.sh over ssh with a stub launcher: the launcher sees no secret in its environment, its
     arguments or the env file (0600), the credentials are files of mode 0600 in a 0700 folder; its output shows a
-    secret as ***; its status is the script's, a SIGTERM to the script reaches it (75 back), and on either exit
-    the env file and the credentials are gone."""
+    secret as ***; its status is the script's. A SIGTERM to the script does not reach the launcher (the deepspeed
+    runner would kill every rank before a checkpoint): it creates DFLASH_STOP_FILE, forwarded to every host by the
+    env file, which the job's rank 0 turns into the job-wide stop (75 back); a second SIGTERM goes to the launcher.
+    On every exit the env file, the credentials and the stop file are gone."""
     import json
     import signal
     import time
@@ -198,13 +205,19 @@ def test_launch_script_writes_no_secret_removes_its_files_and_passes_signals_on(
     assert seen["modes"] == {"HF_TOKEN_PATH": 0o600, "DFLASH_SECRETS_FILE": 0o600}
     assert "launcher: --hf-token ***" in r.stdout and "SENTINEL" not in r.stdout + r.stderr
     assert not any(os.path.exists(f) for f in seen["files"])
-    proc = subprocess.Popen(script, env={**env, "STUB_SLEEP": "60"}, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not (tmp_path / "stub.json").exists() or json.loads((tmp_path / "stub.json").read_text())["files"] == \
-            seen["files"]:
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.1)
-    files = json.loads((tmp_path / "stub.json").read_text())["files"]
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 75
-    assert not any(os.path.exists(f) for f in files)
+    assert seen["stop_file_forwarded"] and not os.path.exists(seen["files"][2])
+    for obey, signals, status in (("1", 1, 75), ("0", 2, 76)):  # the stop honoured; a second SIGTERM: the hard stop
+        (tmp_path / "stub.json").unlink()
+        proc = subprocess.Popen(script, env={**env, "STUB_SLEEP": "60", "STUB_OBEY_STOP": obey}, cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "stub.json").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        files = json.loads((tmp_path / "stub.json").read_text())["files"]
+        for _ in range(signals):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+        assert proc.wait(timeout=30) == status
+        assert "asked the job to stop (checkpoint, exit 75)" in proc.stderr.read()
+        assert not any(os.path.exists(f) for f in files)

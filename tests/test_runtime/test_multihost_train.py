@@ -13,6 +13,7 @@ import hmac
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import time
@@ -25,7 +26,7 @@ import pytest
 from conftest_runtime import COMMON, HEARTBEAT_S, STEPS, assert_reference_losses
 from hosts import only_sshd_left, two_hosts
 from proc_utils import run_bounded
-from runtime_utils import REPO, env_for_children, exit_statuses, per_batch
+from runtime_utils import REPO, env_for_children, exit_statuses, per_batch, read_jsonl
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -35,7 +36,9 @@ hosts = pytest.fixture(two_hosts, name="hosts")
 
 def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_path):
     """launch/train_deepspeed.sh on h0 with a 2-host hostfile (pdsh + ssh); the env file it writes carries the
-    job's variables (here DFLASH_EXIT_STATUS_DIR: every rank on both hosts records its exit).
+    job's variables (here DFLASH_EXIT_STATUS_DIR: every rank on both hosts records its exit). A SIGTERM to the
+    script mid-run leaves the agreed step's checkpoint and 75 (not the runner's 1 with nothing saved); the same
+    command resumes it, and the two launches train the reference's batches, each once.
 
     With sentinel credentials in the launching environment (HF_TOKEN, WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, which
     the deepspeed launcher itself forwards by prefix, and HF_HUB_TOKEN_X and WANDB_KEY, which an HF_* / WANDB_*
@@ -57,23 +60,46 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
                      "DFLASH_TEST_EXIT_SALT": salt, **sentinels})
     env.pop("GLOO_SOCKET_IFNAME", None)
     started = time.time()
-    proc = hosts.popen("h0", ["bash", str(REPO / "launch/train_deepspeed.sh"), *COMMON, "--target", str(target),
-                              "--data", str(data), "--output-dir", str(tmp_path / "out"), "--zero-stage", "2"],
-                       cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen, listening, samples = set(), {}, 0
-    with ThreadPoolExecutor(1) as pool:
-        reading = pool.submit(proc.communicate, timeout=360)
-        while not reading.done():  # every process of the machine: the hosts share one pid namespace
-            seen |= {(pid, name) for pid, cmd in command_lines().items() for name, v in sentinels.items() if v in cmd}
-            samples += 1
-            if not listening and _records(tmp_path / "out"):  # training: every socket of the job is open
-                listening = {h: _listening(hosts, h) for h in hosts.names}
-            time.sleep(0.05)
-        out, err = reading.result()
-    assert proc.returncode == 0, out[-3000:] + err[-5000:]
+    cmd = ["bash", str(REPO / "launch/train_deepspeed.sh"), *COMMON, "--target", str(target), "--data", str(data),
+           "--output-dir", str(tmp_path / "out"), "--zero-stage", "2"]
+    seen, listening, samples, outs = set(), {}, 0, []
+    # 1: preempted. The drafters hold at the start of step 12 until they see a stop; SIGTERM to the script then (the
+    # deepspeed runner itself would kill every rank on both hosts with no checkpoint) must checkpoint the agreed
+    # step and end 75. 2: the same command resumes it (train.resume auto) and finishes.
+    for hold, want in (("12", 75), ("", 0)):
+        proc = hosts.popen("h0", cmd, cwd=tmp_path, env={**env, "DFLASH_FAULT_HOLD_UNTIL_STOP_AT": hold},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        termed = False
+        with ThreadPoolExecutor(1) as pool:
+            reading = pool.submit(proc.communicate, timeout=360)
+            while not reading.done():  # every process of the machine: the hosts share one pid namespace
+                seen |= {(pid, name) for pid, cmd_line in command_lines().items() for name, v in sentinels.items()
+                         if v in cmd_line}
+                samples += 1
+                if not listening and _records(tmp_path / "out"):  # training: every socket of the job is open
+                    listening = {h: _listening(hosts, h) for h in hosts.names}
+                if hold and not termed and _last_step(tmp_path / "out") >= 11:
+                    proc.send_signal(signal.SIGTERM)  # the script only (its own session: the runner's is apart)
+                    termed = True
+                time.sleep(0.05)
+            out, err = reading.result()
+        outs.append(out + err)
+        assert proc.returncode == want, out[-3000:] + err[-5000:]
+        if hold:
+            # held at the start of step 12 when the stop comes, they finish it and checkpoint 13 (12 if the stop
+            # reached them between step 11's record and the hold)
+            stop = int((tmp_path / "out/checkpoints/latest").read_text().strip().removeprefix("step_"))
+            assert stop in (12, 13) and _last_step(tmp_path / "out") == stop - 1, (stop, out[-3000:])
+            assert f"stop requested (stop file {tmp_path}/.dflash-stop." in out, out[-3000:]
+            assert sorted(exit_statuses(tmp_path / "exits")) == [0, 1, 2]
+            assert {e["status"] for e in exit_statuses(tmp_path / "exits").values()} == {75}
+            assert not list(tmp_path.glob(".dflash-stop.*"))
+    out, err = outs[-1], ""
     assert "h0: [dflash-ds] h0: GLOO_SOCKET_IFNAME=eth0: routes to MASTER_ADDR 198.18.0.1" in out
     assert "h1: [dflash-ds] h1: GLOO_SOCKET_IFNAME=eth0: routes to MASTER_ADDR 198.18.0.1" in out
-    assert_reference_losses(tmp_path / "out", ref_out)
+    assert_reference_losses(tmp_path / "out", ref_out)  # every batch, at the reference's step and loss
+    records = [r for f in (tmp_path / "out/records").glob("drafter*.jsonl") for r in read_jsonl(f)]
+    assert len(records) == 2 * STEPS  # across the stop: none lost, none repeated
     exits = exit_statuses(tmp_path / "exits")
     assert sorted(exits) == [0, 1, 2]
     mac = {k: hmac.new(salt.encode(), v.encode(), hashlib.sha256).hexdigest() for k, v in sentinels.items()}
@@ -82,7 +108,7 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
                                               "wandb_api_key": mac["WANDB_API_KEY"]}, (rank, exits[rank])
     print(f"{samples} samples of every command line during the run; listening: {listening}")
     assert samples > 20 and seen == set(), seen
-    assert not any(v in out + err for v in sentinels.values())
+    assert not any(v in text for v in sentinels.values() for text in outs)
     traces = [v.encode() for v in sentinels.values()] + [hashlib.sha256(v.encode()).hexdigest().encode()
                                                          for v in sentinels.values()]
     leaks = [p for p in _files(tmp_path, Path("/tmp"), since=started) if any(t in p.read_bytes() for t in traces)]
