@@ -213,6 +213,12 @@ class Hosts:
         """Start `cmd` on host `h` in a new session (close() kills it with the namespace)."""
         return subprocess.Popen(self.command(h, cmd, cwd), start_new_session=True, **kw)
 
+    def listening(self, h: str) -> list[str]:
+        """The local addresses (ADDR:PORT) of host h's listening TCP sockets, but its sshd's (port 22)."""
+        r = self.run(h, ["ss", "-ltnH"])
+        addrs = [line.split()[3] for line in r.stdout.splitlines() if line.strip()]
+        return sorted(a for a in addrs if not a.endswith(":22"))
+
     def pids(self, h: str) -> list[int]:
         """Every process on host `h` (sshd included)."""
         return [int(p) for p in _sh(["ip", "netns", "pids", self.netns[h]], check=False).stdout.split()]

@@ -77,7 +77,7 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
                          if v in cmd_line}
                 samples += 1
                 if not listening and _records(tmp_path / "out"):  # training: every socket of the job is open
-                    listening = {h: _listening(hosts, h) for h in hosts.names}
+                    listening = {h: hosts.listening(h) for h in hosts.names}
                 if hold and not termed and _last_step(tmp_path / "out") >= 11:
                     proc.send_signal(signal.SIGTERM)  # the script only (its own session: the runner's is apart)
                     termed = True
@@ -134,13 +134,6 @@ def command_lines() -> dict[int, str]:
                 continue
             out[int(entry)] = raw.replace(b"\0", b" ").decode("utf8", "replace")
     return out
-
-
-def _listening(hosts, h: str) -> list[str]:
-    """The local addresses of host h's listening TCP sockets, but its sshd's (port 22)."""
-    r = hosts.run(h, ["ss", "-ltnH"])
-    addrs = [line.split()[3] for line in r.stdout.splitlines() if line.strip()]
-    return sorted(a for a in addrs if not a.endswith(":22"))
 
 
 def _files(*roots: Path, since: float) -> list[Path]:

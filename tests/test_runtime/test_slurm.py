@@ -99,6 +99,17 @@ def _job_processes(hosts: Hosts) -> dict[str, list[str]]:
             for h, cmds in only_sshd_left(hosts).items()}
 
 
+def _rank_listeners(hosts: Hosts, h: str) -> list[str]:
+    """ADDR:PORT of every listening TCP socket a rank on host `h` owns (not its torchrun agent's)."""
+    found = []
+    for line in hosts.run(h, ["ss", "-ltnpH"]).stdout.splitlines():
+        cmds = [Path(f"/proc/{pid}/cmdline").read_bytes() if Path(f"/proc/{pid}").exists() else b""
+                for pid in re.findall(r"pid=(\d+)", line)]
+        if any(b"dflash_ds.train" in c and b"torchrun" not in c and b"torch.distributed.run" not in c for c in cmds):
+            found.append(line.split()[3])
+    return sorted(found)
+
+
 def _ranks(hosts: Hosts, h: str) -> list[str]:
     """The torchrun agent and ranks on host `h`."""
     return [c for c in _job_processes(hosts)[h] if "dflash_ds" in c or "torch" in c]
@@ -115,6 +126,11 @@ def test_sbatch_signalled_before_its_time_limit_requeues_and_trains_the_referenc
     # The drafters wait at step 7 until the stop is visible: the signal sent once step 6 is recorded lands there.
     job, out = _submit(slurm, tmp_path, setup, {"DFLASH_FAULT_HOLD_UNTIL_STOP_AT": "7"})
     _wait_step(slurm, job, out, 6)
+    # The ranks' listening sockets (the job's store on rank 0, gloo's pairs) on their node's own address only: the
+    # script hands torchrun h0's NodeAddr, not its name (which would bind the store to every interface).
+    listening = {h: _rank_listeners(slurm.hosts, h) for h in slurm.hosts.names}
+    assert listening["h0"] and all(a.startswith(f"{slurm.hosts.addr[h]}:") for h in listening
+                                   for a in listening[h]), listening
     r = slurm.client(["scancel", "--signal=TERM", job])
     assert r.returncode == 0, r.stderr
     first_exits = tmp_path / "job" / "attempt0" / "exits"
