@@ -358,6 +358,7 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
             if isinstance(draft_logits, WalkDraft) and draft_logits.confidence is not None:
                 judged = draft_logits.confidence[: len(accepted) + 1]  # the accepted ones and the first rejected
                 out.confidence += [(c, int(k < len(accepted))) for k, c in enumerate(judged)]
+                out.draft_confidence.append((list(draft_logits.confidence), len(accepted)))
             out.tokens += accepted + [bonus]
             start += len(accepted) + 1
             if tgt.length != start:

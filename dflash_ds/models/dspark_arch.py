@@ -30,6 +30,18 @@ from dflash_ds.models.kinds import DSPARK
 # Top-level keys of a DSpark export beside the DFlash ones: fixed by the block layout dflash-ds trains.
 LAYOUT_KEYS = {"sample_from_anchor": False, "dspark_bonus_anchor": True}
 
+# DeepSpec's DSpark recipe (`deepspec/modeling/dspark/loss.py`, `config/dspark/dspark_qwen3_4b_online.py`; docs/
+# DESIGN.md §12): what `model.kind: dspark` trains unless the file or a flag sets a field (config.load_config; the
+# run prints it and each field it departs from). 0.1 CE + 0.9 ||p - q||_1 + 1.0 BCE of the confidence against
+# sampled acceptance, decay gamma 4, 7 drafts a block (block_size 8 here: the anchor plus 7; DeepSpec's block 7 is
+# 7 query slots, the anchor predicting the first), 5 layers, rank 256, lr 6e-4. Not carried: its global batch of
+# 512 sequences (train.global_batch counts micro-batches of a token budget here).
+RECIPE_NAME = "deepspec"
+RECIPE = {"model.block_size": 8, "model.num_layers": 5, "model.markov_rank": 256,
+          "model.enable_confidence_head": True, "model.confidence_head_with_markov": True,
+          "loss.gamma": 4.0, "loss.lk": "l1", "loss.lk_weight": 0.9, "loss.labels": "data",
+          "loss.confidence_weight": 1.0, "loss.confidence_target": "sampled", "optim.lr": 6e-4}
+
 
 @dataclass
 class DSparkOptions:
