@@ -129,10 +129,18 @@ def evaluate(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, 
                "mismatches": mismatches}
     # What eval's acceptance is: at T = 0 the greedy hit; sampled drafts under rejection sampling accept with
     # probability alpha = sum min(p, q), the sampled target; greedy drafts at T > 0 are neither.
+    # At T = 0 alpha is computed beside the hit (greedy chain, distributions at T = 1): the head is judged on its own.
     judged = "greedy" if temperature <= 0 else "sampled" if draft_sample == "probabilistic" else "greedy draft, T > 0"
     for x in (results, results.get("confidence_stop") or {}):
-        if "confidence_calibration" in x:
-            x["confidence_calibration"].update(trained_for=head_target, judged_against=judged)
+        if "confidence_calibration" not in x:
+            continue
+        x["confidence_calibration"].update(trained_for=head_target, judged_against=judged)
+        alpha = x.pop("confidence_calibration_alpha", None)
+        if alpha is not None:
+            alpha.update(trained_for=head_target, judged_against="sampled")
+            mine, other = (alpha, x["confidence_calibration"]) if head_target == "sampled" else (
+                x["confidence_calibration"], alpha)
+            x["confidence_calibration"], x["confidence_calibration_other"] = mine, other
     return results
 
 
@@ -164,6 +172,9 @@ def format_table(r: dict) -> str:
                          f"{c.get('judged_against', '?')}): ECE {c['ece']:.3f}, Brier {c['brier']:.3f} over "
                          f"{c['judged_tokens']} judged tokens; drafted per accepted {x['drafted_per_accepted']:.2f}, "
                          f"tau {x['tau']:.3f}")
+            if "confidence_calibration_other" in x:
+                o = x["confidence_calibration_other"]
+                lines.append(f"  against {o['judged_against']} acceptance: ECE {o['ece']:.3f}, Brier {o['brier']:.3f}")
             if c.get("trained_for") not in (None, c.get("judged_against")):
                 lines.append(f"  (to judge it on its own target: {'--temperature 0' if c['trained_for'] == 'greedy' else '--temperature 1 --draft-sample probabilistic'})")
     for f in r.get("adaptive_verification", []):

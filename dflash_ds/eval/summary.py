@@ -22,6 +22,8 @@ class SpecOutput:
     # (confidence, accepted) of every drafted token verification reached: the accepted ones and the first rejected
     # one of each step (a token after a rejection is never judged)
     confidence: list[tuple[float, int]] = field(default_factory=list)
+    # at T = 0, (confidence, alpha = sum min(p, q)) of the same judged tokens: the sampled acceptance rate
+    confidence_alpha: list[tuple[float, float]] = field(default_factory=list)
     # (confidences of every drafted slot, accepted drafts) per decode step: adaptive verification's input
     draft_confidence: list[tuple[list[float], int]] = field(default_factory=list)
 
@@ -36,7 +38,7 @@ def first_mismatch(spec: list[int], reference: list[int]) -> int | None:
 
 def calibration(pairs: list[tuple[float, int]], bins: int = CALIBRATION_BINS) -> dict:
     """Expected calibration error (equal-width bins, weighted by count), Brier score and mean confidence against
-    the acceptance rate, over (confidence, accepted) pairs."""
+    the acceptance rate, over (confidence, accepted) pairs (accepted: a hit 0/1, or a probability alpha)."""
     if not pairs:
         return {}
     n = len(pairs)
@@ -69,6 +71,7 @@ def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
     accepted = sum(lengths) - len(lengths)
     pairs = [p for o in outputs for p in o.confidence]
     drafts = [d for o in outputs for d in o.draft_confidence]
+    alphas = [p for o in outputs for p in o.confidence_alpha]
     return {
         "tau": sum(per_prompt) / max(len(per_prompt), 1),
         "tau_pooled": sum(lengths) / steps,
@@ -82,6 +85,7 @@ def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
         "replay_forwards": sum(o.replay_forwards for o in outputs),
         "drafted_per_accepted": sum(o.drafted_tokens for o in outputs) / max(accepted, 1),
         **({"confidence_calibration": calibration(pairs)} if pairs else {}),
+        **({"confidence_calibration_alpha": calibration(alphas)} if alphas else {}),
         # the top fraction of drafted slots by running confidence product, verified (eval/adaptive.py)
         **({"adaptive_verification": simulate(drafts)} if drafts else {}),
     }

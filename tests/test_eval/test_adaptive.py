@@ -27,3 +27,30 @@ def test_confidence_target_read_from_the_export(tmp_path: Path) -> None:
     assert confidence_target_of(tmp_path) == "greedy"
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3DSparkModel"]}))
     assert confidence_target_of(tmp_path) == "sampled"  # DeepSpec's, and exports written before the field
+
+
+def test_eval_reports_the_heads_own_target(tiny_target: Path) -> None:
+    """A DSpark drafter through `evaluate` at T = 0: the calibration in front is the one the head trained for (the
+    other beside it), each labelled; the adaptive simulation's full-block row is the run's own tokens per verified
+    token, sum of accepted lengths / sum of (block_size) verified per step."""
+    import torch
+
+    from dflash_ds.eval.cli import evaluate
+    from dflash_ds.models.drafter import DFlashDrafter
+    from dflash_ds.models.dspark_arch import DSparkOptions
+    from dflash_ds.models.from_target import drafter_arch_from_target
+    from dflash_ds.models.target import load_target
+
+    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, dspark=DSparkOptions(markov_rank=4))
+    drafter = DFlashDrafter(arch)
+    drafter.init_weights(0)
+    target = load_target(str(tiny_target), dtype=torch.float32, device="cpu")
+    for aim, other in (("greedy", "sampled"), ("sampled", "greedy")):
+        r = evaluate(target, drafter.eval(), [[1, 5, 9, 13]], max_new_tokens=12, head_target=aim, log=lambda s: None)
+        mine, theirs = r["confidence_calibration"], r["confidence_calibration_other"]
+        assert (mine["trained_for"], mine["judged_against"], theirs["judged_against"]) == (aim, aim, other)
+        assert mine["judged_tokens"] == theirs["judged_tokens"] and 0 <= mine["brier"] <= 1
+        assert mine["acceptance_rate"] != theirs["acceptance_rate"]  # the hit rate and the mean alpha: two targets
+    full = r["adaptive_verification"][-1]
+    assert full["fraction"] == 1.0 and full["verified_slots"] == 3 * r["decode_steps"]
+    assert full["tokens_per_verified"] == pytest.approx(r["tau_pooled"] / 4)
