@@ -69,3 +69,14 @@ def test_confidence_target_greedy_is_the_hit(tiny_target: Path) -> None:
     alpha = out["sampled"][1].alpha[out["sampled"][1].valid]
     assert not torch.allclose(hit, alpha)  # the two targets differ on this batch, and so do the BCE sums
     assert out["greedy"][0] != pytest.approx(out["sampled"][0])
+
+
+def test_init_drafter_of_the_kind_takes_its_block(tiny_target: Path, tmp_path: Path) -> None:
+    from dflash_ds.cli import main
+    from dflash_ds.models.drafter import read_drafter_arch
+
+    assert main(["init-drafter", "--target", str(tiny_target), "--out", str(tmp_path / "s"), "--kind", "dspark",
+                 "--num-layers", "1"]) == 0
+    assert read_drafter_arch(tmp_path / "s").block_size == 8  # the deepspec recipe's: 7 drafts
+    assert main(["init-drafter", "--target", str(tiny_target), "--out", str(tmp_path / "f"), "--num-layers", "1"]) == 0
+    assert read_drafter_arch(tmp_path / "f").block_size == 16
