@@ -176,7 +176,9 @@ def format_table(r: dict) -> str:
                 o = x["confidence_calibration_other"]
                 lines.append(f"  against {o['judged_against']} acceptance: ECE {o['ece']:.3f}, Brier {o['brier']:.3f}")
             if c.get("trained_for") not in (None, c.get("judged_against")):
-                lines.append(f"  (to judge it on its own target: {'--temperature 0' if c['trained_for'] == 'greedy' else '--temperature 1 --draft-sample probabilistic'})")
+                flags = ("--temperature 0" if c["trained_for"] == "greedy"
+                         else "--temperature 1 --draft-sample probabilistic")
+                lines.append(f"  (to judge it on its own target: {flags})")
     for f in r.get("adaptive_verification", []):
         lines.append(f"adaptive verification, top {f['fraction']:.0%} of drafted slots by running confidence: "
                      f"{f['verified_slots']} verified, {f['tokens_per_verified']:.3f} tokens per verified token, "

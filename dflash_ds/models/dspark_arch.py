@@ -38,11 +38,11 @@ from dflash_ds.models.kinds import DSPARK
 LAYOUT_KEYS = {"sample_from_anchor": False, "dspark_bonus_anchor": True}
 
 # DeepSpec's DSpark recipe (DeepSeek's DeepSpec: `deepspec/modeling/dspark/loss.py`,
-# `config/dspark/dspark_qwen3_4b_online.py`): what `model.kind: dspark` trains unless the file or a flag sets a field (config.load_config; the
-# run prints it and each field it departs from). 0.1 CE + 0.9 ||p - q||_1 + 1.0 BCE of the confidence against
-# sampled acceptance, decay gamma 4, 7 drafts a block (block_size 8 here: the anchor plus 7; DeepSpec's block 7 is
-# 7 query slots, the anchor predicting the first), 5 layers, rank 256, lr 6e-4. Not carried: its global batch of
-# 512 sequences (train.global_batch counts micro-batches of a token budget here).
+# `config/dspark/dspark_qwen3_4b_online.py`): what `model.kind: dspark` trains unless the file or a flag sets a
+# field (config.load_config; the run prints it and each field it departs from). 0.1 CE + 0.9 ||p - q||_1 + 1.0
+# BCE of the confidence against sampled acceptance, decay gamma 4, 7 drafts a block (block_size 8 here: the
+# anchor plus 7; DeepSpec's block 7 is 7 query slots, the anchor predicting the first), 5 layers, rank 256, lr
+# 6e-4. Not carried: its global batch of 512 sequences (train.global_batch counts micro-batches here).
 RECIPE_NAME = "deepspec"
 RECIPE = {"model.block_size": 8, "model.num_layers": 5, "model.markov_rank": 256,
           "model.enable_confidence_head": True, "model.confidence_head_with_markov": True,
@@ -82,8 +82,8 @@ class DSparkOptions:
         vLLM reads them)."""
         if cfg.get("markov_rank") is None:
             raise DFlashError(f"{where}: config of a Qwen3DSparkModel lacks 'markov_rank'")
-        if cfg.get("d2t") is not None or (cfg.get("draft_vocab_size") or cfg["vocab_size"]) != cfg["vocab_size"]:
-            raise DFlashError(f"{where}: a reduced draft vocabulary (draft_vocab_size, d2t) is not supported here")
+        if (cfg.get("draft_vocab_size") or cfg["vocab_size"]) != cfg["vocab_size"]:
+            raise DFlashError(f"{where}: a reduced draft vocabulary (draft_vocab_size) is not supported here")
         return cls(markov_rank=int(cfg["markov_rank"]),
                    enable_confidence_head=bool(cfg.get("enable_confidence_head", False)),
                    confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", False)),

@@ -58,8 +58,8 @@ def test_confidence_target_greedy_is_the_hit(tiny_target: Path) -> None:
     embed, head = torch.nn.Embedding(v, h), torch.nn.Linear(h, v, bias=False)
     ids = torch.randint(0, v, (1, 16), generator=gen)
     mask = torch.ones(1, 16, dtype=torch.long)
-    states = TargetStates(ids, mask, torch.tensor([16]), torch.randn(1, 16, len(arch.target_layer_ids) * h,
-                                                                       generator=gen), torch.randn(1, 16, h, generator=gen))
+    context = torch.randn(1, 16, len(arch.target_layer_ids) * h, generator=gen)
+    states = TargetStates(ids, mask, torch.tensor([16]), context, torch.randn(1, 16, h, generator=gen))
     out = {}
     for aim in ("sampled", "greedy"):
         cfg = LossConfig(gamma=4.0, num_anchors=3, lk="l1", lk_weight=0.9, confidence_target=aim)
