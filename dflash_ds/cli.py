@@ -18,6 +18,7 @@ from dflash_ds.errors import DFlashError
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny-target": ("dflash_ds.tiny.cli", "write a small seeded target model (Qwen3, or --family NAME) + tokenizer (HF format)"),
     "init-drafter": ("dflash_ds.tools.init_drafter", "derive a drafter config from a target and save a random-init drafter"),
+    "convert-deepspec": ("dflash_ds.tools.convert_deepspec", "a DeepSpec-layout DSpark checkpoint as an export"),
     "train-step": ("dflash_ds.tools.train_step", "run a few single-device training steps of the DFlash core (smoke test)"),
     "prepare": ("dflash_ds.data.prepare", "tokenize conversations with the target's chat template into an Arrow dataset"),
     "regenerate": ("dflash_ds.data.regenerate", "rewrite assistant turns with the target's own answers"),

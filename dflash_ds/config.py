@@ -60,8 +60,8 @@ class DrafterConfig:
     kind: str = "dflash"
     """dflash; dflash2: DFlash plus grouped convolutions around each sublayer and a candidate selector (its
     fields below; why these defaults at Qwen3-8B / Qwen3.6-27B: models/dflash2_arch.py); or dspark: DFlash plus
-    a sequential Markov head and a confidence head (models/dspark_arch.py; train it with configs/recipes_dspark.yaml's
-    dspark recipe: loss.lk l1, loss.lk_weight 0.9, loss.gamma 4)."""
+    a sequential Markov head and a confidence head (models/dspark_arch.py), trained by default on DeepSpec's
+    recipe (see `recipe`: block 8, loss.lk l1, loss.lk_weight 0.9, loss.gamma 4)."""
     conv_kernel_size: int = 2
     """dflash2: taps of each in-block convolution (2: position i reads i and i - 1)."""
     conv_group_size: int = 64
@@ -131,8 +131,12 @@ class LossConfig:
     selector_warmup_steps: int = 0
     """dflash2: the selector weight ramps linearly from 1/N to full over the first N optimizer steps (0 = off)."""
     confidence_weight: float = 1.0
-    """dspark: weight of the confidence head's BCE against the acceptance rate alpha = 1 - 0.5 ||p - q||_1
-    (detached; the greedy hit argmax == label when the batch carries no target distribution)."""
+    """dspark: weight of the confidence head's BCE against its target (loss.confidence_target)."""
+    confidence_target: str = "sampled"
+    """dspark: what the confidence head learns to predict. sampled (DeepSpec's): the acceptance rate of a sampled
+    draft, alpha = 1 - 0.5 ||p - q||_1 (detached; needs the target's distribution: loss.lk or loss.kl_weight, else
+    the greedy hit stands in); greedy: whether the drafter's argmax (Markov bias included, teacher-forced) equals
+    the label (loss.labels), what greedy serving accepts and `eval` judges the head on."""
 
     @property
     def needs_last_hidden(self) -> bool:
@@ -316,6 +320,11 @@ class WandbConfig:
 class Config:
     """A whole run."""
 
+    recipe: str = "auto"
+    """Defaults of the drafter kind, applied under the file and the flags (a field either sets wins): auto (the
+    kind's own: dspark -> deepspec, DeepSpec's objective, models/dspark_arch.RECIPE; dflash and dflash2 have none),
+    none (the plain defaults below), or the kind's recipe by name. Rank 0 prints the recipe in force and each of its
+    fields the run departs from."""
     target: str = ""
     """Local HF folder of the frozen target model."""
     drafter: str = ""
@@ -331,13 +340,20 @@ class Config:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
-    """Defaults, then the file, then the overrides; strict and validated."""
-    cfg = Config()
-    if path:
-        _apply(cfg, read_config_file(path))
-    if overrides:
-        _apply(cfg, parse_overrides(overrides) if isinstance(overrides, list) else overrides)
-    return validate(cfg)
+    """Defaults, then the drafter kind's recipe (config_recipe.py), then the file, then the overrides; strict and
+    validated."""
+    from dflash_ds.config_recipe import with_recipe
+
+    from_file = read_config_file(path) if path else {}
+    over = (parse_overrides(overrides) if isinstance(overrides, list) else overrides) if overrides else {}
+
+    def build(recipe: dict[str, Any]) -> Config:
+        cfg = Config()
+        for layer in (recipe, from_file, over):  # the kind's recipe, then what the run sets
+            _apply(cfg, layer)
+        return cfg
+
+    return validate(with_recipe(build))
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

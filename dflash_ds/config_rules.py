@@ -54,6 +54,7 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("loss.selector_gold", "must be swap or drop", lambda v: v in ("swap", "drop")),
     ("loss.selector_warmup_steps", "must be >= 0", lambda v: v >= 0),
     ("loss.confidence_weight", "must be >= 0", lambda v: v >= 0),
+    ("loss.confidence_target", "must be sampled or greedy", lambda v: v in ("sampled", "greedy")),
     ("optim.lr", "must be > 0", lambda v: v > 0),
     ("optim.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("optim.warmup_steps", "must be >= 0", lambda v: v >= 0),

@@ -4,7 +4,8 @@ DeepSpec's rule (`deepspec/modeling/dspark/loss.py`): the target of position k i
 ||p_k - q_k||_1 = sum_v min(p, q), the chance that speculative sampling accepts a token drawn from the
 drafter's q_k (Markov bias included, teacher-forced), detached; the BCE is weighted by the same position
 decay as the rest of the loss. Without the target's distribution in the batch the target is the greedy hit
-(argmax == label), what greedy decoding of the data accepts.
+(argmax == label), what greedy decoding of the data accepts; `loss.confidence_target: greedy` asks for the hit
+always (components/objective.py passes no alpha then).
 
 Calibration, logged per record (additive sums, for all-reduce): the expected calibration error of
 sigmoid(logit) against the teacher-forced greedy hit over 10 equal-width bins (what `eval` measures against

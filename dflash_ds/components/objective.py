@@ -83,7 +83,9 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
     sums.update({k: torch.zeros((), device=dev) for k in (*SELECTOR_SUMS, *CONFIDENCE_SUMS)})
     conf = None if markov is None else drafter.confidence_logits(flat_hidden, embed_prev)
     if conf is not None and loss_cfg.confidence_weight > 0:
-        conf_loss, conf_sums = confidence_loss(conf, terms.alpha, terms.correct, terms.valid,
+        # sampled: DeepSpec's alpha (the greedy hit where the batch has no target distribution); greedy: the hit
+        aim = terms.alpha if loss_cfg.confidence_target == "sampled" else None
+        conf_loss, conf_sums = confidence_loss(conf, aim, terms.correct, terms.valid,
                                                decay_weights(bs - 1, loss_cfg.gamma, dev))
         terms.loss = terms.loss + loss_cfg.confidence_weight * conf_loss
         sums.update(conf_sums)

@@ -90,9 +90,9 @@ def parse_budgets(text: str) -> list[int]:
 
 def evaluate(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
              tree_budgets: Sequence[int] = (), seed: int = 0, log=print, draft_sample: str = "greedy",
-             confidence_stop: float | None = None) -> dict:
+             confidence_stop: float | None = None, head_target: str = "sampled") -> dict:
     """Run every prompt through greedy, single-path and tree decoding (and single-path under a confidence stop);
-    return the results dict."""
+    return the results dict. `head_target`: what the confidence head trained for (`confidence_target_of`)."""
     eos = eos_token_ids(target)
     block = drafter.arch.block_size
     runs: dict[str, list[SpecOutput]] = {"chain": [], **{f"tree{b}": [] for b in tree_budgets},
@@ -127,7 +127,31 @@ def evaluate(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, 
                **({"confidence_stop": {"threshold": confidence_stop, **summarize(runs["stop"], block)}}
                   if confidence_stop is not None else {}),
                "mismatches": mismatches}
+    # What eval's acceptance is: at T = 0 the greedy hit; sampled drafts under rejection sampling accept with
+    # probability alpha = sum min(p, q), the sampled target; greedy drafts at T > 0 are neither.
+    # At T = 0 alpha is computed beside the hit (greedy chain, distributions at T = 1): the head is judged on its own.
+    judged = "greedy" if temperature <= 0 else "sampled" if draft_sample == "probabilistic" else "greedy draft, T > 0"
+    for x in (results, results.get("confidence_stop") or {}):
+        if "confidence_calibration" not in x:
+            continue
+        x["confidence_calibration"].update(trained_for=head_target, judged_against=judged)
+        alpha = x.pop("confidence_calibration_alpha", None)
+        if alpha is not None:
+            alpha.update(trained_for=head_target, judged_against="sampled")
+            mine, other = (alpha, x["confidence_calibration"]) if head_target == "sampled" else (
+                x["confidence_calibration"], alpha)
+            x["confidence_calibration"], x["confidence_calibration_other"] = mine, other
     return results
+
+
+def confidence_target_of(drafter_dir: str | Path) -> str:
+    """What a drafter's confidence head trained for: the export's dflash_ds_training.loss.confidence_target (written
+    by the trainer), else sampled (DeepSpec's, and this trainer's before the field existed)."""
+    try:
+        cfg = json.loads((Path(drafter_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "sampled"
+    return str(((cfg.get("dflash_ds_training") or {}).get("loss") or {}).get("confidence_target", "sampled"))
 
 
 def format_table(r: dict) -> str:
@@ -144,8 +168,21 @@ def format_table(r: dict) -> str:
     for name, x in (("", r), ("with --confidence-stop: ", r.get("confidence_stop"))):
         if x and "confidence_calibration" in x:
             c = x["confidence_calibration"]
-            lines.append(f"{name}confidence head: ECE {c['ece']:.3f}, Brier {c['brier']:.3f} over {c['judged_tokens']} "
-                         f"judged tokens; drafted per accepted {x['drafted_per_accepted']:.2f}, tau {x['tau']:.3f}")
+            lines.append(f"{name}confidence head (trained for {c.get('trained_for', '?')} acceptance, judged against "
+                         f"{c.get('judged_against', '?')}): ECE {c['ece']:.3f}, Brier {c['brier']:.3f} over "
+                         f"{c['judged_tokens']} judged tokens; drafted per accepted {x['drafted_per_accepted']:.2f}, "
+                         f"tau {x['tau']:.3f}")
+            if "confidence_calibration_other" in x:
+                o = x["confidence_calibration_other"]
+                lines.append(f"  against {o['judged_against']} acceptance: ECE {o['ece']:.3f}, Brier {o['brier']:.3f}")
+            if c.get("trained_for") not in (None, c.get("judged_against")):
+                flags = ("--temperature 0" if c["trained_for"] == "greedy"
+                         else "--temperature 1 --draft-sample probabilistic")
+                lines.append(f"  (to judge it on its own target: {flags})")
+    for f in r.get("adaptive_verification", []):
+        lines.append(f"adaptive verification, top {f['fraction']:.0%} of drafted slots by running confidence: "
+                     f"{f['verified_slots']} verified, {f['tokens_per_verified']:.3f} tokens per verified token, "
+                     f"{f['tokens_per_step']:.3f} per step")
     return "\n".join(lines)
 
 
@@ -240,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
           f"temperature {args.temperature}, tree budgets {budgets or 'none'}", flush=True)
     results = evaluate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        tree_budgets=budgets, seed=args.seed, log=lambda s: print(s, flush=True),
-                       draft_sample=args.draft_sample, confidence_stop=args.confidence_stop)
+                       draft_sample=args.draft_sample, confidence_stop=args.confidence_stop,
+                       head_target=confidence_target_of(args.drafter))
     results.update({"target": str(args.target), "drafter": str(args.drafter), "data": str(args.data)})
     print(format_table(results))
     if args.engine == "vllm":

@@ -87,6 +87,7 @@ class TargetSession:
         self.cache = DynamicCache(config=model.config)
         self.device = next(model.parameters()).device
         self.replays = 0
+        self.verified_logits: torch.Tensor | None = None  # the last verify forward's logits (eval's alpha)
         # transformers 5.2x renamed `past_key_values` to `cache`; accept both spellings.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -273,6 +274,7 @@ def _verify_chain(tgt: TargetSession, anchor: int, draft_logits: torch.Tensor, s
     ids = [anchor] + draft
     snap = None if tgt.croppable else tgt.snapshot()
     logits, feats = tgt.forward(ids, torch.arange(start, start + len(ids)))
+    tgt.verified_logits = logits
     if temperature <= 0:
         choice = logits.argmax(-1).tolist()
         a = 0
@@ -358,6 +360,12 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
             if isinstance(draft_logits, WalkDraft) and draft_logits.confidence is not None:
                 judged = draft_logits.confidence[: len(accepted) + 1]  # the accepted ones and the first rejected
                 out.confidence += [(c, int(k < len(accepted))) for k, c in enumerate(judged)]
+                out.draft_confidence.append((list(draft_logits.confidence), len(accepted)))
+                if draft_logits.logits is not None and temperature <= 0:  # what sampled drafts would be accepted at
+                    z, n = draft_logits.logits, len(judged)
+                    p = torch.softmax(tgt.verified_logits[:n].float().cpu(), -1)
+                    alpha = torch.minimum(p, torch.softmax(z[:n].float().cpu(), -1)).sum(-1).tolist()
+                    out.confidence_alpha += list(zip(judged, alpha))
             out.tokens += accepted + [bonus]
             start += len(accepted) + 1
             if tgt.length != start:

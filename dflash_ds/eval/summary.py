@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dflash_ds.eval.adaptive import simulate
+
 CALIBRATION_BINS = 10  # equal-width bins of the confidence for the expected calibration error
 
 
@@ -20,6 +22,10 @@ class SpecOutput:
     # (confidence, accepted) of every drafted token verification reached: the accepted ones and the first rejected
     # one of each step (a token after a rejection is never judged)
     confidence: list[tuple[float, int]] = field(default_factory=list)
+    # at T = 0, (confidence, alpha = sum min(p, q)) of the same judged tokens: the sampled acceptance rate
+    confidence_alpha: list[tuple[float, float]] = field(default_factory=list)
+    # (confidences of every drafted slot, accepted drafts) per decode step: adaptive verification's input
+    draft_confidence: list[tuple[list[float], int]] = field(default_factory=list)
 
 
 def first_mismatch(spec: list[int], reference: list[int]) -> int | None:
@@ -32,7 +38,7 @@ def first_mismatch(spec: list[int], reference: list[int]) -> int | None:
 
 def calibration(pairs: list[tuple[float, int]], bins: int = CALIBRATION_BINS) -> dict:
     """Expected calibration error (equal-width bins, weighted by count), Brier score and mean confidence against
-    the acceptance rate, over (confidence, accepted) pairs."""
+    the acceptance rate, over (confidence, accepted) pairs (accepted: a hit 0/1, or a probability alpha)."""
     if not pairs:
         return {}
     n = len(pairs)
@@ -54,7 +60,8 @@ def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
     `tau` is the public reference benchmark's "average acceptance length": the mean over prompts of each
     prompt's mean accepted length (prompts without a decode step have none and are left out). `tau_pooled`
     is the mean over all decode steps together, which weighs long prompts more. `drafted_per_accepted`: draft
-    tokens verified per draft token accepted. `confidence_calibration` (a drafter with a confidence head).
+    tokens verified per draft token accepted. `confidence_calibration` and `adaptive_verification` (a drafter with a
+    confidence head).
     """
     lengths = [n for o in outputs for n in o.accept_lengths]
     steps = max(len(lengths), 1)
@@ -63,6 +70,8 @@ def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
     hist = [sum(1 for n in lengths if n == k) for k in range(1, block_size + 1)]
     accepted = sum(lengths) - len(lengths)
     pairs = [p for o in outputs for p in o.confidence]
+    drafts = [d for o in outputs for d in o.draft_confidence]
+    alphas = [p for o in outputs for p in o.confidence_alpha]
     return {
         "tau": sum(per_prompt) / max(len(per_prompt), 1),
         "tau_pooled": sum(lengths) / steps,
@@ -76,4 +85,7 @@ def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
         "replay_forwards": sum(o.replay_forwards for o in outputs),
         "drafted_per_accepted": sum(o.drafted_tokens for o in outputs) / max(accepted, 1),
         **({"confidence_calibration": calibration(pairs)} if pairs else {}),
+        **({"confidence_calibration_alpha": calibration(alphas)} if alphas else {}),
+        # the top fraction of drafted slots by running confidence product, verified (eval/adaptive.py)
+        **({"adaptive_verification": simulate(drafts)} if drafts else {}),
     }

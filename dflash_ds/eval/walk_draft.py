@@ -33,6 +33,9 @@ class WalkDraft:
     tokens: list[int]
     q: torch.Tensor | None
     confidence: list[float] | None = None
+    # the full-vocabulary logits [L, V] each token was taken from (DSpark: the Markov bias included; None for a walk
+    # over candidates): eval's alpha = sum min(p, softmax(logits)) per token, the head's sampled target
+    logits: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int]:
@@ -87,6 +90,6 @@ def walk_draft_fn(drafter: DFlashDrafter, target: nn.Module, temperature: float 
         if temperature > 0:  # the greedy walk as a one-hot q: accepted with probability p(x)
             return WalkDraft(chain, torch.zeros(keep, vocab).scatter_(1, out.tokens[0, :keep].cpu().view(-1, 1), 1.0),
                              conf)
-        return WalkDraft(chain, None, conf)
+        return WalkDraft(chain, None, conf, None if out.candidates is not None else out.logits[0, :keep].cpu())
 
     return draft

@@ -131,7 +131,10 @@ class DrafterArch:
     @property
     def dspark_options(self) -> dict[str, Any] | None:
         """The DSpark options as a plain dict (checkpoints record it); None for another kind."""
-        return None if self.dspark is None else asdict(self.dspark)
+        if self.dspark is None:
+            return None
+        # the layout only when it is DeepSpec's: checkpoints written before the field compare equal
+        return {k: v for k, v in asdict(self.dspark).items() if k != "sample_from_anchor" or v}
 
     @property
     def has_sliding(self) -> bool:
@@ -177,6 +180,8 @@ class DrafterArch:
             cfg["architectures"] = [ARCHITECTURES[DSPARK]]
             cfg["dflash_config"].update(block_size=self.block_size)
             cfg.update(self.dspark.to_config())
+            if self.dspark.sample_from_anchor:  # DeepSpec's block_size counts query slots: the drafts (dspark_arch)
+                cfg["block_size"] = cfg["dflash_config"]["block_size"] = self.block_size - 1
         rope_type = self.rope_parameters.get("rope_type", "default")
         if rope_type != "default":
             # transformers-4.x loaders (and SGLang's get_rope_config on them) read only rope_scaling.
@@ -197,6 +202,10 @@ class DrafterArch:
                 rope["rope_theta"] = cfg["rope_theta"]
             n_layers = int(cfg["num_hidden_layers"])
             window = cfg.get("sliding_window")
+            dspark = (DSparkOptions.from_config(cfg, where)
+                      if ARCHITECTURES[DSPARK] in (cfg.get("architectures") or []) else None)
+            # DeepSpec's anchor-as-first block_size N is N drafts: N + 1 here, the anchor included (dspark_arch)
+            block = int(cfg["block_size"]) + (1 if dspark is not None and dspark.sample_from_anchor else 0)
             return cls(
                 hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
                 num_hidden_layers=n_layers, num_attention_heads=int(cfg["num_attention_heads"]),
@@ -204,7 +213,7 @@ class DrafterArch:
                 head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
                 vocab_size=int(cfg["vocab_size"]), rms_norm_eps=float(cfg["rms_norm_eps"]),
                 max_position_embeddings=int(cfg["max_position_embeddings"]), rope_parameters=dict(rope),
-                block_size=int(cfg["block_size"]), num_target_layers=int(cfg["num_target_layers"]),
+                block_size=block, num_target_layers=int(cfg["num_target_layers"]),
                 mask_token_id=int(dcfg["mask_token_id"]),
                 target_layer_ids=list(dcfg.get("target_layer_ids")
                                       or default_target_layer_ids(int(cfg["num_target_layers"]), n_layers)),
@@ -212,8 +221,7 @@ class DrafterArch:
                 layer_types=cfg.get("layer_types"), sliding_window=None if window is None else int(window),
                 dflash2=(DFlash2Options.from_config(dcfg, where)
                          if ARCHITECTURES[DFLASH2] in (cfg.get("architectures") or []) else None),
-                dspark=(DSparkOptions.from_config(cfg, where)
-                        if ARCHITECTURES[DSPARK] in (cfg.get("architectures") or []) else None),
+                dspark=dspark,
             )
         except KeyError as exc:
             raise DFlashError(f"{where}: missing field {exc.args[0]!r} of a DFlash drafter config") from None

@@ -73,6 +73,25 @@ class DSparkDrafter(DFlashDrafter):
             self.confidence_head = ConfidenceHead(dim, o.confidence_head_with_markov)
 
 
+    # DeepSpec's anchor-as-first layout (models/dspark_arch.py): the backbone sees the block's first B - 1 tokens
+    # (its N query slots, so attention spans exactly DeepSpec's block) and slot k reads query k - 1's state; slot 0
+    # (the anchor's own, never a prediction) repeats query 0's. Everything downstream reads slots 1..B-1 as before.
+    def forward_train(self, context_features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
+                      pad: bool | None = None) -> torch.Tensor:
+        """DFlash's forward_train; in the anchor-as-first layout, shifted as above."""
+        if not self.arch.dspark.sample_from_anchor:
+            return super().forward_train(context_features, block_embeds, anchors, pad)
+        out = super().forward_train(context_features, block_embeds[:, :, :-1], anchors, pad)
+        return torch.cat([out[:, :, :1], out], dim=2)
+
+    def forward_infer(self, context_features: torch.Tensor | None, block_embeds: torch.Tensor, start: int,
+                      cache=None) -> torch.Tensor:
+        """DFlash's forward_infer; in the anchor-as-first layout, shifted as above."""
+        if not self.arch.dspark.sample_from_anchor:
+            return super().forward_infer(context_features, block_embeds, start, cache)
+        out = super().forward_infer(context_features, block_embeds[:, :-1], start, cache)
+        return torch.cat([out[:, :1], out], dim=1)
+
     def confidence_logits(self, hidden: torch.Tensor, embed: torch.Tensor) -> torch.Tensor | None:
         """The confidence head's logits [...] (None without the head)."""
         return None if self.confidence_head is None else self.confidence_head(hidden, embed)

@@ -5,8 +5,15 @@ Names and places are vLLM 0.32's (`qwen3_dspark.py`, `config/speculative.py`, `s
 DFlash keys stay in `dflash_config`, which vLLM reads first. dflash-ds trains DSpark in the DFlash block
 layout (`[anchor, MASK x (B-1)]`, the anchor is the bonus token, positions 1..B-1 predict), so the export
 says `sample_from_anchor: false` (vLLM's DSpark speculator otherwise defaults to DeepSpec's
-anchor-as-first layout, where every one of B query positions predicts the next token). That layout is what
+anchor-as-first layout, where every one of N query positions predicts the next token). That layout is what
 lets a trained DFlash drafter warm-start a DSpark one, drafting exactly as before at step 0.
+
+DeepSpec's layout (`sample_from_anchor` true or absent, read in vLLM's `spec_decode/dspark/speculator.py` and
+the `SAMPLE_FROM_ANCHOR` branch of `_prepare_dflash_inputs_kernel`): its config's block_size N is N query
+tokens `[anchor, MASK x (N-1)]` at positions a..a+N-1, query i predicting the token at a+i+1. It loads here as
+`sample_from_anchor: true` with block_size N + 1 inside dflash-ds (N drafts, as in the DFlash layout):
+models/dspark.py runs the backbone on the first N tokens of the block and hands query i's state to draft slot
+i + 1, so the loss, the Markov chain, eval and training read it unchanged; an export writes block_size N back.
 
 Defaults (config.DrafterConfig holds them), at the real shape:
 - markov_rank 256 (DeepSpec's Qwen3 configs): markov_w1 (target vocab x r) + markov_w2 (draft vocab x r) =
@@ -30,6 +37,18 @@ from dflash_ds.models.kinds import DSPARK
 # Top-level keys of a DSpark export beside the DFlash ones: fixed by the block layout dflash-ds trains.
 LAYOUT_KEYS = {"sample_from_anchor": False, "dspark_bonus_anchor": True}
 
+# DeepSpec's DSpark recipe (DeepSeek's DeepSpec: `deepspec/modeling/dspark/loss.py`,
+# `config/dspark/dspark_qwen3_4b_online.py`): what `model.kind: dspark` trains unless the file or a flag sets a
+# field (config.load_config; the run prints it and each field it departs from). 0.1 CE + 0.9 ||p - q||_1 + 1.0
+# BCE of the confidence against sampled acceptance, decay gamma 4, 7 drafts a block (block_size 8 here: the
+# anchor plus 7; DeepSpec's block 7 is 7 query slots, the anchor predicting the first), 5 layers, rank 256, lr
+# 6e-4. Not carried: its global batch of 512 sequences (train.global_batch counts micro-batches here).
+RECIPE_NAME = "deepspec"
+RECIPE = {"model.block_size": 8, "model.num_layers": 5, "model.markov_rank": 256,
+          "model.enable_confidence_head": True, "model.confidence_head_with_markov": True,
+          "loss.gamma": 4.0, "loss.lk": "l1", "loss.lk_weight": 0.9, "loss.labels": "data",
+          "loss.confidence_weight": 1.0, "loss.confidence_target": "sampled", "optim.lr": 6e-4}
+
 
 @dataclass
 class DSparkOptions:
@@ -42,6 +61,8 @@ class DSparkOptions:
     """Build the confidence head (a sigmoid estimate that each drafted token is accepted)."""
     confidence_head_with_markov: bool = _M.confidence_head_with_markov
     """The confidence head reads the previous token's Markov embedding beside the hidden state."""
+    sample_from_anchor: bool = False
+    """DeepSpec's anchor-as-first layout (module doc): read from an export, never a run's model.* field."""
 
     def check(self, hidden_size: int, vocab_size: int, where: str = "") -> "DSparkOptions":
         """One clear error naming the field that cannot build a drafter."""
@@ -52,7 +73,8 @@ class DSparkOptions:
 
     def to_config(self) -> dict[str, Any]:
         """The top-level keys this adds to the export's config.json."""
-        return {**asdict(self), **LAYOUT_KEYS}
+        layout = {"sample_from_anchor": True, "dspark_bonus_anchor": False} if self.sample_from_anchor else LAYOUT_KEYS
+        return {**asdict(self), **layout}
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], where: str) -> "DSparkOptions":
@@ -60,25 +82,25 @@ class DSparkOptions:
         vLLM reads them)."""
         if cfg.get("markov_rank") is None:
             raise DFlashError(f"{where}: config of a Qwen3DSparkModel lacks 'markov_rank'")
-        if cfg.get("sample_from_anchor", True) is not False:
-            raise DFlashError(f"{where}: sample_from_anchor is not false: dflash-ds trains and evaluates DSpark in "
-                              "the DFlash block layout (the anchor is the bonus token); an anchor-as-first "
-                              "checkpoint (DeepSpec's) cannot be loaded here")
+        if (cfg.get("draft_vocab_size") or cfg["vocab_size"]) != cfg["vocab_size"]:
+            raise DFlashError(f"{where}: a reduced draft vocabulary (draft_vocab_size) is not supported here")
         return cls(markov_rank=int(cfg["markov_rank"]),
                    enable_confidence_head=bool(cfg.get("enable_confidence_head", False)),
-                   confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", False)))
+                   confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", False)),
+                   # vLLM's default when the key is absent: DeepSpec's anchor-as-first layout
+                   sample_from_anchor=bool(cfg.get("sample_from_anchor", True)))
 
     @classmethod
     def from_model_config(cls, model: Any) -> "DSparkOptions | None":
         """From a run's `model.*` section (or init-drafter's flags): None unless the kind is dspark."""
         if getattr(model, "kind", "") != DSPARK:
             return None
-        return cls(**{f.name: getattr(model, f.name) for f in fields(cls)})
+        return cls(**{name: getattr(model, name) for name in option_names()})
 
 
 def option_names() -> list[str]:
-    """The DSpark field names (config model.*, init-drafter flags, config.json keys)."""
-    return [f.name for f in fields(DSparkOptions)]
+    """The DSpark field names a run sets (config model.*, init-drafter flags); the layout comes from an export."""
+    return [f.name for f in fields(DSparkOptions) if f.name != "sample_from_anchor"]
 
 
 def dspark_params(hidden_size: int, vocab_size: int, opts: DSparkOptions) -> int:

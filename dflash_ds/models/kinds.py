@@ -19,3 +19,18 @@ VLLM_ANCHOR_FIRST_BY_DEFAULT = frozenset({DSPARK})
 def kind_of_architecture(architectures: list[str] | None) -> str | None:
     """The kind whose export architecture is listed (None when none is)."""
     return next((kind for kind, name in ARCHITECTURES.items() if name in (architectures or [])), None)
+
+
+# Kinds with a recipe of their own (the module holding RECIPE_NAME and RECIPE: dotted config field -> value), applied
+# under a run's file and flags by config.load_config; a kind not listed trains the plain defaults.
+RECIPE_MODULES = {DSPARK: "dflash_ds.models.dspark_arch"}
+
+
+def kind_recipe(kind: str) -> tuple[str, dict]:
+    """(name, fields) of the kind's own recipe; ("none", {}) for a kind without one."""
+    import importlib
+
+    if kind not in RECIPE_MODULES:
+        return "none", {}
+    module = importlib.import_module(RECIPE_MODULES[kind])
+    return module.RECIPE_NAME, dict(module.RECIPE)

@@ -188,7 +188,13 @@ def _save(engine, cfg: Config, out: Path, arch: DrafterArch, dtype: torch.dtype,
     state = ckpt.trainer_state(cfg, arch, data.num_drafters, data.global_batch, engine.zero_optimization_stage(),
                                dtype, step, cursor, val=val, best=best)
     ckpt.save_checkpoint(engine, step, out, state, cfg.train.keep_last,
-                         lambda folder: export_drafter(engine, arch, dtype, folder), best=new_best)
+                         lambda folder: export_drafter(engine, arch, dtype, folder, notes=export_notes(cfg)),
+                         best=new_best)
+
+
+def export_notes(cfg: Config) -> dict:
+    """What an export trained on, written beside its shape: the recipe in force and the loss section."""
+    return {"recipe": cfg.recipe, "loss": to_dict(cfg)["loss"]}
 
 
 def _finish(source: BatchSource, log: StepLog) -> None:

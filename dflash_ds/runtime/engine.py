@@ -254,10 +254,16 @@ def check_shared_head(engine, target: nn.Module) -> str | None:
             f"every rank than colocated training needs); is the target loaded in the run's dtype?")
 
 
-def export_drafter(engine, arch: DrafterArch, dtype: torch.dtype, folder: Path) -> None:
-    """The HF export in the training dtype (gathered on rank 0 under ZeRO-3; collective)."""
+def export_drafter(engine, arch: DrafterArch, dtype: torch.dtype, folder: Path, notes: dict | None = None) -> None:
+    """The HF export in the training dtype (gathered on rank 0 under ZeRO-3; collective). `notes` go into its
+    config.json as `dflash_ds_training` (what it trained on: eval reads the confidence head's target there; serving
+    engines ignore the key)."""
     state_dict = gathered_drafter_state(engine)
     if state_dict is not None:
         export = DFlashDrafter(arch)
         export.load_state_dict(state_dict, strict=False)
-        export.to(dtype).save_pretrained(folder)
+        out = export.to(dtype).save_pretrained(folder)
+        if notes:
+            path = out / "config.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), "dflash_ds_training": notes}, indent=2,
+                                       sort_keys=True) + "\n")

@@ -65,6 +65,10 @@ def run_job(cfg: Config) -> int:
     from dflash_ds.runtime.job import resolve_arch, torch_dtype
 
     arch = resolve_arch(cfg)  # before any group: a bad drafter/target pair fails fast on every rank
+    if env.rank == 0:  # which defaults of the kind this run trains on (config_recipe.py)
+        from dflash_ds.config_recipe import recipe_report
+
+        print(f"[dflash-ds] {recipe_report(cfg, arch.kind)}", flush=True)
     # Memory-mapped and cheap: an empty dataset or out-of-vocabulary ids fail here on every rank,
     # before a rank waits in a rendezvous for peers that have already exited.
     from dflash_ds.runtime.resume import choose_resume

@@ -14,7 +14,7 @@ from dflash_ds.models.dflash2_arch import DFlash2Options
 from dflash_ds.models.drafter import DFlashDrafter
 from dflash_ds.models.dspark_arch import DSparkOptions
 from dflash_ds.models.from_target import SHAPE_OVERRIDES, drafter_arch_from_target, target_dtype
-from dflash_ds.models.kinds import KINDS
+from dflash_ds.models.kinds import KINDS, kind_recipe
 from dflash_ds.models.warm_start import warm_start
 
 
@@ -77,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "apply). Train it with --drafter OUT")
     p.add_argument("--out", required=True, help="folder to write the drafter export (config.json, model.safetensors)")
     p.add_argument("--num-layers", type=int, default=5, help="draft decoder layers (default 5)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block incl. the anchor (default 16)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block incl. the anchor (default: the kind's recipe's, dspark 8; else 16)")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="MASK token id (default: the tokenizer's mask token, <|mask|>, or a spare vocab row)")
     p.add_argument("--layer-types", default="",
@@ -120,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         raise DFlashError("init-drafter: give --target (a new drafter) or --from (a warm start from an export)")
     else:
         types = [t.strip() for t in args.layer_types.split(",") if t.strip()] or None
-        model = init_drafter(args.target, args.out, num_layers=args.num_layers, block_size=args.block_size,
+        block = args.block_size or kind_recipe(args.kind)[1].get("model.block_size", 16)  # as a run of the kind
+        model = init_drafter(args.target, args.out, num_layers=args.num_layers, block_size=block,
                              mask_token_id=args.mask_token_id, seed=args.seed, force=args.force,
                              layer_types=types, sliding_window=args.sliding_window,
                              dflash2=DFlash2Options.from_model_config(args),

@@ -198,10 +198,10 @@ def test_export_config_and_its_errors(tiny_target: Path, tmp_path: Path) -> None
     assert cfg["dflash_config"]["block_size"] == 4 and "mask_token_id" in cfg["dflash_config"]
     back = DFlashDrafter.from_pretrained(out)
     assert back.kind == "dspark" and back.confidence_head is None and back.arch.dspark == drafter.arch.dspark
-    cfg["sample_from_anchor"] = True  # DeepSpec's anchor-as-first layout: not what the backbone was trained for
+    cfg["sample_from_anchor"] = True  # DeepSpec's anchor-as-first layout: block_size 4 is 4 drafts
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(DFlashError, match="sample_from_anchor is not false"):
-        DFlashDrafter.from_pretrained(out)
+    anchor_first = DFlashDrafter.from_pretrained(out)
+    assert anchor_first.arch.dspark.sample_from_anchor and anchor_first.arch.block_size == 5
     del cfg["markov_rank"]
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DFlashError, match="lacks 'markov_rank'"):
