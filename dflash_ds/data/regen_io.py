@@ -204,6 +204,9 @@ def progress_bar(total: int, rank: int) -> Any:
     tty = sys.stderr.isatty()
     return tqdm(total=total, desc=f"regenerate[rank {rank}]", unit=" rows", file=sys.stderr if tty else
                 _LineWriter(sys.stderr), mininterval=1.0 if tty else 30.0, dynamic_ncols=tty, ascii=not tty,
+                # miniters=1: redraw on time alone (tqdm's adaptive miniters lets its monitor thread write a
+                # stale extra line 10 s after a batch)
+                miniters=1,
                 bar_format="{desc}: {n_fmt}/{total_fmt} rows {percentage:3.0f}%|{bar:20}| "
                            "[{elapsed} elapsed, ETA {remaining}, {rate_noinv_fmt}{postfix}]")
 
