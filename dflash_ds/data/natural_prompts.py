@@ -94,7 +94,8 @@ TASKS: dict[str, tuple[list[str], list]] = {
     "rewrite": (["Rewrite this sentence to sound more formal: \"{t}\"",
                  "Rewrite this sentence to be clearer and more polite, then explain what you changed: \"{t}\"",
                  "Write three different ways to say this sentence: \"{t}\""], SENTENCES),
-    "list": (["List five {t} and say one sentence about each.", "Give me a short list of {t}, with a short note on each."],
+    "list": (["List five {t} and say one sentence about each.",
+              "Give me a short list of {t}, with a short note on each."],
              COLLECTIONS),
     "compare": (["What is the difference between {a} and {b}?",
                  "Compare {a} and {b}: how are they alike, and how are they different?"], PAIRS),
@@ -218,5 +219,6 @@ def run(args: argparse.Namespace) -> int:
     write_jsonl(held, out / "held_out.jsonl")
     for name, rows in (("train", train), ("held_out", held)):
         kinds = Counter(r["kind"] for r in rows)
-        print(f"{out / (name + '.jsonl')}: {len(rows)} prompts ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})")
+        by_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+        print(f"{out / (name + '.jsonl')}: {len(rows)} prompts ({by_kind})")
     return 0

