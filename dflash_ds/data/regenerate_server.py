@@ -33,7 +33,8 @@ from pathlib import Path
 
 from dflash_ds.data import formats
 from dflash_ds.data.chat import load_tokenizer, special_token_pattern
-from dflash_ds.data.regen_io import barrier, merge_shards, next_turn, open_outputs, rows_to_generate
+from dflash_ds.data.regen_io import (barrier, count_to_generate, end_bar_at_done, merge_shards, next_turn,
+                                     open_outputs, progress_bar, rows_to_generate)
 from dflash_ds.data.token_ids import prompt_ids
 from dflash_ds.errors import DFlashError
 from dflash_ds.serving.client import OpenAIClient, ServerError
@@ -94,8 +95,6 @@ def regenerate_served(client: OpenAIClient, target: str | Path, data: str | Path
                       top_p: float = 1.0, seed: int = 0, limit: int | None = None, rank: int | None = None,
                       world: int | None = None) -> dict[str, int]:
     """Regenerate the assistant turns of `data` into `out` through `client` (resumable; sharded under torchrun)."""
-    from tqdm import tqdm
-
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
     formats.file_kind(data)
@@ -117,7 +116,7 @@ def regenerate_served(client: OpenAIClient, target: str | Path, data: str | Path
                                    temperature=temperature, top_p=top_p, seed=seed + index if temperature > 0 else None)
 
     with open(shard, "a", encoding="utf-8") as sink, ThreadPoolExecutor(concurrency) as pool, \
-            tqdm(desc=f"regenerate[rank {rank}]", unit="row", disable=None) as bar:
+            progress_bar(count_to_generate(data, limit, rank, world, done), rank) as bar:
         def finish(future: Future, rid: str, line: int) -> bool:
             try:
                 row = future.result()
@@ -131,6 +130,8 @@ def regenerate_served(client: OpenAIClient, target: str | Path, data: str | Path
             stats["written"] += 1
             counts["new_tokens"] += sum(len(t) for t in row.get("token_ids", []))
             counts["no_ids"] += "token_ids" not in row
+            bar.set_postfix_str(f"{counts['new_tokens'] / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s",
+                                refresh=False)
             bar.update(1)
             return True
 
@@ -155,6 +156,7 @@ def regenerate_served(client: OpenAIClient, target: str | Path, data: str | Path
             in_flight[pool.submit(work, index, messages)] = (rid, line)
             drain(concurrency - 1)
         drain(0)
+        end_bar_at_done(bar)
     elapsed = time.perf_counter() - t0
     print(f"regenerate[rank {rank}]: {stats['rows']} rows, {stats['written']} written, {stats['skipped_done']} "
           f"already done, {stats['bad']} bad, {stats['failed']} failed, {stats['not_attempted']} not attempted; "

@@ -71,7 +71,9 @@ def test_greedy_matches_direct_generate(tiny_target: Path, data: Path, tmp_path:
     assert multi[3]["content"] == "More about the city" and "old" not in multi[2]["content"] + multi[4]["content"]
 
 
-def test_resume_skips_done_rows_and_repairs_torn_line(tiny_target: Path, data: Path, tmp_path: Path) -> None:
+def test_resume_skips_done_rows_and_repairs_torn_line(tiny_target: Path, data: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """...and the progress bar (stderr, one line a redraw off a terminal) counts only the rows left to do."""
     full = tmp_path / "full.jsonl"
     regenerate(tiny_target, data, full, batch_size=2, max_new_tokens=NEW, rank=0, world=1)
     out = tmp_path / "resumed.jsonl"
@@ -79,8 +81,14 @@ def test_resume_skips_done_rows_and_repairs_torn_line(tiny_target: Path, data: P
     assert first["written"] == 2
     with open(out, "a") as f:
         f.write('{"id": "q4", "messages": [{"role"')  # a kill in the middle of a write
+    capsys.readouterr()
     second = regenerate(tiny_target, data, out, batch_size=2, max_new_tokens=NEW, rank=0, world=1)
     assert second["skipped_done"] == 2 and second["written"] == 2
+    bar = [line for line in capsys.readouterr().err.splitlines() if line.startswith("regenerate[rank 0]: ")]
+    # Counted before the run: 2 good rows left + the row with a literal special token (skipped when reached).
+    assert bar[0].startswith("regenerate[rank 0]: 0/3 rows   0%") and "ETA ?" in bar[0], bar
+    assert bar[-1].startswith("regenerate[rank 0]: 2/2 rows 100%") and " rows/s" in bar[-1], bar
+    assert "ETA 00:00" in bar[-1] and "tok/s" in bar[-1], bar
     assert out.read_text() == full.read_text()
     third = regenerate(tiny_target, data, out, batch_size=2, max_new_tokens=NEW, rank=0, world=1)
     assert third["written"] == 0 and third["skipped_done"] == 4
