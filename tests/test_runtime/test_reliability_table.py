@@ -42,6 +42,8 @@ ROWS = {
         "test_reliability_table.py::test_sigterm_to_torchrun_checkpoints_the_current_step",
         "test_reliability_table.py::test_sigint_to_torchrun_then_resume_zero0_on_one_drafter",
         "test_colocated.py::test_one_colocated_rank_sigterm_resume_export_eval"],
+    "SIGTERM to `launch/train_deepspeed.sh` (a hostfile job preempted)": [
+        "test_multihost_train.py::test_deepspeed_launcher_over_ssh_on_two_hosts"],
     "the launcher is SIGKILLed (a scheduler's hard kill)": [
         "test_reliability_table.py::test_sigkill_to_torchrun_leaves_no_rank_behind",
         "test_reliability_table.py::test_launcher_gone_and_a_stuck_peer_every_rank_exits_4_after_the_grace"],
