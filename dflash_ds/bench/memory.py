@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ds.bench import memory_model as mm
-from dflash_ds.bench.micro_step import micro_step_inputs, write_profile
+from dflash_ds.bench.micro_step import micro_step_inputs, visible_keys, write_profile
 from dflash_ds.errors import DFlashError, read_json_file
 from dflash_ds.models.kinds import KINDS
 from dflash_ds.models.presets import PRESETS
@@ -99,7 +99,7 @@ def target_config(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
     missing = [k for k in SHAPE_FIELDS if k not in text]
     if missing:
-        raise DFlashError(f"{path}: missing field {missing[0]!r}")
+        raise DFlashError(f"{Path(args.target) / 'config.json'}: missing field {missing[0]!r}")
     return str(args.target), text
 
 
@@ -194,7 +194,6 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.St
     """
     import torch
 
-    from dflash_ds.components.loss import sample_anchors
     from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory, resident_bytes
 
     module, states, loss_cfg = micro_step_inputs(
@@ -211,9 +210,7 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.St
         return int(sums["anchors"])
 
     b, s = steps[0].batch, steps[0].seq_len
-    anchors, _ = sample_anchors(states.loss_mask, states.lengths, shape.block_size, args.num_anchors,
-                                torch.Generator().manual_seed(0), max_total=args.max_anchors)
-    visible = float(((anchors.cpu() + shape.block_size) * shape.block_size).sum())  # keys seen, summed over queries
+    visible, per_row = visible_keys(b, s, shape.block_size, args.num_anchors, args.max_anchors)
     rows = []
     for n, step in enumerate(steps):
         drafter.activation_checkpointing = step.checkpointing
@@ -240,7 +237,7 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.St
         hw_flops = mm.micro_step_flops(shape, step, visible)
         rows.append({"kind": shape.kind, "activation_checkpointing": step.checkpointing,
                      "measured_peak_bytes": max(peaks), "step_s": step_s, "tokens_per_s": b * s / step_s,
-                     "anchors": anchors_used, "anchors_per_row": int(anchors.shape[1]), "tflop": model_flops / 1e12,
+                     "anchors": anchors_used, "anchors_per_row": per_row, "tflop": model_flops / 1e12,
                      "mfu": model_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
                      "hfu": hw_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
                      **({"profile_top": top} if top is not None else {})})

@@ -28,6 +28,18 @@ def drafter_arch(cfg: dict[str, Any], shape: mm.DrafterShape, seq_len: int):
         dflash2=DFlash2Options.from_model_config(model_cfg), dspark=DSparkOptions.from_model_config(model_cfg))
 
 
+def visible_keys(batch: int, seq_len: int, block_size: int, num_anchors: int, max_anchors: int) -> tuple[float, int]:
+    """(keys the block queries see, summed over queries; anchors per row) of full-length all-response rows with the
+    anchors of seed 0: attention's share of the micro-step's FLOPs (memory_model.micro_step_flops)."""
+    import torch
+
+    from dflash_ds.components.anchors import sample_anchors
+
+    anchors, _ = sample_anchors(torch.ones(batch, seq_len, dtype=torch.long), torch.full((batch,), seq_len),
+                                block_size, num_anchors, torch.Generator().manual_seed(0), max_total=max_anchors)
+    return float(((anchors + block_size) * block_size).sum()), int(anchors.shape[1])
+
+
 def micro_step_inputs(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.StepShape, *, seed: int,
                       num_anchors: int, max_anchors: int, chunk_blocks: int, kl_weight: float, mask_backend: str,
                       device, dtype) -> tuple[Any, Any, Any]:

@@ -63,14 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def shrunk_config(args: argparse.Namespace) -> dict[str, Any]:
     """The preset's text config, with --width / --target-layers / --vocab applied (heads keep head_dim)."""
     cfg = dict(PRESETS[args.preset])
-    if args.width:
-        f = args.width / cfg["hidden_size"]
-        heads = max(1, round(cfg["num_attention_heads"] * f))
-        kv = max(1, round(heads * cfg["num_key_value_heads"] / cfg["num_attention_heads"]))
-        while heads % kv:
-            kv -= 1
-        cfg.update(hidden_size=args.width, intermediate_size=max(1, round(cfg["intermediate_size"] * f)),
-                   num_attention_heads=heads, num_key_value_heads=kv)
+    if args.width:  # scaled as bench memory scales its widths
+        d = bench_memory.drafter_shape(cfg, args.width, 1, 2)
+        cfg.update(hidden_size=d.hidden, intermediate_size=d.intermediate, num_attention_heads=d.heads,
+                   num_key_value_heads=d.kv_heads)
     if args.target_layers:
         cfg["num_hidden_layers"] = args.target_layers
     if args.vocab:
@@ -150,11 +146,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dflash_ds.config import Config
-    from dflash_ds.data.loader import Batch
     from dflash_ds.runtime.engine import build_drafter_engine
-    from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory
-    from dflash_ds.runtime.sources import capture_batch
-    from dflash_ds.runtime.step import forward
 
     _check(args)
     name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -193,9 +185,7 @@ def run(args: argparse.Namespace) -> int:
         engine = build_drafter_engine(run_cfg, arch, dtype, device, target=target)
         ckpt = engine.module.drafter.activation_checkpointing
         step = bench_memory.step_shape(step_args, 2 if cuda else 4, ckpt, not cuda, cuda)
-        result = _measure(args, cfg, target, engine, step, shape, run_cfg, dtype, device,
-                          Batch=Batch, capture_batch=capture_batch, forward=forward,
-                          peak=lambda: peak_memory_bytes(device), reset=lambda: reset_peak_memory(device))
+        result = _measure(args, cfg, target, engine, run_cfg, dtype, device)
     finally:
         import torch.distributed as dist
 
@@ -203,7 +193,9 @@ def run(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
     b, s = args.token_budget // args.seq_len, args.seq_len
     t_flops = target_flops(cfg, body_params, b, s)
-    d_flops = mm.micro_step_flops(shape, step, result.pop("visible_keys"), recompute=False)
+    visible, _ = micro_step.visible_keys(b, s, args.block_size, run_cfg.loss.num_anchors,
+                                         run_cfg.loss.max_anchors_per_batch)
+    d_flops = mm.micro_step_flops(shape, step, visible, recompute=False)
     times = result["seconds"]
     peak_flops = mm.H200_BF16_FLOPS
     result.update(
@@ -225,12 +217,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(args, cfg, target, engine, step, shape, run_cfg, dtype, device, *, Batch, capture_batch, forward,
-             peak, reset) -> dict[str, Any]:
+def _measure(args, cfg, target, engine, run_cfg, dtype, device) -> dict[str, Any]:
     """Warm-up and timed steps: (target, drafter micro-step, optimizer step) seconds each, medians; memory."""
     import torch
 
-    from dflash_ds.components.anchors import sample_anchors
+    from dflash_ds.data.loader import Batch
+    from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory
+    from dflash_ds.runtime.sources import capture_batch
+    from dflash_ds.runtime.step import forward
 
     cuda = device.type == "cuda"
     b, s = args.token_budget // args.seq_len, args.seq_len
@@ -243,7 +237,7 @@ def _measure(args, cfg, target, engine, step, shape, run_cfg, dtype, device, *, 
         return time.perf_counter()
 
     parts: dict[str, list[float]] = {"target": [], "drafter": [], "optimizer": [], "step": []}
-    reset()
+    reset_peak_memory(device)
     anchors = 0
     for i in range(args.warmup + args.steps):
         ids = torch.randint(0, cfg["vocab_size"] - 1, (b, s), generator=gen)
@@ -262,11 +256,7 @@ def _measure(args, cfg, target, engine, step, shape, run_cfg, dtype, device, *, 
                 parts[k].append(v)
         del tensors, terms, sums
     med = {k: sorted(v)[len(v) // 2] for k, v in parts.items()}
-    picks, _ = sample_anchors(torch.ones(b, s, dtype=torch.long), torch.full((b,), s), shape.block_size,
-                              run_cfg.loss.num_anchors, torch.Generator().manual_seed(0),
-                              max_total=run_cfg.loss.max_anchors_per_batch)
-    visible = float(((picks + shape.block_size) * shape.block_size).sum())
-    return {"seconds": med, "anchors": anchors, "visible_keys": visible, "peak_bytes": peak(),
+    return {"seconds": med, "anchors": anchors, "peak_bytes": peak_memory_bytes(device),
             "reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None}
 
 
@@ -300,4 +290,5 @@ def _print(r: dict[str, Any]) -> None:
     print(f"\nmemory: peak {peak:.2f} GB" + (f", reserved {r['reserved_bytes'] / gb:.2f} GB" if r["reserved_bytes"]
                                              else "") +
           f"; plan's prediction {p['total_bytes'] / gb:.2f} GB = target weights {p['target_bytes'] / gb:.2f} + drafter "
-          f"{p['drafter_bytes'] / gb:.2f} ({100 * (p['total_bytes'] / r['peak_bytes'] - 1):+.1f}% vs measured peak)")
+          f"{p['drafter_bytes'] / gb:.2f} ({100 * (p['total_bytes'] / r['peak_bytes'] - 1):+.1f}% vs measured peak)"
+          + ("" if r["activation_checkpointing"] else "; plan counts the step with checkpointing, this one ran without"))
