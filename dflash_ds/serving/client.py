@@ -28,7 +28,7 @@ class Answer:
     text: str
     reasoning: str | None
     token_ids: list[int] | None  # None where the server does not return them (vLLM does with return_token_ids)
-    finish_reason: str  # "stop" | "length" (any other reason the server gives is kept as it is)
+    finish_reason: str  # "stop" | "length": an answer that ended otherwise is retried or refused (`_choice`)
 
 
 class OpenAIClient:
@@ -99,7 +99,7 @@ class OpenAIClient:
                 "top_p": top_p, "return_token_ids": True, "skip_special_tokens": True}
         if seed is not None:
             body["seed"] = seed
-        choice = self.post("/v1/chat/completions", body)["choices"][0]
+        choice = self._choice("/v1/chat/completions", body)
         message = choice.get("message") or {}
         reasoning = message.get("reasoning_content") or message.get("reasoning")
         return Answer(message.get("content") or "", reasoning, choice.get("token_ids"),
@@ -112,8 +112,28 @@ class OpenAIClient:
                 "top_p": top_p, "return_token_ids": True}
         if seed is not None:
             body["seed"] = seed
-        choice = self.post("/v1/completions", body)["choices"][0]
+        choice = self._choice("/v1/completions", body)
         return Answer(choice.get("text") or "", None, choice.get("token_ids"), choice.get("finish_reason") or "stop")
+
+    def _choice(self, path: str, body: dict) -> dict:
+        """The first choice of a whole answer. vLLM answers HTTP 200 with the partial text and finish_reason
+        'abort' for a request it aborted (a server shutting down, paused, or its engine restarting): that is retried
+        like a 5xx; another reason ('error', 'repetition') fails at once. Only 'stop' and 'length' (or none given)
+        make a row: a partial answer must never be written as a finished one."""
+        wait = self.backoff_s
+        for attempt in range(self.retries + 1):
+            choice = self.post(path, body)["choices"][0]
+            reason = choice.get("finish_reason") or "stop"
+            if reason in ("stop", "length"):
+                return choice
+            if reason != "abort":
+                break
+            if attempt < self.retries:
+                time.sleep(wait)
+                wait *= 2
+        tries = f" (after {attempt + 1} attempts)" if reason == "abort" else ""
+        raise ServerError(f"{self.url}{path}: the answer ended with finish_reason '{reason}', not 'stop' or "
+                          f"'length'{tries}")
 
     def metrics(self) -> dict[str, float]:
         """Prometheus /metrics as {name or name{label=value}: value}, summed over the other labels."""

@@ -25,8 +25,9 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",pos
 
 @pytest.fixture
 def server():
-    """Answers /v1/models; /v1/completions fails with `fail_status` `failures` times, then answers."""
-    state = {"calls": 0, "failures": 2, "fail_status": 503, "times": []}
+    """Answers /v1/models; /v1/completions fails with `fail_status` `failures` times, then answers: partly with
+    finish_reason 'abort' (as vLLM does for a request it aborted) `aborts` times, then whole."""
+    state = {"calls": 0, "failures": 2, "fail_status": 503, "times": [], "aborts": 0, "reason": "abort"}
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *_args) -> None:
@@ -50,6 +51,9 @@ def server():
             if state["calls"] <= state["failures"]:
                 return self._send(state["fail_status"], '{"error": "busy"}')
             assert body["model"] == "tiny" and body["prompt"] == [1, 2] and body["return_token_ids"] is True
+            if state["calls"] <= state["failures"] + state["aborts"]:
+                part = {"text": "a", "token_ids": [5], "finish_reason": state["reason"]}
+                return self._send(200, json.dumps({"choices": [part]}))
             self._send(200, json.dumps({"choices": [{"text": "ab", "token_ids": [5, 6], "finish_reason": "length"}]}))
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -74,6 +78,22 @@ def test_gives_up_after_its_retries_and_never_retries_a_4xx(server):
         OpenAIClient(url, retries=1, backoff_s=0.01).complete_ids([1, 2], max_tokens=2)
     state.update(calls=0, fail_status=400)
     with pytest.raises(ServerError, match="HTTP 400"):
+        OpenAIClient(url, retries=3, backoff_s=0.01).complete_ids([1, 2], max_tokens=2)
+    assert state["calls"] == 1
+
+
+def test_an_aborted_answer_is_never_taken_for_a_whole_one(server):
+    """vLLM answers 200 with the partial text and finish_reason 'abort' for a request it aborted (its server shutting
+    down): retried like a 5xx, and refused when the aborts outlast the retries; 'error' fails at once."""
+    url, state = server
+    state.update(failures=0, aborts=2)
+    answer = OpenAIClient(url, retries=2, backoff_s=0.01).complete_ids([1, 2], max_tokens=2)
+    assert (answer.token_ids, answer.finish_reason, state["calls"]) == ([5, 6], "length", 3)
+    state.update(calls=0, aborts=5)
+    with pytest.raises(ServerError, match=r"finish_reason 'abort'.*after 2 attempts"):
+        OpenAIClient(url, retries=1, backoff_s=0.01).complete_ids([1, 2], max_tokens=2)
+    state.update(calls=0, aborts=1, reason="error")
+    with pytest.raises(ServerError, match=r"finish_reason 'error', not 'stop' or 'length'$"):
         OpenAIClient(url, retries=3, backoff_s=0.01).complete_ids([1, 2], max_tokens=2)
     assert state["calls"] == 1
 
