@@ -21,7 +21,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from dflash_ds.distributed.credentials import is_secret_name
+from dflash_ds.distributed.credentials import is_secret, is_secret_name
 
 MASK = "***"
 # Shorter values would mask common words all over the log (a variable AUTH_MODE=none) without hiding a
@@ -62,7 +62,7 @@ def _mask_value(m: re.Match) -> str:
 def redact(text: str, environ: Mapping[str, str] | None = None) -> str:
     """`text` with every secret value masked (the module's docstring lists the forms)."""
     env = os.environ if environ is None else environ
-    values = sorted({v for k, v in env.items() if is_secret_name(k) and len(v) >= MIN_LEN}, key=len, reverse=True)
+    values = sorted({v for k, v in env.items() if is_secret(k, v) and len(v) >= MIN_LEN}, key=len, reverse=True)
     for value in values:  # longest first: a value that contains another is masked whole
         text = text.replace(value, MASK)
     text = _URL_PASSWORD.sub(lambda m: m["head"] + MASK + m["at"], text)

@@ -12,7 +12,12 @@ NPROC=${NPROC:-8}
 RDZV_PORT=${RDZV_PORT:-29400}
 # torchrun hosts the rendezvous on the agent whose host *name* matches RDZV_HOST: given as an address, no agent
 # would. The agent on the machine that owns the address hosts it (--rdzv-conf is_host=1 --local-addr ADDR).
-read -r -a RDZV_ARGS <<< "$("$(dirname "$(command -v torchrun)")/python" -m dflash_ds.distributed.netif rdzv-args "$RDZV_HOST")"
+PYTHON="$(dirname "$(command -v torchrun)")/python"
+read -r -a RDZV_ARGS <<< "$("$PYTHON" -m dflash_ds.distributed.netif rdzv-args "$RDZV_HOST")"
+# A stop that signals the whole job (scancel, SLURM's time-limit --signal): an agent still there AGENT_GRACE_S
+# (default 5) after its ranks have gone is killed. It may be stuck on the rendezvous store of a node already gone
+# (dflash_ds/distributed/agent_watch.py); its ranks' exit records say how the run ended.
+"$PYTHON" -m dflash_ds.distributed.agent_watch $$ &
 exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC" \
     --rdzv_backend c10d --rdzv_endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv_id "${RDZV_ID:-dflash}" \
     ${MAX_RESTARTS:+--max-restarts "$MAX_RESTARTS"} ${SHUTDOWN_TIMEOUT:+--shutdown-timeout "$SHUTDOWN_TIMEOUT"} \

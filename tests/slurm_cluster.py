@@ -112,7 +112,8 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 SlurmdTimeout={2 * hb}
 MessageTimeout={hb}
-KillWait={hb}
+# SLURM's default: the tests' bounds after a scancel must hold without a shorter one
+KillWait=30
 InactiveLimit=0
 SlurmdParameters=config_overrides
 MinJobAge=300

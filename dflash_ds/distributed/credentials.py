@@ -17,6 +17,7 @@ except an allowlist: `TOKENIZERS_*`; names of where a secret is kept rather than
 `*_DIR`, and `*_SOCK`: ssh-agent's `SSH_AUTH_SOCK`, which pdsh's ssh needs in the launcher's environment); and the
 model's own vocabulary that logs must show: the words TOKENS and TOKENIZER (`--max-new-tokens`,
 `embed_tokens.weight`), `*TOKEN_ID(S)`, `*TOKEN_BUDGET`, `*KEY_VALUE_HEADS` (`model.mask_token_id`).
+A variable whose value holds a URL with a password is a secret too, whatever its name (`is_secret`).
 """
 
 from __future__ import annotations
@@ -48,9 +49,20 @@ def is_secret_name(name: str) -> bool:
     return any(word in n for word in _SECRET_WORDS)
 
 
+# scheme://user:password@host: a URL that carries its password (a proxy, a package index, a tracking server).
+_URL_PASSWORD = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]+:[^\s/@]+@")
+
+
+def is_secret(name: str, value: str) -> bool:
+    """Whether a variable holds a credential: by its name (`is_secret_name`), or by a value that is or holds a URL
+    with a password (`MLFLOW_TRACKING_URI=https://user:pw@host`, `HTTPS_PROXY=http://user:pw@proxy:3128`),
+    whatever the name."""
+    return is_secret_name(name) or bool(_URL_PASSWORD.search(value))
+
+
 def secrets_of(environ: dict[str, str]) -> dict[str, str]:
-    """The secret variables of `environ` that have a value."""
-    return {k: v for k, v in environ.items() if v and is_secret_name(k)}
+    """The secret variables of `environ` that have a value (`is_secret`)."""
+    return {k: v for k, v in environ.items() if v and is_secret(k, v)}
 
 
 def _write_private(path: Path, text: str) -> None:

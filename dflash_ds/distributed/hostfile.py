@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dflash_ds.distributed.credentials import is_secret_name, secrets_of, shell_setup, write_credentials
+from dflash_ds.distributed.credentials import is_secret, secrets_of, shell_setup, write_credentials
 from dflash_ds.errors import DFlashError
 
 _HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]@]+$")  # hostnames, IPv4/IPv6 addresses, user@host
@@ -113,16 +113,17 @@ def deepspeed_env_text(environ: dict[str, str], user_files: list[Path], extra: d
     """The lines of an env file for the deepspeed launcher: the user's files' lines first (theirs win, as written:
     they are the user's shell text), then every variable of `environ` the job uses that they do not set, then
     `extra`, these values escaped for DeepSpeed's shell line (`ds_env_value`). No secret is written
-    (credentials.is_secret_name): they travel by path (`secret_variables`)."""
+    (credentials.is_secret: by name, or a value holding a URL's password): they travel by path
+    (`secret_variables`)."""
     import sys
 
     lines: list[str] = []
     seen: set[str] = set()
     for key, line in _user_lines(user_files):
         seen.add(key)
-        if not is_secret_name(key):
+        if not is_secret(key, line.split("=", 1)[1]):
             lines.append(line)
-    wanted = [(k, v) for k, v in sorted(environ.items()) if k not in seen and not is_secret_name(k)
+    wanted = [(k, v) for k, v in sorted(environ.items()) if k not in seen and not is_secret(k, v)
               and (k in FORWARD_NAMES or k.startswith(FORWARD_PREFIXES)
                    or (k.startswith(LAUNCHER_PREFIXES) and k != "PYTHONPATH" and ds_env_value(v) not in (v, None)))]
     for key, value in [*wanted, *((k, v) for k, v in (extra or {}).items() if k not in seen)]:
@@ -138,7 +139,7 @@ def deepspeed_env_text(environ: dict[str, str], user_files: list[Path], extra: d
 def secret_variables(environ: dict[str, str], user_files: list[Path]) -> dict[str, str]:
     """The secrets the ranks need: those of the user's env files (theirs win), then this environment's."""
     found = {k: _unquoted(line.split("=", 1)[1].strip()) for k, line in _user_lines(user_files)
-             if is_secret_name(k)}
+             if is_secret(k, line.split("=", 1)[1])}
     return {**secrets_of(environ), **found}
 
 

@@ -77,6 +77,30 @@ def test_one_secret_name_rule():
     assert [k for k in field_docs() if is_secret_name(k)] == []
 
 
+def test_a_url_that_carries_its_password_is_a_secret_whatever_its_name(tmp_path):
+    """MLFLOW_TRACKING_URI (DeepSpeed forwards MLFLOW_* by value), a proxy and a package index with user:password@
+    in the URL, one of them in the user's .deepspeed_env: none reaches the env file, each goes by path and is
+    unset; a URL without a password (a proxy's host:port) stays."""
+    from dflash_ds.distributed.credentials import is_secret
+
+    assert is_secret("HTTPS_PROXY", "http://me:pw_SENTINEL_7@proxy:3128")
+    assert not is_secret("HTTPS_PROXY", "http://proxy:3128") and not is_secret("X", "a:b@c, user@host:22")
+    (tmp_path / ".deepspeed_env").write_text("PIP_INDEX_URL=https://ci:pw_SENTINEL_8@pypi.example/simple\n")
+    env = {"PATH": "/usr/bin", "HOME": str(tmp_path), "MLFLOW_TRACKING_URI": "https://me:pw_SENTINEL_9@ml.example",
+           "HTTPS_PROXY": "http://me:pw_SENTINEL_7@proxy:3128", "HTTP_PROXY": "http://proxy:3128",
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    creds = tmp_path / "creds"
+    r = subprocess.run([sys.executable, "-m", "dflash_ds.distributed.hostfile", "env-file", str(tmp_path / "out"),
+                        "--credentials-dir", str(creds)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("unset HTTPS_PROXY MLFLOW_TRACKING_URI; export DFLASH_SECRETS_FILE="), r.stdout
+    assert "SENTINEL" not in (tmp_path / "out").read_text() + r.stdout + r.stderr
+    assert (creds / "secrets.env").read_text() == (
+        "HTTPS_PROXY=http://me:pw_SENTINEL_7@proxy:3128\nMLFLOW_TRACKING_URI=https://me:pw_SENTINEL_9@ml.example\n"
+        "PIP_INDEX_URL=https://ci:pw_SENTINEL_8@pypi.example/simple\n")
+
+
 def test_logs_show_secrets_as_stars():
     """dflash_ds/redact.py: the environment's secret values anywhere, and the value after a secret name in every
     form a log shows one (bare, quoted, flag, JSON, YAML, a Python dict, a URL's password, a Bearer header)."""

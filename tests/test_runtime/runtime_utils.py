@@ -7,6 +7,7 @@ import os
 import random
 import re
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -148,3 +149,32 @@ def per_batch(out: Path) -> dict[int, dict]:
         for rec in read_jsonl(f):
             got[rec["batch_id"]] = rec
     return got
+
+
+def command_lines() -> dict[int, str]:
+    """pid -> command line of every process now."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                raw = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            out[int(entry)] = raw.replace(b"\0", b" ").decode("utf8", "replace")
+    return out
+
+
+def files_changed_since(*roots: Path, since: float) -> list[Path]:
+    """Regular files under `roots` changed since `since` (the run's), up to 64 MB each."""
+    found = []
+    for root in roots:
+        for dirpath, _dirs, names in os.walk(root):
+            for name in names:
+                p = Path(dirpath) / name
+                try:
+                    st = p.lstat()
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and st.st_mtime >= since - 1 and st.st_size < 64 << 20:
+                    found.append(p)
+    return found

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
+import json
 import re
 import shutil
 import signal
-import stat
 import subprocess
 import time
 import uuid
@@ -26,7 +25,8 @@ import pytest
 from conftest_runtime import COMMON, HEARTBEAT_S, STEPS, assert_reference_losses
 from hosts import only_sshd_left, two_hosts
 from proc_utils import run_bounded
-from runtime_utils import REPO, env_for_children, exit_statuses, per_batch, read_jsonl
+from runtime_utils import (REPO, command_lines, env_for_children, exit_statuses, files_changed_since, per_batch,
+                           read_jsonl)
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -42,7 +42,8 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
 
     With sentinel credentials in the launching environment (HF_TOKEN, WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, which
     the deepspeed launcher itself forwards by prefix, and HF_HUB_TOKEN_X and WANDB_KEY, which an HF_* / WANDB_*
-    prefix would forward): the ranks on h1 read them as the libraries do (huggingface_hub.get_token(), W&B's
+    prefix would forward; an MLFLOW_TRACKING_URI whose URL carries the password, a JSON key in GCP_CREDENTIALS_JSON):
+    the ranks on h1 read them as the libraries do (huggingface_hub.get_token(), W&B's
     WANDB_API_KEY; each rank records an HMAC under the test's salt), while no process's command line on any host
     (sampled all along), no output and no file left under /tmp or the run folder holds one or its sha256; no
     file of the run (records, checkpoints, exit records) is readable by others (train.umask).
@@ -54,10 +55,17 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
     sentinels = {k: f"{k.lower()}-sentinel-{uuid.uuid4().hex}" for k in ("HF_TOKEN", "WANDB_API_KEY",
                                                                          "MLFLOW_TRACKING_TOKEN", "HF_HUB_TOKEN_X",
                                                                          "WANDB_KEY")}
+    # Credentials in other forms: a URL carrying its password under an innocent name (MLFLOW_* goes by value through
+    # the launcher's own forwarding) and a JSON key file's text; the searches below look for the secret parts.
+    inner = {k: f"{k.lower()}-sentinel-{uuid.uuid4().hex}" for k in ("MLFLOW_TRACKING_URI", "GCP_CREDENTIALS_JSON")}
+    wrapped = {"MLFLOW_TRACKING_URI": f"https://dflash:{inner['MLFLOW_TRACKING_URI']}@mlflow.invalid/",
+               "GCP_CREDENTIALS_JSON": json.dumps({"type": "service_account",
+                                                   "private_key": inner["GCP_CREDENTIALS_JSON"]})}
+    searched = {**sentinels, **inner}
     salt = uuid.uuid4().hex
     env = hosts.env({**env_for_children(), "HOSTFILE": str(tmp_path / "hostfile"), "MASTER_PORT": "29500",
                      "DFLASH_EXIT_STATUS_DIR": str(tmp_path / "exits"), "TMPDIR": str(tmp_path),
-                     "DFLASH_TEST_EXIT_SALT": salt, **sentinels})
+                     "DFLASH_TEST_EXIT_SALT": salt, **sentinels, **wrapped})
     env.pop("GLOO_SOCKET_IFNAME", None)
     started = time.time()
     cmd = ["bash", str(REPO / "launch/train_deepspeed.sh"), *COMMON, "--target", str(target), "--data", str(data),
@@ -73,7 +81,7 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
         with ThreadPoolExecutor(1) as pool:
             reading = pool.submit(proc.communicate, timeout=360)
             while not reading.done():  # every process of the machine: the hosts share one pid namespace
-                seen |= {(pid, name) for pid, cmd_line in command_lines().items() for name, v in sentinels.items()
+                seen |= {(pid, name) for pid, cmd_line in command_lines().items() for name, v in searched.items()
                          if v in cmd_line}
                 samples += 1
                 if not listening and _records(tmp_path / "out"):  # training: every socket of the job is open
@@ -108,10 +116,10 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
                                               "wandb_api_key": mac["WANDB_API_KEY"]}, (rank, exits[rank])
     print(f"{samples} samples of every command line during the run; listening: {listening}")
     assert samples > 20 and seen == set(), seen
-    assert not any(v in text for v in sentinels.values() for text in outs)
-    traces = [v.encode() for v in sentinels.values()] + [hashlib.sha256(v.encode()).hexdigest().encode()
-                                                         for v in sentinels.values()]
-    leaks = [p for p in _files(tmp_path, Path("/tmp"), since=started) if any(t in p.read_bytes() for t in traces)]
+    assert not any(v in text for v in searched.values() for text in outs)
+    traces = [v.encode() for v in searched.values()] + [hashlib.sha256(v.encode()).hexdigest().encode()
+                                                        for v in [*searched.values(), *wrapped.values()]]
+    leaks = [p for p in files_changed_since(tmp_path, Path("/tmp"), since=started) if any(t in p.read_bytes() for t in traces)]
     assert leaks == []
     readable = [p for d in (tmp_path / "out", tmp_path / "exits") for p in d.rglob("*") if p.stat().st_mode & 0o004]
     assert readable == []
@@ -123,33 +131,6 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
     assert only_sshd_left(hosts) == {"h0": [], "h1": []}
 
 
-def command_lines() -> dict[int, str]:
-    """pid -> command line of every process now."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                raw = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            out[int(entry)] = raw.replace(b"\0", b" ").decode("utf8", "replace")
-    return out
-
-
-def _files(*roots: Path, since: float) -> list[Path]:
-    """Regular files under `roots` changed since `since` (the run's), up to 64 MB each."""
-    found = []
-    for root in roots:
-        for dirpath, _dirs, names in os.walk(root):
-            for name in names:
-                p = Path(dirpath) / name
-                try:
-                    st = p.lstat()
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode) and st.st_mtime >= since - 1 and st.st_size < 64 << 20:
-                    found.append(p)
-    return found
 
 
 def test_torchrun_on_both_hosts_over_a_slow_lossy_link_that_pauses(setup, reference, hosts, tmp_path):

@@ -44,6 +44,10 @@ ROWS = {
         "test_colocated.py::test_one_colocated_rank_sigterm_resume_export_eval"],
     "SIGTERM to `launch/train_deepspeed.sh` (a hostfile job preempted)": [
         "test_multihost_train.py::test_deepspeed_launcher_over_ssh_on_two_hosts"],
+    "a SLURM time limit, preemption or `scancel`": [
+        "test_slurm.py::test_a_time_limit_signal_checkpoints_requeues_and_trains_the_reference",
+        "test_slurm.py::test_scancel_mid_run_leaves_no_rank_on_any_host",
+        "../test_distributed/test_agent_watch.py::test_an_agent_left_without_ranks_after_a_stop_signal_is_killed"],
     "the launcher is SIGKILLed (a scheduler's hard kill)": [
         "test_reliability_table.py::test_sigkill_to_torchrun_leaves_no_rank_behind",
         "test_reliability_table.py::test_launcher_gone_and_a_stuck_peer_every_rank_exits_4_after_the_grace"],

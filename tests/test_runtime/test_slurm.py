@@ -8,17 +8,23 @@ The layout is the reference's and test_multihost_train's: NPROC=1,2 puts rank 0 
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
+import json
 import os
 import re
 import signal
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from conftest_runtime import COMMON, HEARTBEAT_S, STEPS, assert_reference_losses
 from hosts import Hosts, hosts_or_skip, only_sshd_left
-from runtime_utils import REPO, env_for_children, exit_statuses, per_batch, read_jsonl
+from runtime_utils import (REPO, command_lines, env_for_children, exit_statuses, files_changed_since, per_batch,
+                           read_jsonl)
 from slurm_cluster import SlurmCluster, unavailable
 
 pytestmark = pytest.mark.timeout(420)
@@ -62,13 +68,14 @@ def _daemon(cmd: str) -> str:
     return os.path.basename(cmd.split(" ")[0]).rstrip(":")
 
 
-def _submit(slurm: SlurmCluster, tmp_path: Path, setup, extra_env: dict[str, str], *args: str) -> tuple[str, Path]:
+def _submit(slurm: SlurmCluster, tmp_path: Path, setup, extra_env: dict[str, str], *args: str,
+            sbatch_args: tuple[str, ...] = ()) -> tuple[str, Path]:
     """sbatch --nodes 2 the script with the reference's arguments; the job id and its run folder."""
     target, data = setup
     out = tmp_path / "out"
     env = slurm.env({**env_for_children(), "NPROC": "1,2", "DFLASH_SLURM_DIR": str(tmp_path / "job"), **extra_env})
     env.pop("GLOO_SOCKET_IFNAME", None)
-    job = slurm.sbatch(["--nodes", "2", "--output", str(tmp_path / "slurm-%j.out"), str(SCRIPT), *COMMON,
+    job = slurm.sbatch(["--nodes", "2", *sbatch_args, "--output", str(tmp_path / "slurm-%j.out"), str(SCRIPT), *COMMON,
                         "--target", str(target), "--data", str(data), "--output-dir", str(out), "--zero-stage", "2",
                         *args], env=env, cwd=tmp_path)
     return job, out
@@ -115,24 +122,53 @@ def _ranks(hosts: Hosts, h: str) -> list[str]:
     return [c for c in _job_processes(hosts)[h] if "dflash_ds" in c or "torch" in c]
 
 
-def test_sbatch_signalled_before_its_time_limit_requeues_and_trains_the_reference(setup, reference, slurm,
-                                                                                 tmp_path):
-    """`sbatch --nodes 2`; at step 7 `scancel --signal=TERM` signals every process of the job's steps, as
-    `#SBATCH --signal=TERM@300` does before the time limit (the same delivery: slurmstepd to each step's
-    processes, the batch shell spared). Every rank on both hosts stops with the checkpoint of step 8 (status 75),
-    the script requeues the job, which resumes from that checkpoint and completes: every batch of the reference
-    recorded exactly once (none lost, none repeated) with its loss."""
+def test_a_time_limit_signal_checkpoints_requeues_and_trains_the_reference(setup, reference, slurm, tmp_path):
+    """`sbatch --nodes 2 --time 10`; once step 6 is recorded the job's time limit is brought to 5 minutes
+    (`scontrol update`, as a job whose --time runs out), so the script's own `#SBATCH --signal=TERM@300` is due at
+    once: slurmctld sends it at its next time-limit check (up to 30 s later) to every process of the job's steps.
+    Every rank on both hosts stops with the checkpoint of step 8 (status 75), the script requeues the job, which
+    resumes from that checkpoint and completes: every batch of the reference recorded exactly once (none lost,
+    none repeated) with its loss. The time limit goes back to 30 minutes once the stop is seen, before the requeue,
+    or the next attempt would be signalled at its start.
+
+    Submitted as README says (credentials by path: HF_TOKEN_PATH, DFLASH_SECRETS_FILE with WANDB_API_KEY,
+    MLFLOW_TRACKING_TOKEN, HF_HUB_TOKEN_X, WANDB_KEY, a URL carrying its password and a JSON key): the ranks on
+    both hosts read them (an HMAC under the test's salt in their exit records), while no command line on any host
+    (sampled all along), the job's log, its records, checkpoints and exit records, or any file written under /tmp
+    but the user's own two holds one or its sha256; nothing of the run is readable by others."""
     ref_out, _ = reference
+    secrets = {k: f"{k.lower()}-sentinel-{uuid.uuid4().hex}" for k in (
+        "HF_TOKEN", "WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN", "HF_HUB_TOKEN_X", "WANDB_KEY", "MLFLOW_TRACKING_URI",
+        "GCP_CREDENTIALS_JSON")}
+    lines = {**secrets, "MLFLOW_TRACKING_URI": f"https://dflash:{secrets['MLFLOW_TRACKING_URI']}@mlflow.invalid/",
+             "GCP_CREDENTIALS_JSON": json.dumps({"private_key": secrets["GCP_CREDENTIALS_JSON"]})}
+    mine = tmp_path / "user-secrets"
+    mine.mkdir(mode=0o700)
+    (mine / "hf_token").write_text(lines.pop("HF_TOKEN"))
+    (mine / "secrets.env").write_text("".join(f"{k}={v}\n" for k, v in lines.items()))
+    salt, started = uuid.uuid4().hex, time.time()
     # The drafters wait at step 7 until the stop is visible: the signal sent once step 6 is recorded lands there.
-    job, out = _submit(slurm, tmp_path, setup, {"DFLASH_FAULT_HOLD_UNTIL_STOP_AT": "7"})
+    job, out = _submit(slurm, tmp_path, setup, {"DFLASH_FAULT_HOLD_UNTIL_STOP_AT": "7", "DFLASH_TEST_EXIT_SALT": salt,
+                                                "HF_TOKEN_PATH": str(mine / "hf_token"),
+                                                "DFLASH_SECRETS_FILE": str(mine / "secrets.env")},
+                       sbatch_args=("--time", "10"))
+    sampler = ArgvSampler(secrets.values())
     _wait_step(slurm, job, out, 6)
     # The ranks' listening sockets (the job's store on rank 0, gloo's pairs) on their node's own address only: the
     # script hands torchrun h0's NodeAddr, not its name (which would bind the store to every interface).
     listening = {h: _rank_listeners(slurm.hosts, h) for h in slurm.hosts.names}
     assert listening["h0"] and all(a.startswith(f"{slurm.hosts.addr[h]}:") for h in listening
                                    for a in listening[h]), listening
-    r = slurm.client(["scancel", "--signal=TERM", job])
+    assert slurm.job(job)["TimeLimit"] == "00:10:00"
+    r = slurm.client(["scontrol", "update", f"JobId={job}", "TimeLimit=5"])
     assert r.returncode == 0, r.stderr
+    limited = time.monotonic()
+    while "[dflash-ds] stop requested (SIGTERM" not in _log(tmp_path, job) and time.monotonic() - limited < 120:
+        time.sleep(0.1)
+    signalled = time.monotonic() - limited
+    r = slurm.client(["scontrol", "update", f"JobId={job}", "TimeLimit=30"])
+    assert r.returncode == 0 and signalled < 120, (r.stderr, _log(tmp_path, job)[-4000:])
+    print(f"time limit near: every rank stopped with its checkpoint {signalled:.1f} s later")
     first_exits = tmp_path / "job" / "attempt0" / "exits"
     deadline = time.monotonic() + 120
     while len(list(first_exits.glob("rank*.json"))) < 3 and time.monotonic() < deadline:
@@ -157,11 +193,47 @@ def test_sbatch_signalled_before_its_time_limit_requeues_and_trains_the_referenc
     assert sorted(seen) == list(range(2 * STEPS)) and set(seen.values()) == {1}, seen
     assert_reference_losses(out, ref_out)
 
+    found, samples = sampler.stop()
+    mac = {k: hmac.new(salt.encode(), secrets[k].encode(), hashlib.sha256).hexdigest()
+           for k in ("HF_TOKEN", "WANDB_API_KEY")}
+    assert all(e["credentials"] == {"hf_token": mac["HF_TOKEN"], "wandb_api_key": mac["WANDB_API_KEY"]}
+               for e in [*first.values(), *second.values()]), (first, second)
+    assert samples > 20 and found == set(), found
+    traces = [v.encode() for v in secrets.values()] + [hashlib.sha256(v.encode()).hexdigest().encode()
+                                                       for v in [*secrets.values(), *lines.values()]]
+    leaks = [p for p in files_changed_since(tmp_path, Path("/tmp"), since=started)
+             if p.parent != mine and any(t in p.read_bytes() for t in traces)]
+    assert leaks == []
+    readable = [p for d in (out, tmp_path / "job") for p in d.rglob("*") if p.stat().st_mode & 0o004]
+    assert readable == []
+
+
+class ArgvSampler:
+    """Every process's command line, sampled in a thread until `stop()`: the names of `values` seen in one."""
+
+    def __init__(self, values) -> None:
+        self.values, self.found, self.samples = list(values), set(), 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.found |= {(pid, v) for pid, line in command_lines().items() for v in self.values if v in line}
+            self.samples += 1
+            time.sleep(0.1)
+
+    def stop(self) -> tuple[set, int]:
+        self._done.set()
+        self._thread.join(timeout=10)
+        return self.found, self.samples
+
 
 def test_scancel_mid_run_leaves_no_rank_on_any_host(setup, slurm, tmp_path):
     """`scancel` after step 3: SLURM signals every step's processes and the batch shell, then kills what is left
-    (KillWait): no torchrun and no rank on either host within 2 heartbeats, and the job is CANCELLED, not
-    requeued."""
+    after KillWait (SLURM's default, 30 s, in this cluster: longer than the bound): no torchrun agent and no rank
+    on either host within 2 heartbeats (an agent stuck after its ranks left is killed by train_multinode.sh's
+    watcher), and the job is CANCELLED, not requeued."""
     job, out = _submit(slurm, tmp_path, setup, {}, "--train.heartbeat_timeout_s", str(HEARTBEAT_S))
     _wait_step(slurm, job, out, 3)
     r = slurm.client(["scancel", job])
