@@ -227,7 +227,10 @@ def arch_keys() -> tuple[str, ...]:
     return (*SHAPE_KEYS, *(f"{spec.name}_options" for spec in kind_specs() if spec.options is not None))
 
 
-ARCH_KEYS = arch_keys()  # the built-in kinds' (a kind registered later is in arch_keys())
+def __getattr__(name: str) -> Any:
+    if name == "ARCH_KEYS":  # arch_keys() of the kinds registered now (not at this module's import)
+        return arch_keys()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def trainer_state(cfg: Config, arch, num_drafters: int, global_batch: int, zero_stage: int, dtype, step: int,
