@@ -1,6 +1,7 @@
 """The rules every run configuration is checked against (config.load_config runs `validate`).
 
-Each field's rule is one line of `_RULES` (the text is what the user reads); the rules that relate
+Each field's rule is one line of `_RULES` (the text is what the user reads); model.kind's and those of each
+kind's own fields come from the kinds' specs (models/kinds.py: `KindSpec.rules`); the rules that relate
 fields (layer types and layer count, a validation split and its interval, the topology's modes) are
 the functions below. Nothing here imports dflash_ds.config (no cycle).
 """
@@ -29,13 +30,6 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     *((f"model.{name}", "must be >= 1 (or null: the target's)", lambda v: v is None or v >= 1)
       for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")),
     ("model.attention_backend", "must be auto, dense or flex", lambda v: v in ("auto", "dense", "flex")),
-    ("model.kind", "must be dflash, dflash2 or dspark", lambda v: v in ("dflash", "dflash2", "dspark")),
-    ("model.markov_rank", "must be >= 1", lambda v: v >= 1),
-    *((f"model.{name}", "must be >= 1", lambda v: v >= 1)
-      for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
-    ("model.output_multiplier", "must be > 0", lambda v: v > 0),
-    ("model.final_logit_softcapping", "must be >= 0 (0 = no cap)", lambda v: v >= 0),
-    ("model.input_embedding_scale", "must be > 0", lambda v: v > 0),
     ("loss.gamma", "must be > 0", lambda v: v > 0),
     ("loss.num_anchors", "must be >= 1", lambda v: v >= 1),
     ("loss.max_anchors_per_batch", "must be >= 0 (0 = no cap)", lambda v: v >= 0),
@@ -111,14 +105,32 @@ def _get(cfg: Config, dotted: str) -> Any:
     return obj
 
 
+# model.kind and each kind's own model.* fields are checked after this field's rule (the kinds' specs hold theirs)
+_KIND_RULES_AFTER = "model.attention_backend"
+
+
+def _kind_rules() -> list[tuple[str, str, typing.Callable[[Any], bool]]]:
+    """model.kind's rule (a registered kind: models/kinds.py), then every kind's rules of its fields."""
+    from dflash_ds.models.kinds import kind_names, kind_specs  # here: the kinds' modules import dflash_ds.config
+
+    names = kind_names()
+    text = f"must be {', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else f"must be {names[0]}"
+    return [("model.kind", text, lambda v: v in names), *(rule for spec in kind_specs() for rule in spec.rules)]
+
+
+def _all_rules() -> list[tuple[str, str, typing.Callable[[Any], bool]]]:
+    at = next(i for i, (dotted, _, _) in enumerate(_RULES) if dotted == _KIND_RULES_AFTER) + 1
+    return [*_RULES[:at], *_kind_rules(), *_RULES[at:]]
+
+
 def validate(cfg: Config) -> Config:
     """Check every field's rule; raise DFlashError naming the first field that breaks one."""
-    for dotted, rule, ok in _RULES:
+    for dotted, rule, ok in _all_rules():
         value = _get(cfg, dotted)
         if not ok(value):
             raise DFlashError(f"config: {dotted} = {value!r} {rule}")
     _validate_layer_types(cfg.model)
-    _validate_dflash2_fields(cfg)
+    _validate_kind_fields(cfg)
     if cfg.noise.min_std > cfg.noise.max_std:
         raise DFlashError(
             f"config: noise.min_std = {cfg.noise.min_std} must be <= noise.max_std = {cfg.noise.max_std}")
@@ -162,24 +174,31 @@ def _validate_layer_types(m: DrafterConfig) -> None:
         raise DFlashError("config: model.layer_types has sliding_attention layers: set model.sliding_window")
 
 
-# the fields of each kind beyond DFlash (models/dflash2_arch.option_names, models/dspark_arch.option_names;
-# importing them here would make an import cycle)
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
-                  "final_logit_softcapping", "input_embedding_scale")
-KIND_FIELDS = {"dflash2": DFLASH2_FIELDS,
-               "dspark": ("markov_rank", "enable_confidence_head", "confidence_head_with_markov")}
+def kind_fields() -> dict[str, tuple[str, ...]]:
+    """The model.* fields of each kind beyond DFlash (its spec's model_fields, models/kinds.py)."""
+    from dflash_ds.models.kinds import kind_specs
+
+    return {spec.name: spec.model_fields for spec in kind_specs() if spec.model_fields}
 
 
-def _validate_dflash2_fields(cfg: Config) -> None:
-    """A field of another kind set away from its default (a dflash2 field while model.kind = dflash or dspark, a
-    dspark field while it is not dspark) -> one clear error (it would be ignored).
+def __getattr__(name: str) -> tuple[str, ...]:
+    """`<KIND>_FIELDS` (e.g. DFLASH2_FIELDS): that kind's model.* fields, read from its spec."""
+    fields = kind_fields().get(name.removesuffix("_FIELDS").lower()) if name.endswith("_FIELDS") else None
+    if fields is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return fields
 
-    With --drafter the folder fixes the kind (model.kind may stay at its default on a dflash2 folder):
-    runtime/job.check_dflash2_matches_drafter checks these fields against the folder instead."""
+
+def _validate_kind_fields(cfg: Config) -> None:
+    """A field of another kind set away from its default (a field of kind k while model.kind is not k) -> one clear
+    error (it would be ignored).
+
+    With --drafter the folder fixes the kind (model.kind may stay at its default on a folder of another kind):
+    runtime/job.check_kind_fields_match_drafter checks these fields against the folder instead."""
     if cfg.drafter:
         return
     defaults = type(cfg.model)()
-    for kind, names in KIND_FIELDS.items():
+    for kind, names in kind_fields().items():
         if cfg.model.kind == kind:
             continue
         for name in names:

@@ -26,7 +26,7 @@ from typing import Any
 from dflash_ds.bench import memory_model as mm
 from dflash_ds.bench.micro_step import micro_step_inputs, visible_keys, write_profile
 from dflash_ds.errors import DFlashError, read_json_file
-from dflash_ds.models.kinds import KINDS
+from dflash_ds.models.kinds import kind_names
 from dflash_ds.models.presets import PRESETS
 
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -47,10 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (= target layers read)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block, the anchor included")
     parser.add_argument("--kind", default="dflash",
-                        help="drafter kind(s) (model.kind), comma-separated: dflash, dflash2, dspark. Each width "
-                             "measures each kind's own micro-step (DFlash2: convolutions + the selector term; DSpark: "
-                             "the Markov bias + the confidence term; config.py's defaults) and the table gives its step "
-                             "time against DFlash's; the full-width prediction is of the first kind")
+                        help=f"drafter kind(s) (model.kind), comma-separated: {', '.join(kind_names())}. Each width "
+                             "measures each kind's own micro-step (its parts and loss terms at config.py's defaults: "
+                             "DFlash2's convolutions + selector term, DSpark's Markov bias + confidence term) and the "
+                             "table gives its step time against DFlash's; the full-width prediction is of the first kind")
     parser.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch")
     parser.add_argument("--seq-len", type=int, default=2048,
                         help="tokens per sequence; the batch is token-budget // seq-len sequences, all response tokens")
@@ -143,8 +143,9 @@ def _check_args(args: argparse.Namespace) -> list[int]:
     if args.seq_len <= args.block_size:
         raise DFlashError(f"bench memory: --seq-len {args.seq_len} must exceed --block-size {args.block_size}")
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
-    if not kinds or any(k not in KINDS for k in kinds):
-        raise DFlashError(f"bench memory: --kind {args.kind!r}: give one or more of {', '.join(KINDS)}, comma-separated")
+    if not kinds or any(k not in kind_names() for k in kinds):
+        raise DFlashError(f"bench memory: --kind {args.kind!r}: give one or more of {', '.join(kind_names())}, "
+                          "comma-separated")
     try:
         widths = [int(w) for w in args.widths.split(",") if w.strip()]
     except ValueError:

@@ -9,12 +9,14 @@ padding blocks are computed too):
     P = B*A*(bs-1) label positions         b = bytes of the compute dtype (4 fp32, 2 bf16)
     H hidden, I intermediate, nh / nkv heads of head_dim d, V vocabulary, L drafter layers
 
-DFlash2 (`DrafterShape.kind`): its two convolutions per layer count in the layer's parameters and add
-DFLASH2_SAVED_H H-wide values to a_tok; the selector counts in Psi and its kept K x rank rows in the loss.
-DSpark: its Markov head (2 x V x r) and confidence head count in Psi; the loss adds, per chunk, the bias
-product e @ w2^T and the head's output beside their sum (2 more [c, K, V] buffers of the run dtype), the
-[V, r] fp32 gradient accumulator of markov_w2 and the P x r Markov embeddings. At Qwen3-8B, r 256, chunk
-64 blocks of 15 positions, bf16: 2 x 960 x 151,936 x 2 = 0.58 GB + 0.16 GB + P x 512 bytes.
+A kind beyond DFlash (`DrafterShape.kind`) adds the plain numbers of its spec's `MemoryTerms` (models/kinds.py):
+parameters per layer and outside the layers (Psi), H-wide values saved per block token in each layer, and its
+loss's buffers. DFlash2 (models/dflash2_arch.memory_terms): its two convolutions per layer count in the layer's
+parameters and add DFLASH2_SAVED_H H-wide values to a_tok; the selector counts in Psi and its kept K x rank rows
+in the loss. DSpark (models/dspark_arch.memory_terms): its Markov head (2 x V x r) and confidence head count in
+Psi; the loss adds, per chunk, the bias product e @ w2^T and the head's output beside their sum (2 more [c, K, V]
+buffers of the run dtype), the [V, r] fp32 gradient accumulator of markov_w2 and the P x r Markov embeddings. At
+Qwen3-8B, r 256, chunk 64 blocks of 15 positions, bf16: 2 x 960 x 151,936 x 2 = 0.58 GB + 0.16 GB + P x 512 bytes.
 
 The micro-step's peak is `held + max(forward, loss, backward)`:
 
@@ -50,6 +52,9 @@ those traces; the rest is counted.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from dflash_ds.models.kinds import MemoryTerms, kind_spec
 
 GB = 1e9
 
@@ -73,11 +78,6 @@ CUDA_LM_HEAD_KL_BYTES = 32.5
 MLP_GRAD_I = 1.0
 GRAD_H = 2.5
 PHASES = ("forward", "loss", "backward")
-# DFlash2 (docs/MEMORY.md): H-wide values one layer's two grouped convolutions save per block token,
-# measured from autograd's saved tensors (saved_tensors_hooks, one DFlash2 layer against the same DFlash
-# layer, fp32, H 128): each conv's output, the sublayer's output, the shifted input of every tap past the
-# first and the group-wide deltas.
-DFLASH2_SAVED_H = 10.5
 # The H200's dense bf16 peak (docs/DESIGN.md §7), the denominator of MFU.
 H200_BF16_FLOPS = 989e12
 
@@ -96,13 +96,8 @@ class DrafterShape:
     num_read: int  # target layers concatenated into the context features
     block_size: int
     tied: bool = False  # target embedding and LM head are one matrix
-    # model.kind and, for dflash2, its part shapes (config.DrafterConfig's defaults; ignored for dflash)
-    kind: str = "dflash"
-    conv_kernel_size: int = 2
-    conv_group_size: int = 64
-    selector_rank: int = 64
-    selector_top_k: int = 8
-    markov_rank: int = 256  # dspark
+    kind: str = "dflash"  # model.kind (models/kinds.py)
+    options: Any = None  # the kind's options (DrafterArch.options); None = its defaults (config.DrafterConfig's)
 
 
 @dataclass(frozen=True)
@@ -127,34 +122,25 @@ def lm_head_bytes_per_entry(s: StepShape) -> float:
     return CPU_LM_HEAD_KL_BYTES if s.kl else CPU_LM_HEAD_BYTES.get(s.dtype_bytes, 10.0)
 
 
-def conv_params(d: DrafterShape) -> int:
-    """DFlash2's two convolutions of one layer: each base (2, taps, H) + projection H -> 2*taps*H/group (0: dflash)."""
-    if d.kind != "dflash2":
-        return 0
-    taps, h = d.conv_kernel_size, d.hidden
-    return 2 * (2 * taps * h + h * 2 * taps * (h // d.conv_group_size))
-
-
-def selector_params(d: DrafterShape) -> int:
-    """DFlash2's candidate selector: two V x rank codebooks and the H -> rank projection (0: dflash)."""
-    return (2 * d.vocab + d.hidden) * d.selector_rank if d.kind == "dflash2" else 0
-
-
-def markov_params(d: DrafterShape) -> int:
-    """DSpark's Markov head (two V x rank matrices) and confidence head ([h, e] -> 1, with bias) (0: other kinds)."""
-    return 2 * d.vocab * d.markov_rank + d.hidden + d.markov_rank + 1 if d.kind == "dspark" else 0
+def kind_terms(d: DrafterShape) -> MemoryTerms:
+    """What the drafter's kind adds (its spec's memory terms at its options, or their defaults; none for dflash)."""
+    spec = kind_spec(d.kind)
+    if spec.memory is None:
+        return MemoryTerms()
+    return spec.memory(d.options if d.options is not None else spec.default_options(), d.hidden, d.vocab)
 
 
 def layer_params(d: DrafterShape) -> int:
-    """Parameters of one draft layer: q/k/v/o, q/k norms, SwiGLU, two RMSNorms (+ DFlash2's two convs)."""
+    """Parameters of one draft layer: q/k/v/o, q/k norms, SwiGLU, two RMSNorms (+ the kind's, DFlash2's two convs)."""
     h, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
-    return h * q + 2 * h * kv + q * h + 2 * d.head_dim + 3 * h * d.intermediate + 2 * h + conv_params(d)
+    return h * q + 2 * h * kv + q * h + 2 * d.head_dim + 3 * h * d.intermediate + 2 * h + kind_terms(d).layer_params
 
 
 def drafter_params(d: DrafterShape) -> int:
-    """Psi: trainable parameters (layers, fc over n*H, hidden_norm, final norm, DFlash2's selector, DSpark's heads)."""
-    return (d.num_layers * layer_params(d) + d.num_read * d.hidden * d.hidden + 2 * d.hidden + selector_params(d)
-            + markov_params(d))
+    """Psi: trainable parameters (layers, fc over n*H, hidden_norm, final norm, the kind's parts outside the layers:
+    DFlash2's selector, DSpark's heads)."""
+    return (d.num_layers * layer_params(d) + d.num_read * d.hidden * d.hidden + 2 * d.hidden
+            + kind_terms(d).head_params)
 
 
 def anchors_per_row(batch: int, seq_len: int, block_size: int, num_anchors: int, max_anchors: int) -> int:
@@ -178,8 +164,9 @@ def per_token_activations(d: DrafterShape, b: int) -> tuple[int, int]:
     """(a_tok, c_tok): bytes one draft layer saves per block token and per context token."""
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
     a_tok = 2 * d.hidden * (4 + 2 * b) + (q + kv) * (4 + 3 * b) + 4 * b * d.intermediate + 4 * d.heads
-    if d.kind == "dflash2":
-        a_tok += round(DFLASH2_SAVED_H * d.hidden * b)
+    saved_h = kind_terms(d).saved_h
+    if saved_h:
+        a_tok += round(saved_h * d.hidden * b)
     return a_tok, kv * (4 + 3 * b)
 
 
@@ -221,14 +208,10 @@ def micro_step_terms(d: DrafterShape, s: StepShape, param_grads: bool = True) ->
     }
     if s.kl:
         loss["target_hidden"] = p * h * b
-    if d.kind == "dflash2":
-        # the selector loss keeps K x rank codebook rows per label position for backward; its top-K
-        # vocabulary chunks run without grad after the DFlash loss's chunks are freed (below this moment)
-        loss["selector_edges"] = p * d.selector_top_k * d.selector_rank * b
-    if d.kind == "dspark":
-        # the chunk's head output and bias product beside their sum, markov_w2's fp32 gradient accumulator,
-        # the teacher-forced Markov embeddings of every label position
-        loss["markov_bias"] = 2 * chunk * b + 4 * d.vocab * d.markov_rank + p * d.markov_rank * b
+    extra = kind_terms(d)
+    if extra.has_loss_term:  # the kind's loss buffers (its memory_terms say which)
+        loss[extra.loss_name] = (extra.loss_chunk_copies * chunk * b + extra.loss_fixed_bytes
+                                 + p * extra.loss_position_values * b)
     # The end of forward, before the loss: without checkpointing the boolean mask is still alive.
     forward = {**({} if s.checkpointing else embeddings), "final_norm": loss["final_norm"],
                **({"attention_mask_bool": mask_entries} if mask_entries and not s.checkpointing else {})}
@@ -261,10 +244,9 @@ def _backward_phase(d: DrafterShape, s: StepShape, param_grads: bool, a_tok: int
             "grads_in_flight": t * b * (MLP_GRAD_I * d.intermediate + GRAD_H * h) + c * h * b,
             "param_grads": (later + 1) * grad_layer,
         }
-        if param_grads and d.kind in ("dflash2", "dspark"):
-            # made by the loss's backward, first
-            terms["selector_grads" if d.kind == "dflash2" else "markov_grads"] = (
-                selector_params(d) + markov_params(d)) * b
+        extra = kind_terms(d)
+        if param_grads and extra.head_params:  # the kind's parts outside the layers: the loss's backward makes them
+            terms[extra.grads_name] = extra.head_params * b
 
         if s.checkpointing:
             terms["layer_inputs_released"] = -later * t * h * b
@@ -342,4 +324,4 @@ def micro_step_flops(d: DrafterShape, s: StepShape, visible_keys: float, recompu
     layers = d.num_layers * layer_fwd * (4 if s.checkpointing and recompute else 3)
     fc = 2 * c * d.num_read * h * h * 2  # forward + weight gradient (the context needs none)
     head = 2 * p * h * d.vocab * 2
-    return float(layers + fc + head)
+    return float(layers + fc + head + p * kind_terms(d).flops_per_position)

@@ -11,13 +11,10 @@ from dflash_ds.bench import memory_model as mm
 
 def drafter_arch(cfg: dict[str, Any], shape: mm.DrafterShape, seq_len: int):
     """The DrafterArch of `shape` (its kind's default options) reading `cfg`'s target: default layer ids."""
-    from dflash_ds.config import DrafterConfig
-    from dflash_ds.models.dflash2_arch import DFlash2Options
     from dflash_ds.models.drafter import DrafterArch, default_target_layer_ids
-    from dflash_ds.models.dspark_arch import DSparkOptions
+    from dflash_ds.models.kinds import kind_spec
 
     n_target = int(cfg["num_hidden_layers"])
-    model_cfg = DrafterConfig(kind=shape.kind)
     return DrafterArch(
         hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
@@ -25,7 +22,7 @@ def drafter_arch(cfg: dict[str, Any], shape: mm.DrafterShape, seq_len: int):
         rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 1e6))},
         block_size=shape.block_size, num_target_layers=n_target, mask_token_id=shape.vocab - 1,
         target_layer_ids=default_target_layer_ids(n_target, shape.num_layers),
-        dflash2=DFlash2Options.from_model_config(model_cfg), dspark=DSparkOptions.from_model_config(model_cfg))
+        options=shape.options if shape.options is not None else kind_spec(shape.kind).default_options())
 
 
 def visible_keys(batch: int, seq_len: int, block_size: int, num_anchors: int, max_anchors: int) -> tuple[float, int]:

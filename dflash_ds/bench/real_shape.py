@@ -31,7 +31,7 @@ from dflash_ds.bench import memory as bench_memory
 from dflash_ds.bench import micro_step
 from dflash_ds.bench import memory_model as mm
 from dflash_ds.errors import DFlashError
-from dflash_ds.models.kinds import KINDS
+from dflash_ds.models.kinds import kind_names
 from dflash_ds.models.presets import PRESETS
 
 
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `dflash-ds bench real-shape`."""
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b",
                    help="target shape (models/presets.py); qwen3.6-27b is a dense stand-in (see the module doc)")
-    p.add_argument("--kind", choices=KINDS, default="dflash", help="drafter kind")
+    p.add_argument("--kind", choices=kind_names(), default="dflash", help="drafter kind")
     p.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block, the anchor included")
     p.add_argument("--token-budget", type=int, default=16384, help="tokens per batch (one batch a step)")

@@ -42,13 +42,12 @@ def warm_flags(recipe: dict[str, Any], seed: int, run_dir: Path) -> list[str]:
         return []
     out = run_dir / "warm_start"
     if not (out / "config.json").is_file():
-        from dflash_ds.models.dflash2_arch import DFlash2Options
-        from dflash_ds.models.dspark_arch import DSparkOptions
+        from dflash_ds.models.kinds import DFLASH, kind_spec
         from dflash_ds.tools.init_drafter import warm_start_drafter
 
-        kind = str(recipe["set"].get("model.kind", "dflash"))
+        kind = str(recipe["set"].get("model.kind", DFLASH))
         fields = {k.removeprefix("model."): v for k, v in recipe["set"].items() if k.startswith("model.")}
-        options = DFlash2Options.from_model_config(_Fields(fields)) or DSparkOptions.from_model_config(_Fields(fields))
+        options = kind_spec(kind).options_from_model(_Fields({**fields, "kind": kind}))
         warm_start_drafter(source, out, kind, options, seed=seed, force=True)
     return ["--drafter", str(out)]
 

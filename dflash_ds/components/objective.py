@@ -77,7 +77,7 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
     selecting = selector is not None and loss_cfg.selector_weight > 0
     terms = chunked_dflash_loss(flat_hidden, lm_head, flat_labels, label_valid.reshape(n, bs - 1),
                                 target_hidden=target_hidden, chunk_blocks=loss_cfg.chunk_blocks, logit_bias=bias,
-                                top_k=arch.dflash2.selector_top_k if selecting else 0, **loss_knobs(loss_cfg))
+                                top_k=arch.options.selector_top_k if selecting else 0, **loss_knobs(loss_cfg))
     sums = {**metric_sums(terms), **acceptance_sums(terms)}
     sums["anchors"] = valid.sum().float()
     sums.update({k: torch.zeros((), device=dev) for k in (*SELECTOR_SUMS, *CONFIDENCE_SUMS)})
@@ -90,7 +90,7 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
         terms.loss = terms.loss + loss_cfg.confidence_weight * conf_loss
         sums.update(conf_sums)
     if selecting:  # its candidates are the DFlash loss's top-K: the head runs once per step
-        o = arch.dflash2
+        o = arch.options  # the selector's kind's options (DFlash2Options)
         sel_loss, sel_sums = selector_loss(
             flat_hidden, lm_head, selector, flat_labels,
             label_valid.reshape(n, bs - 1), blocks[:, :, 0].reshape(n), top_k=o.selector_top_k,

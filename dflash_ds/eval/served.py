@@ -55,15 +55,16 @@ def serving_env(drafter: str | Path, temperature: float = 0.0) -> dict[str, str]
     layers, and the DFlash2 and DSpark drafters, need its V2 model runner, which runs on Triton: a GPU. Its CPU
     build samples wrongly under speculative decoding (SAMPLED_ON_CPU): temperature > 0 is a GPU measurement.
     """
-    from dflash_ds.models.kinds import ARCHITECTURES, VLLM_V2_ONLY, kind_of_architecture
+    from dflash_ds.models.kinds import kind_of_architecture, kind_spec
 
     if temperature > 0 and on_cpu():
         raise DFlashError(SAMPLED_ON_CPU)
     cfg = json.loads((Path(drafter) / "config.json").read_text())
     kind = kind_of_architecture(cfg.get("architectures"))
-    if kind in VLLM_V2_ONLY:
+    spec = None if kind is None else kind_spec(kind)
+    if spec is not None and spec.vllm_v2_only:
         if on_cpu():
-            raise DFlashError(f"--drafter {drafter}: a {kind} drafter ({ARCHITECTURES[kind]}) is served by vLLM 0.32 "
+            raise DFlashError(f"--drafter {drafter}: a {kind} drafter ({spec.architecture}) is served by vLLM 0.32 "
                               "only on its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), whose drafting is Triton "
                               "kernels on a GPU: not on this CPU. Evaluate it with --engine dflash, or serve it on a "
                               "GPU")

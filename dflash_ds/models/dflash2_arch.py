@@ -22,8 +22,12 @@ from typing import Any
 
 from dflash_ds.config import DrafterConfig as _M  # the one source of the defaults
 from dflash_ds.errors import DFlashError
+from dflash_ds.models.kinds import KindSpec, MemoryTerms, register
 
-from dflash_ds.models.kinds import ARCHITECTURES, DFLASH, DFLASH2, KINDS  # noqa: F401 - re-exported
+# H-wide values one layer's two grouped convolutions save per block token (docs/MEMORY.md), measured from
+# autograd's saved tensors (saved_tensors_hooks, one DFlash2 layer against the same DFlash layer, fp32, H 128):
+# each conv's output, the sublayer's output, the shifted input of every tap past the first and the group-wide deltas.
+DFLASH2_SAVED_H = 10.5
 
 
 @dataclass
@@ -70,6 +74,15 @@ class DFlash2Options:
             del out["input_embedding_scale"]
         return out
 
+    def to_export(self, cfg: dict[str, Any], block_size: int) -> None:
+        """Its keys in the export's dflash_config, where vLLM also reads block_size (the export's block)."""
+        cfg["dflash_config"].update(block_size=block_size, **self.to_config())
+
+    @classmethod
+    def from_export(cls, cfg: dict[str, Any], where: str) -> "DFlash2Options":
+        """Read them back from an export's config.json."""
+        return cls.from_config(cfg["dflash_config"], where)
+
     @classmethod
     def from_config(cls, dcfg: dict[str, Any], where: str) -> "DFlash2Options":
         """Read them back from a dflash_config (the four the engines require must be there)."""
@@ -85,10 +98,8 @@ class DFlash2Options:
 
     @classmethod
     def from_model_config(cls, model: Any) -> "DFlash2Options | None":
-        """From a run's `model.*` section: None for kind dflash."""
-        if getattr(model, "kind", DFLASH) != DFLASH2:
-            return None
-        return cls(**{f.name: getattr(model, f.name) for f in fields(cls)})
+        """From a run's `model.*` section: None for another kind."""
+        return SPEC.options_from_model(model)
 
 
 def option_names() -> list[str]:
@@ -105,3 +116,38 @@ def conv_params(hidden_size: int, num_layers: int, opts: DFlash2Options) -> int:
 def selector_params(hidden_size: int, vocab_size: int, opts: DFlash2Options) -> int:
     """Parameters of the selector: two vocab x rank codebooks and the H x rank hidden projection."""
     return 2 * vocab_size * opts.selector_rank + hidden_size * opts.selector_rank
+
+
+def memory_terms(opts: DFlash2Options, hidden_size: int, vocab_size: int) -> MemoryTerms:
+    """bench/memory_model.py's DFlash2 terms: the convs in each layer, the selector in Psi, the convs' saved values,
+    and the K x rank codebook rows the selector loss keeps per label position for backward (its top-K vocabulary
+    chunks run without grad after the DFlash loss's chunks are freed, below that moment)."""
+    return MemoryTerms(layer_params=conv_params(hidden_size, 1, opts),
+                       head_params=selector_params(hidden_size, vocab_size, opts), grads_name="selector_grads",
+                       saved_h=DFLASH2_SAVED_H, loss_name="selector_edges",
+                       loss_position_values=opts.selector_top_k * opts.selector_rank)
+
+
+def warm_start_parts(drafter: Any) -> None:
+    """A zero successor codebook (the convolutions start at identity): every edge score is 0, so the walk takes the
+    best unary candidate, the backbone's argmax (models/warm_start.py)."""
+    import torch
+
+    if drafter.arch.options.input_embedding_scale != 1.0:
+        raise DFlashError("a warm start needs input_embedding_scale 1 (another scale changes the backbone's "
+                          "inputs, so the drafts would change)")
+    with torch.no_grad():
+        drafter.candidate_selector.successor_codebook.zero_()
+
+
+SPEC = register(KindSpec(
+    name="dflash2", architecture="DFlash2DraftModel",
+    summary="grouped convolutions + candidate selector; DFlash2DraftModel export",
+    options=DFlash2Options, model_fields=tuple(option_names()),
+    rules=(*((f"model.{name}", "must be >= 1", lambda v: v >= 1)
+             for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
+           ("model.output_multiplier", "must be > 0", lambda v: v > 0),
+           ("model.final_logit_softcapping", "must be >= 0 (0 = no cap)", lambda v: v >= 0),
+           ("model.input_embedding_scale", "must be > 0", lambda v: v > 0)),
+    drafter_module="dflash_ds.models.dflash2", vllm_method="dflash", vllm_v2_only=True,
+    memory=memory_terms, warm_start=warm_start_parts))

@@ -18,6 +18,7 @@ with its bound on compiled graphs, are in models/block_mask.py.
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,6 +35,7 @@ from dflash_ds.models.block_mask import (
 from dflash_ds.models.drafter_arch import (  # noqa: F401 - re-exported: the drafter's public names
     CONFIG_NAME, FULL, SAFETENSORS_NAME, SLIDING, DrafterArch, default_target_layer_ids, read_drafter_arch,
 )
+from dflash_ds.models.kinds import kind_spec
 
 
 class BlockDraft(NamedTuple):
@@ -163,6 +165,9 @@ class DFlashDrafter(nn.Module):
 
     def __new__(cls, arch: DrafterArch | None = None, *args, **kwargs):
         if cls is DFlashDrafter and arch is not None and arch.kind != cls.kind:
+            module = kind_spec(arch.kind).drafter_module
+            if arch.kind not in DFlashDrafter._by_kind and module:
+                importlib.import_module(module)  # its class registers itself
             if arch.kind not in DFlashDrafter._by_kind:
                 raise DFlashError(f"no drafter class registered for kind {arch.kind!r}")
             cls = DFlashDrafter._by_kind[arch.kind]

@@ -23,9 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ds.errors import DFlashError, read_json_file
-from dflash_ds.models.dflash2_arch import DFlash2Options
-from dflash_ds.models.dspark_arch import DSparkOptions
-from dflash_ds.models.kinds import ARCHITECTURES, DFLASH, DFLASH2, DSPARK
+from dflash_ds.models import kinds
 
 SAFETENSORS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -98,18 +96,16 @@ class DrafterArch:
     """Per draft layer "full_attention" or "sliding_attention"; None = all full (normalised to a list)."""
     sliding_window: int | None = None
     """Window of the sliding layers, counting the query itself (HF convention)."""
-    dflash2: DFlash2Options | None = None
-    """The DFlash2 parts (convolutions, candidate selector); None = not a DFlash2 drafter."""
-    dspark: DSparkOptions | None = None
-    """The DSpark parts (Markov head, confidence head); None = not a DSpark drafter."""
+    options: Any = None
+    """The parts of the drafter's kind beyond DFlash: an instance of its KindSpec.options (models/kinds.py, e.g.
+    models/dspark_arch.DSparkOptions), which fixes the kind; None = a DFlash drafter. The constructor also takes
+    them under the kind's name (`dspark=DSparkOptions(...)`), and `arch.<kind>` reads them (None for another)."""
 
     def __post_init__(self) -> None:
         self.layer_types = resolve_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
-        if self.dflash2 is not None and self.dspark is not None:
-            raise DFlashError("a drafter is dflash2 or dspark, not both")
-        for opts in (self.dflash2, self.dspark):
-            if opts is not None:
-                opts.check(self.hidden_size, self.vocab_size)
+        kinds.kind_of_options(self.options)  # a clear error for options of no registered kind
+        if self.options is not None:
+            self.options.check(self.hidden_size, self.vocab_size)
         if SLIDING not in self.layer_types:
             self.sliding_window = None  # meaningless without a sliding layer; keeps exports canonical
 
@@ -120,21 +116,24 @@ class DrafterArch:
 
     @property
     def kind(self) -> str:
-        """dflash, dflash2 or dspark (models/kinds.KINDS)."""
-        return DFLASH2 if self.dflash2 is not None else DSPARK if self.dspark is not None else DFLASH
+        """The kind its options fix (models/kinds.py): dflash without any."""
+        return kinds.kind_of_options(self.options)
 
-    @property
-    def dflash2_options(self) -> dict[str, Any] | None:
-        """The DFlash2 options as a plain dict (checkpoints record it); None for another kind."""
-        return None if self.dflash2 is None else asdict(self.dflash2)
+    def __getattr__(self, name: str) -> Any:
+        # `arch.<kind>`: that kind's options or None; `arch.<kind>_options`: them as a checkpoint records them
+        # (runtime/checkpoint.arch_keys). Reached only for a name that is no attribute.
+        kind = name.removesuffix("_options")
+        if name.startswith("__") or kind == kinds.DFLASH or kind not in kinds.kind_names():
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        mine = self.options if self.__dict__.get("options") is not None and self.kind == kind else None
+        return mine if kind == name else kinds.options_dict(mine)
 
-    @property
-    def dspark_options(self) -> dict[str, Any] | None:
-        """The DSpark options as a plain dict (checkpoints record it); None for another kind."""
-        if self.dspark is None:
-            return None
-        # the layout only when it is DeepSpec's: checkpoints written before the field compare equal
-        return {k: v for k, v in asdict(self.dspark).items() if k != "sample_from_anchor" or v}
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self.__dataclass_fields__ and name != kinds.DFLASH and name in kinds.kind_names():
+            if value is None and self.kind != name:  # `arch.<kind> = None` on another kind changes nothing
+                return
+            name = "options"  # `arch.<kind> = opts`: the kind's options (the kind follows them)
+        object.__setattr__(self, name, value)
 
     @property
     def has_sliding(self) -> bool:
@@ -173,15 +172,9 @@ class DrafterArch:
             "sliding_window": self.sliding_window,
             "use_sliding_window": self.has_sliding,
         })
-        if self.dflash2 is not None:  # vLLM reads block_size from dflash_config too (the export's block)
-            cfg["architectures"] = [ARCHITECTURES[DFLASH2]]
-            cfg["dflash_config"].update(block_size=self.block_size, **self.dflash2.to_config())
-        if self.dspark is not None:  # the DSpark keys at the top level, where vLLM reads them
-            cfg["architectures"] = [ARCHITECTURES[DSPARK]]
-            cfg["dflash_config"].update(block_size=self.block_size)
-            cfg.update(self.dspark.to_config())
-            if self.dspark.sample_from_anchor:  # DeepSpec's block_size counts query slots: the drafts (dspark_arch)
-                cfg["block_size"] = cfg["dflash_config"]["block_size"] = self.block_size - 1
+        if self.options is not None:  # the kind's architecture and keys (its options class says where)
+            cfg["architectures"] = [kinds.kind_spec(self.kind).architecture]
+            self.options.to_export(cfg, self.block_size)
         rope_type = self.rope_parameters.get("rope_type", "default")
         if rope_type != "default":
             # transformers-4.x loaders (and SGLang's get_rope_config on them) read only rope_scaling.
@@ -202,10 +195,10 @@ class DrafterArch:
                 rope["rope_theta"] = cfg["rope_theta"]
             n_layers = int(cfg["num_hidden_layers"])
             window = cfg.get("sliding_window")
-            dspark = (DSparkOptions.from_config(cfg, where)
-                      if ARCHITECTURES[DSPARK] in (cfg.get("architectures") or []) else None)
-            # DeepSpec's anchor-as-first block_size N is N drafts: N + 1 here, the anchor included (dspark_arch)
-            block = int(cfg["block_size"]) + (1 if dspark is not None and dspark.sample_from_anchor else 0)
+            spec = kinds.kind_spec(kinds.kind_of_architecture(cfg.get("architectures")) or kinds.DFLASH)
+            options = None if spec.options is None else spec.options.from_export(cfg, where)
+            # a block_size that does not count every slot (DeepSpec's anchor-as-first layout: dspark_arch)
+            block = int(cfg["block_size"]) + getattr(options, "export_block_offset", 0)
             return cls(
                 hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
                 num_hidden_layers=n_layers, num_attention_heads=int(cfg["num_attention_heads"]),
@@ -219,9 +212,7 @@ class DrafterArch:
                                       or default_target_layer_ids(int(cfg["num_target_layers"]), n_layers)),
                 attention_bias=bool(cfg.get("attention_bias", False)), hidden_act=cfg.get("hidden_act", "silu"),
                 layer_types=cfg.get("layer_types"), sliding_window=None if window is None else int(window),
-                dflash2=(DFlash2Options.from_config(dcfg, where)
-                         if ARCHITECTURES[DFLASH2] in (cfg.get("architectures") or []) else None),
-                dspark=dspark,
+                options=options,
             )
         except KeyError as exc:
             raise DFlashError(f"{where}: missing field {exc.args[0]!r} of a DFlash drafter config") from None
@@ -234,3 +225,23 @@ def read_drafter_arch(path: str | Path) -> DrafterArch:
     cfg_path = Path(path) / CONFIG_NAME
     cfg = read_json_file(cfg_path, f"drafter folder {path} has no {CONFIG_NAME}")
     return DrafterArch.from_json_dict(cfg, str(cfg_path))
+
+
+_dataclass_init = DrafterArch.__init__
+
+
+def _init(self: DrafterArch, *args: Any, **kwargs: Any) -> None:
+    """The dataclass's constructor, also taking a kind's options under its name (`dflash2=DFlash2Options()`; None =
+    not that kind), which wins over `options` (as `dataclasses.replace(arch, dspark=None)` passes both)."""
+    named = {k: kwargs.pop(k) for k in list(kwargs) if k != kinds.DFLASH and k in kinds.kind_names()}
+    chosen = [v for v in named.values() if v is not None]
+    if len(chosen) > 1:
+        raise DFlashError(f"a drafter is one kind: {' or '.join(named)}, not both")
+    if chosen:
+        kwargs["options"] = chosen[0]
+    elif kwargs.get("options") is not None and kinds.kind_of_options(kwargs["options"]) in named:
+        kwargs["options"] = None
+    _dataclass_init(self, *args, **kwargs)
+
+
+DrafterArch.__init__ = _init  # type: ignore[method-assign]

@@ -32,7 +32,7 @@ from typing import Any
 
 from dflash_ds.config import DrafterConfig as _M  # the one source of the defaults
 from dflash_ds.errors import DFlashError
-from dflash_ds.models.kinds import DSPARK
+from dflash_ds.models.kinds import KindSpec, MemoryTerms, register
 
 # Top-level keys of a DSpark export beside the DFlash ones: fixed by the block layout dflash-ds trains.
 LAYOUT_KEYS = {"sample_from_anchor": False, "dspark_bonus_anchor": True}
@@ -76,6 +76,27 @@ class DSparkOptions:
         layout = {"sample_from_anchor": True, "dspark_bonus_anchor": False} if self.sample_from_anchor else LAYOUT_KEYS
         return {**asdict(self), **layout}
 
+    def to_export(self, cfg: dict[str, Any], block_size: int) -> None:
+        """Its keys at the top level, where vLLM reads them; DeepSpec's layout writes its block_size back (module doc)."""
+        cfg["dflash_config"].update(block_size=block_size)
+        cfg.update(self.to_config())
+        if self.sample_from_anchor:  # DeepSpec's block_size counts query slots: the drafts
+            cfg["block_size"] = cfg["dflash_config"]["block_size"] = block_size - 1
+
+    @classmethod
+    def from_export(cls, cfg: dict[str, Any], where: str) -> "DSparkOptions":
+        """Read them back from an export's config.json."""
+        return cls.from_config(cfg, where)
+
+    @property
+    def export_block_offset(self) -> int:
+        """DeepSpec's anchor-as-first block_size N is N drafts: N + 1 here, the anchor included (module doc)."""
+        return 1 if self.sample_from_anchor else 0
+
+    def checkpoint_dict(self) -> dict[str, Any]:
+        """What a checkpoint records: the layout only when it is DeepSpec's (older checkpoints compare equal)."""
+        return {k: v for k, v in asdict(self).items() if k != "sample_from_anchor" or v}
+
     @classmethod
     def from_config(cls, cfg: dict[str, Any], where: str) -> "DSparkOptions":
         """Read them back from a config.json (markov_rank must be there; the heads' switches default off, as
@@ -93,9 +114,7 @@ class DSparkOptions:
     @classmethod
     def from_model_config(cls, model: Any) -> "DSparkOptions | None":
         """From a run's `model.*` section (or init-drafter's flags): None unless the kind is dspark."""
-        if getattr(model, "kind", "") != DSPARK:
-            return None
-        return cls(**{name: getattr(model, name) for name in option_names()})
+        return SPEC.options_from_model(model)
 
 
 def option_names() -> list[str]:
@@ -107,3 +126,31 @@ def dspark_params(hidden_size: int, vocab_size: int, opts: DSparkOptions) -> int
     """Parameters of the Markov head (2 x vocab x rank) and the confidence head (inputs + bias)."""
     conf = hidden_size + (opts.markov_rank if opts.confidence_head_with_markov else 0) + 1
     return 2 * vocab_size * opts.markov_rank + (conf if opts.enable_confidence_head else 0)
+
+
+def memory_terms(opts: DSparkOptions, hidden_size: int, vocab_size: int) -> MemoryTerms:
+    """bench/memory_model.py's DSpark terms: both heads in Psi; the loss holds a chunk's head output and bias product
+    beside their sum, markov_w2's fp32 gradient accumulator and the teacher-forced Markov embeddings of every label
+    position."""
+    return MemoryTerms(head_params=dspark_params(hidden_size, vocab_size, opts), grads_name="markov_grads",
+                       loss_name="markov_bias", loss_chunk_copies=2, loss_position_values=opts.markov_rank,
+                       loss_fixed_bytes=4 * vocab_size * opts.markov_rank)
+
+
+def warm_start_parts(drafter: Any) -> None:
+    """markov_w2 = 0: the Markov bias is 0 and the chain drafts the backbone's argmax (the confidence head drafts
+    nothing; models/warm_start.py)."""
+    import torch
+
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.zero_()
+
+
+SPEC = register(KindSpec(
+    name="dspark", architecture="Qwen3DSparkModel",
+    summary="Markov head + confidence head; Qwen3DSparkModel export",
+    options=DSparkOptions, model_fields=tuple(option_names()),
+    rules=(("model.markov_rank", "must be >= 1", lambda v: v >= 1),),
+    drafter_module="dflash_ds.models.dspark", vllm_method="dspark", vllm_v2_only=True,
+    vllm_anchor_first_by_default=True, memory=memory_terms, warm_start=warm_start_parts,
+    recipe_name=RECIPE_NAME, recipe=RECIPE))

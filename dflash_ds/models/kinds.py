@@ -1,36 +1,191 @@
-"""The drafter kinds, the export architecture name each one writes (config.json `architectures`), and how vLLM
-serves each (docs/DESIGN.md §8, §11, §12)."""
+"""The drafter kinds: one `KindSpec` per kind, the one place the rest of dflash-ds asks what differs between them.
+
+A kind is DFlash's backbone plus parts of its own (docs/DESIGN.md §2, §11, §12). Its module (models/dflash2_arch.py,
+models/dspark_arch.py) defines the options dataclass of those parts and calls `register(KindSpec(...))`; its
+drafter module defines the `DFlashDrafter` subclass. Everything outside models/ and components/ reads the spec
+(the export's architecture, how vLLM serves it, the config rules of its fields, its memory terms, its recipe)
+instead of branching on the kind's name. Adding a kind: write its module and name it in BUILTIN_MODULES (or
+import it before use: tests/test_models/test_kind_registry.py registers a toy kind from a file of its own).
+
+The options dataclass (`KindSpec.options`, held by `DrafterArch.options`) provides:
+- `check(hidden_size, vocab_size)`: one clear error naming a field that cannot build a drafter;
+- `to_export(cfg, block_size)`: add its keys to the export's config.json (a dict, changed in place);
+- `from_export(cfg, where)` (classmethod): read them back from a config.json;
+- optionally `export_block_offset` (block slots the export's block_size does not count: 0 when absent) and
+  `checkpoint_dict()` (what a checkpoint records; `dataclasses.asdict` when absent).
+"""
 
 from __future__ import annotations
 
-DFLASH, DFLASH2, DSPARK = "dflash", "dflash2", "dspark"
-KINDS = (DFLASH, DFLASH2, DSPARK)
-ARCHITECTURES = {DFLASH: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel", DSPARK: "Qwen3DSparkModel"}
-# vLLM 0.32's speculative `method` per kind: DFlash2 rides on "dflash" (vLLM picks its DFlash2 speculator by the
-# architecture name), DSpark has a method of its own (under "dflash" it would be served by the bare backbone).
-VLLM_METHODS = {DFLASH: "dflash", DFLASH2: "dflash", DSPARK: "dspark"}
-# Kinds vLLM 0.32 serves only on its V2 model runner (their drafting is Triton kernels: a GPU).
-VLLM_V2_ONLY = frozenset({DFLASH2, DSPARK})
-# Kinds whose vLLM speculator takes a config without `sample_from_anchor` as anchor-as-first (DeepSpec's DSpark
-# layout: block_size drafts a block); the others draft block_size - 1 after the anchor, the bonus token.
-VLLM_ANCHOR_FIRST_BY_DEFAULT = frozenset({DSPARK})
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+DFLASH = "dflash"  # the backbone every kind extends; the kind of a DrafterArch without options
+
+# The modules that register the built-in kinds beyond DFlash, loaded on the first question to the registry.
+BUILTIN_MODULES = ("dflash_ds.models.dflash2_arch", "dflash_ds.models.dspark_arch")
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """What a kind adds to bench/memory_model.py's count of one micro-step, as plain numbers of its shape."""
+
+    layer_params: int = 0
+    """Parameters each draft layer adds (DFlash2: its two convolutions)."""
+    head_params: int = 0
+    """Parameters outside the layers (DFlash2's selector, DSpark's heads): in Psi, their gradients made first in
+    backward (the loss's backward)."""
+    grads_name: str = ""
+    """The name of those gradients' term in bench memory's backward phase."""
+    saved_h: float = 0.0
+    """H-wide values of the run dtype each draft layer saves per block token (DFlash2: 10.5)."""
+    loss_name: str = ""
+    """The name of the kind's term in bench memory's loss phase."""
+    loss_chunk_copies: float = 0.0
+    """Buffers of one LM-head chunk's [c, K, V] entries, of the run dtype, the kind's loss holds beside the head's."""
+    loss_position_values: float = 0.0
+    """Values of the run dtype the kind's loss keeps per label position."""
+    loss_fixed_bytes: float = 0.0
+    """Bytes the kind's loss holds whatever the batch (DSpark: markov_w2's fp32 gradient accumulator)."""
+    flops_per_position: float = 0.0
+    """Matmul FLOPs (forward + backward) the kind adds per label position beyond DFlash's count."""
+
+    @property
+    def has_loss_term(self) -> bool:
+        """Whether the kind's loss holds anything beyond DFlash's."""
+        return bool(self.loss_chunk_copies or self.loss_position_values or self.loss_fixed_bytes)
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """One drafter kind: what differs from DFlash, for every caller outside the kind's own modules."""
+
+    name: str
+    """model.kind, init-drafter --kind, bench memory --kind."""
+    architecture: str
+    """The export's config.json `architectures` entry: what the serving engines load the kind by."""
+    summary: str
+    """What the kind adds to DFlash, for --help."""
+    options: type | None = None
+    """The dataclass of the kind's own arch fields (module doc); None = nothing beyond DFlash."""
+    model_fields: tuple[str, ...] = ()
+    """The model.* fields (config.DrafterConfig) that become its options; also init-drafter's flags."""
+    rules: tuple[tuple[str, str, Callable[[Any], bool]], ...] = ()
+    """(dotted field, rule text, predicate) of those fields, checked with config_rules' own."""
+    drafter_module: str | None = None
+    """The module defining its DFlashDrafter subclass, imported on the first build of the kind."""
+    vllm_method: str = "dflash"
+    """vLLM 0.32's speculative `method` (DFlash2 rides on "dflash": vLLM picks its speculator by architecture)."""
+    vllm_v2_only: bool = False
+    """vLLM 0.32 serves it only on its V2 model runner (Triton drafting kernels: a GPU)."""
+    vllm_anchor_first_by_default: bool = False
+    """vLLM reads a config without `sample_from_anchor` as anchor-as-first (block_size drafts, not block_size - 1)."""
+    memory: Callable[[Any, int, int], MemoryTerms] | None = None
+    """(options, hidden, vocab) -> its MemoryTerms; None = none."""
+    warm_start: Callable[[Any], None] | None = None
+    """Sets a drafter of the kind, its backbone copied from a DFlash export, to draft as that export (zero / identity
+    parts; models/warm_start.py); None = the kind cannot be warm-started."""
+    recipe_name: str = "none"
+    """The name of its own recipe (config.load_config applies it under the run's file and flags)."""
+    recipe: dict[str, Any] = field(default_factory=dict)
+    """Its recipe: dotted config field -> value; empty = the plain defaults."""
+
+    def options_from_model(self, model: Any) -> Any:
+        """Its options from a run's model.* section (or init-drafter's flags); None for another kind or none."""
+        if self.options is None or getattr(model, "kind", DFLASH) != self.name:
+            return None
+        return self.options(**{name: getattr(model, name) for name in self.model_fields})
+
+    def default_options(self) -> Any:
+        """Its options at their defaults (None for a kind without options)."""
+        return None if self.options is None else self.options()
+
+
+_SPECS: dict[str, KindSpec] = {}
+_BY_OPTIONS: dict[type, str] = {}
+_loaded = False
+
+
+def register(spec: KindSpec) -> KindSpec:
+    """Add a kind (its name, architecture and options class must be new); returns the spec."""
+    _load_builtins()
+    taken = [s.name for s in _SPECS.values() if spec.name == s.name or spec.architecture == s.architecture]
+    if taken or (spec.options is not None and spec.options in _BY_OPTIONS):
+        raise ValueError(f"drafter kind {spec.name!r} ({spec.architecture}) clashes with registered kind {taken}")
+    _SPECS[spec.name] = spec
+    if spec.options is not None:
+        _BY_OPTIONS[spec.options] = spec.name
+    return spec
+
+
+def unregister(name: str) -> None:
+    """Remove a kind (tests that register one of their own)."""
+    spec = _SPECS.pop(name)
+    _BY_OPTIONS.pop(spec.options, None)
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        _SPECS.setdefault(DFLASH, KindSpec(DFLASH, "DFlashDraftModel", "the DFlash drafter (z-lab's reference)"))
+        for module in BUILTIN_MODULES:
+            importlib.import_module(module)
+
+
+def kind_specs() -> list[KindSpec]:
+    """Every registered kind: dflash, the built-in ones in BUILTIN_MODULES' order, then others as registered."""
+    _load_builtins()
+
+    def rank(spec: KindSpec) -> int:  # a built-in module imported first registers the others inside its import
+        module = getattr(spec.options, "__module__", None)
+        return (-1 if spec.name == DFLASH else BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES
+                else len(BUILTIN_MODULES))
+
+    return sorted(_SPECS.values(), key=rank)
+
+
+def kind_names() -> list[str]:
+    """The registered kinds' names (choices of --kind, model.kind)."""
+    return [s.name for s in kind_specs()]
+
+
+def kind_spec(name: str) -> KindSpec:
+    """The spec of kind `name`; a clear error for a kind nobody registered."""
+    from dflash_ds.errors import DFlashError
+
+    _load_builtins()
+    if name not in _SPECS:
+        raise DFlashError(f"unknown drafter kind {name!r}: one of {', '.join(_SPECS)}")
+    return _SPECS[name]
+
+
+def kind_of_options(options: Any) -> str:
+    """The kind whose options `options` are (None: dflash)."""
+    _load_builtins()
+    if options is None:
+        return DFLASH
+    if type(options) not in _BY_OPTIONS:
+        raise TypeError(f"{type(options).__name__} are the options of no registered drafter kind")
+    return _BY_OPTIONS[type(options)]
 
 
 def kind_of_architecture(architectures: list[str] | None) -> str | None:
     """The kind whose export architecture is listed (None when none is)."""
-    return next((kind for kind, name in ARCHITECTURES.items() if name in (architectures or [])), None)
-
-
-# Kinds with a recipe of their own (the module holding RECIPE_NAME and RECIPE: dotted config field -> value), applied
-# under a run's file and flags by config.load_config; a kind not listed trains the plain defaults.
-RECIPE_MODULES = {DSPARK: "dflash_ds.models.dspark_arch"}
+    return next((s.name for s in kind_specs() if s.architecture in (architectures or [])), None)
 
 
 def kind_recipe(kind: str) -> tuple[str, dict]:
     """(name, fields) of the kind's own recipe; ("none", {}) for a kind without one."""
-    import importlib
+    spec = kind_spec(kind)
+    return spec.recipe_name, dict(spec.recipe)
 
-    if kind not in RECIPE_MODULES:
-        return "none", {}
-    module = importlib.import_module(RECIPE_MODULES[kind])
-    return module.RECIPE_NAME, dict(module.RECIPE)
+
+def options_dict(options: Any) -> dict[str, Any] | None:
+    """The options as a checkpoint records them (None for none)."""
+    if options is None:
+        return None
+    record = getattr(options, "checkpoint_dict", None)
+    return record() if record is not None else dataclasses.asdict(options)

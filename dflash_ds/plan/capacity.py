@@ -28,6 +28,7 @@ from typing import Any
 from dflash_ds.config import DataConfig, TrainConfig
 from dflash_ds.distributed.wire import ID_BYTES
 from dflash_ds.errors import DFlashError
+from dflash_ds.models.kinds import DFLASH, kind_names
 from dflash_ds.models.presets import PRESETS
 from dflash_ds.plan import links
 from dflash_ds.plan.colocated import (PRESET_NAMES, choice_lines, choose, colocated_lines, colocated_memory,
@@ -58,11 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=None,
                         help=f"target hidden size H (default {QWEN3_8B['hidden']}, a Qwen3-8B-sized target)")
     parser.add_argument("--vocab", type=int, default=None, help=f"target vocabulary V (default {QWEN3_8B['vocab']})")
-    parser.add_argument("--kind", choices=["dflash", "dflash2", "dspark"], default="dflash",
-                        help="drafter kind (model.kind) of the memory estimate: dflash2 adds its convolutions, "
-                             "selector codebooks (2 x V x 64) and their saved activations at config.py's defaults; "
-                             "dspark its Markov head (2 x V x 256: 77.8 M parameters at Qwen3-8B), the confidence "
-                             "head and the loss's bias buffers")
+    parser.add_argument("--kind", choices=kind_names(), default=DFLASH,
+                        help="drafter kind (model.kind) of the memory estimate: a kind beyond dflash adds its parts' "
+                             "parameters, saved activations and loss buffers at config.py's defaults (the memory "
+                             "terms of its spec, models/kinds.py; docs/MEMORY.md has each kind's figures)")
     parser.add_argument("--drafter-layers", type=int, default=5, help="drafter layers (= target layers read, by default)")
     parser.add_argument("--num-target-layers-read", type=int, default=None,
                         help="target layers whose outputs are sent, K (default: --drafter-layers)")

@@ -70,7 +70,7 @@ def drafter_memory(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: 
                 "terms": {}}
     shape = replace(bm.drafter_shape({**shape_cfg, "vocab_size": vocab}, hidden, args.drafter_layers,
                                      DrafterConfig.block_size), num_read=layers_read,
-                    kind=getattr(args, "kind", "dflash"))  # dflash2: + convs, codebooks, their activations
+                    kind=getattr(args, "kind", "dflash"))  # a kind: + its parts (its spec's memory terms)
     kl = not args.no_last_hidden
     step_args = argparse.Namespace(token_budget=args.token_budget,
                                    seq_len=min(DataConfig.max_length, args.token_budget),

@@ -215,9 +215,22 @@ def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, 
 
 # The drafter's shape as a checkpoint records it; a resume must match every one (runtime/resume.py).
 # Checkpoints written before the head and MLP widths were recorded lack those keys: not checked there.
-ARCH_KEYS = ("block_size", "target_layer_ids", "num_hidden_layers", "hidden_size", "vocab_size", "mask_token_id",
-             "layer_types", "sliding_window", "num_attention_heads", "num_key_value_heads", "head_dim",
-             "intermediate_size", "kind", "dflash2_options", "dspark_options")
+SHAPE_KEYS = ("block_size", "target_layer_ids", "num_hidden_layers", "hidden_size", "vocab_size", "mask_token_id",
+              "layer_types", "sliding_window", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "intermediate_size", "kind")
+
+
+def arch_keys() -> tuple[str, ...]:
+    """SHAPE_KEYS, then `<kind>_options` of every registered kind with options (DrafterArch reads them)."""
+    from dflash_ds.models.kinds import kind_specs
+
+    return (*SHAPE_KEYS, *(f"{spec.name}_options" for spec in kind_specs() if spec.options is not None))
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ARCH_KEYS":  # arch_keys() of the kinds registered now (not at this module's import)
+        return arch_keys()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def trainer_state(cfg: Config, arch, num_drafters: int, global_batch: int, zero_stage: int, dtype, step: int,
@@ -230,7 +243,7 @@ def trainer_state(cfg: Config, arch, num_drafters: int, global_batch: int, zero_
             "colocated": bool(cfg.topology.colocate),
             "global_batch": global_batch, "zero_stage": zero_stage,
             "dtype": str(dtype).removeprefix("torch."),
-            "arch": {key: getattr(arch, key) for key in ARCH_KEYS},
+            "arch": {key: getattr(arch, key) for key in arch_keys()},
             "rng": "per-batch generators seeded by (seed, global batch id): nothing else to restore",
             "config": scrub_secrets(to_dict(cfg))}
 

@@ -30,15 +30,11 @@ def step_bytes_without_checkpointing(cfg: Any, arch: Any, *, colocated: bool, nu
     """What the rank still has to allocate when the step keeps every layer's activations (bench memory's formula)."""
     from dflash_ds.bench import memory_model as mm
 
-    d2, ds = arch.dflash2, arch.dspark
     shape = mm.DrafterShape(
         hidden=arch.hidden_size, intermediate=arch.intermediate_size, heads=arch.num_attention_heads,
         kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim, vocab=arch.vocab_size,
         num_layers=arch.num_hidden_layers, num_read=len(arch.target_layer_ids), block_size=arch.block_size,
-        kind=arch.kind, **({} if d2 is None else {"conv_kernel_size": d2.conv_kernel_size,
-                                                  "conv_group_size": d2.conv_group_size,
-                                                  "selector_rank": d2.selector_rank, "selector_top_k": d2.selector_top_k}),
-        **({} if ds is None else {"markov_rank": ds.markov_rank}))
+        kind=arch.kind, options=arch.options)
     budget, length = cfg.data.token_budget, cfg.data.max_length
     batch, seq = max(1, budget // length), min(length, budget)
     step = mm.StepShape(batch=batch, seq_len=seq, chunk_blocks=cfg.loss.chunk_blocks, kl=cfg.loss.needs_last_hidden,

@@ -10,11 +10,9 @@ import torch
 
 from dflash_ds.config import Config, DrafterConfig
 from dflash_ds.errors import DFlashError
-from dflash_ds.models import dflash2_arch, dspark_arch
-from dflash_ds.models.dflash2_arch import DFlash2Options
-from dflash_ds.models.dspark_arch import DSparkOptions
 from dflash_ds.models.drafter_arch import DrafterArch, read_drafter_arch
 from dflash_ds.models.from_target import SHAPE_OVERRIDES, drafter_arch_from_target
+from dflash_ds.models.kinds import kind_spec, kind_specs
 
 
 def resolve_arch(cfg: Config) -> DrafterArch:
@@ -29,8 +27,7 @@ def resolve_arch(cfg: Config) -> DrafterArch:
     return drafter_arch_from_target(cfg.target, num_layers=cfg.model.num_layers, block_size=cfg.model.block_size,
                                     mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids,
                                     layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window,
-                                    dflash2=DFlash2Options.from_model_config(cfg.model),
-                                    dspark=DSparkOptions.from_model_config(cfg.model),
+                                    options=kind_spec(cfg.model.kind).options_from_model(cfg.model),
                                     **{name: getattr(cfg.model, name) for name in SHAPE_OVERRIDES})
 
 
@@ -60,18 +57,18 @@ def check_model_matches_drafter(cfg: Config, arch: DrafterArch) -> None:
             raise DFlashError(f"model.{name} = {asked} but --drafter {cfg.drafter} has {attr} = {has}: the "
                               f"drafter's config.json fixes the shape; drop model.{name} or start from a drafter "
                               "of that shape (dflash-ds init-drafter)")
-    check_dflash2_matches_drafter(cfg, arch, defaults)
+    check_kind_fields_match_drafter(cfg, arch, defaults)
 
 
-def check_dflash2_matches_drafter(cfg: Config, arch: DrafterArch, defaults: DrafterConfig) -> None:
-    """A DFlash2 or DSpark model.* field set (away from its default) to another value than --drafter's -> one clear
-    error.
+def check_kind_fields_match_drafter(cfg: Config, arch: DrafterArch, defaults: DrafterConfig) -> None:
+    """A model.* field of a kind (its spec's model_fields) set away from its default to another value than
+    --drafter's -> one clear error.
 
     The folder fixes the kind too, so config_rules lets these through with --drafter (kind may stay at its
-    default on a dflash2 folder) and this is where a DFlash2 field on a dflash folder is caught."""
-    for kind, opts, names in (("dflash2", arch.dflash2, dflash2_arch.option_names()),
-                              ("dspark", arch.dspark, dspark_arch.option_names())):
-        for name in names:
+    default on a folder of another kind) and this is where a field of one kind on a folder of another is caught."""
+    for spec in kind_specs():
+        kind, opts = spec.name, (arch.options if arch.kind == spec.name else None)
+        for name in spec.model_fields:
             asked = getattr(cfg.model, name)
             if asked == getattr(defaults, name):  # the default: not asked
                 continue

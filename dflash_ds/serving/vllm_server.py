@@ -74,20 +74,21 @@ def speculative_config(drafter: str | Path, num_speculative_tokens: int | None =
     itself, vLLM drafts block_size tokens with DSpark whatever the layout.
     """
     # Imported here: the models package loads torch, which a server for a target alone does not need.
-    from dflash_ds.models.kinds import ARCHITECTURES, VLLM_ANCHOR_FIRST_BY_DEFAULT, VLLM_METHODS, kind_of_architecture
+    from dflash_ds.models.kinds import kind_of_architecture, kind_spec, kind_specs
 
     path = Path(drafter) / "config.json"
     cfg = read_json_file(path, f"drafter folder {drafter} has no config.json")
     kind = kind_of_architecture(cfg.get("architectures"))
     if kind is None:
         raise DFlashError(f"{path}: architectures {cfg.get('architectures')} name no drafter served from here "
-                          f"(one of {sorted(ARCHITECTURES.values())})")
+                          f"(one of {sorted(spec.architecture for spec in kind_specs())})")
     block = cfg.get("block_size") or (cfg.get("dflash_config") or {}).get("block_size")
     if not block:
         raise DFlashError(f"{path}: no block_size (top level or dflash_config)")
-    anchor_first = bool(cfg.get("sample_from_anchor", kind in VLLM_ANCHOR_FIRST_BY_DEFAULT))
+    spec = kind_spec(kind)
+    anchor_first = bool(cfg.get("sample_from_anchor", spec.vllm_anchor_first_by_default))
     drafts = int(block) if anchor_first else int(block) - 1
-    return {"method": VLLM_METHODS[kind], "model": str(drafter),
+    return {"method": spec.vllm_method, "model": str(drafter),
             "num_speculative_tokens": num_speculative_tokens or drafts}
 
 

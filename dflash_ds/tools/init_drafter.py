@@ -6,33 +6,30 @@ import argparse
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from dflash_ds.config_parse import class_field_docs
 from dflash_ds.errors import DFlashError
-from dflash_ds.models import dflash2_arch, dspark_arch
-from dflash_ds.models.dflash2_arch import DFlash2Options
 from dflash_ds.models.drafter import DFlashDrafter
-from dflash_ds.models.dspark_arch import DSparkOptions
 from dflash_ds.models.from_target import SHAPE_OVERRIDES, drafter_arch_from_target, target_dtype
-from dflash_ds.models.kinds import KINDS, kind_recipe
+from dflash_ds.models.kinds import DFLASH, kind_names, kind_recipe, kind_spec, kind_specs, options_dict
 from dflash_ds.models.warm_start import warm_start
 
 
 def init_drafter(target_dir: str | Path, out_dir: str | Path, *, num_layers: int = 5, block_size: int = 16,
                  mask_token_id: int | None = None, seed: int = 0, force: bool = False,
                  layer_types: list[str] | None = None, sliding_window: int | None = None,
-                 dflash2: DFlash2Options | None = None, dspark: DSparkOptions | None = None,
-                 **shape: int | None) -> DFlashDrafter:
+                 options: Any = None, **shape: Any) -> DFlashDrafter:
     """Build, seed-init and save a drafter for `target_dir` into `out_dir` (atomically), in the target's dtype.
 
     The export's dtype is what SGLang / vLLM run under --dtype auto, so a bf16 target's drafter
     says bfloat16 (a float32 config would be served as float16 by SGLang). `shape`: the heads, head
-    width and MLP width when not the target's (models/from_target.SHAPE_OVERRIDES). `dflash2` / `dspark`: a
-    drafter of that kind and those options (None = DFlash).
+    width and MLP width when not the target's (models/from_target.SHAPE_OVERRIDES). `options`: a drafter of their
+    kind (models/kinds.py; None = DFlash; a kind's name takes them too, `dspark=DSparkOptions()`).
     """
     arch = drafter_arch_from_target(target_dir, num_layers=num_layers, block_size=block_size,
                                     mask_token_id=mask_token_id, layer_types=layer_types,
-                                    sliding_window=sliding_window, dflash2=dflash2, dspark=dspark, **shape)
+                                    sliding_window=sliding_window, options=options, **shape)
     _check_out(Path(out_dir), force)
     model = DFlashDrafter(arch)
     model.init_weights(seed)  # drawn in fp32, then cast: the same numbers whatever the dtype
@@ -40,7 +37,7 @@ def init_drafter(target_dir: str | Path, out_dir: str | Path, *, num_layers: int
 
 
 def warm_start_drafter(source_dir: str | Path, out_dir: str | Path, kind: str,
-                       options: DFlash2Options | DSparkOptions | None = None, seed: int = 0,
+                       options: Any = None, seed: int = 0,
                        force: bool = False) -> DFlashDrafter:
     """A `kind` drafter from the export in `source_dir` (models/warm_start.py), saved into `out_dir`."""
     _check_out(Path(out_dir), force)
@@ -78,7 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder to write the drafter export (config.json, model.safetensors)")
     p.add_argument("--num-layers", type=int, default=5, help="draft decoder layers (default 5)")
     p.add_argument("--block-size", type=int, default=None,
-                   help="tokens per block incl. the anchor (default: the kind's recipe's, dspark 8; else 16)")
+                   help="tokens per block incl. the anchor (default: the kind's recipe's, "
+                        + "".join(f"{s.name} {s.recipe['model.block_size']}; " for s in kind_specs()
+                                  if "model.block_size" in s.recipe) + "else 16)")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="MASK token id (default: the tokenizer's mask token, <|mask|>, or a spare vocab row)")
     p.add_argument("--layer-types", default="",
@@ -94,13 +93,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="width of one attention head (default: the target's; z-lab's Qwen3.6-27B drafter: 128)")
     p.add_argument("--intermediate-size", type=int, default=None,
                    help="MLP width of each draft layer (default: the target's)")
-    p.add_argument("--kind", choices=KINDS, default="dflash",
-                   help="dflash; dflash2 (grouped convolutions + candidate selector; DFlash2DraftModel export); or "
-                        "dspark (Markov head + confidence head; Qwen3DSparkModel export)")
-    for kind, cls, names in (("dflash2", DFlash2Options, dflash2_arch.option_names()),
-                             ("dspark", DSparkOptions, dspark_arch.option_names())):
-        defaults, docs = cls(), class_field_docs(cls)
-        for name in names:
+    p.add_argument("--kind", choices=kind_names(), default=DFLASH,
+                   help="; ".join(f"{spec.name} ({spec.summary})" for spec in kind_specs()))
+    for spec in kind_specs():  # each kind's own fields, as flags
+        if spec.options is None:
+            continue
+        kind, defaults, docs = spec.name, spec.options(), class_field_docs(spec.options)
+        for name in spec.model_fields:
             value = getattr(defaults, name)
             text = " ".join(docs[name].split())
             kw = ({"type": lambda v: v.lower() in ("1", "true", "yes"), "metavar": "BOOL"}
@@ -115,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if args.source:
         if args.target:
             raise DFlashError("init-drafter: --from takes the shape from the export; drop --target")
-        options = DFlash2Options.from_model_config(args) or DSparkOptions.from_model_config(args)
+        options = kind_spec(args.kind).options_from_model(args)
         model = warm_start_drafter(args.source, args.out, args.kind, options, seed=args.seed, force=args.force)
     elif not args.target:
         raise DFlashError("init-drafter: give --target (a new drafter) or --from (a warm start from an export)")
@@ -125,18 +124,15 @@ def run(args: argparse.Namespace) -> int:
         model = init_drafter(args.target, args.out, num_layers=args.num_layers, block_size=block,
                              mask_token_id=args.mask_token_id, seed=args.seed, force=args.force,
                              layer_types=types, sliding_window=args.sliding_window,
-                             dflash2=DFlash2Options.from_model_config(args),
-                             dspark=DSparkOptions.from_model_config(args),
+                             options=kind_spec(args.kind).options_from_model(args),
                              **{name: getattr(args, name) for name in SHAPE_OVERRIDES})
     n = sum(p.numel() for p in model.parameters())
     a = model.arch
     print(f"drafter: {a.num_hidden_layers} layers, hidden {a.hidden_size}, heads {a.num_attention_heads} / "
           f"{a.num_key_value_heads} of {a.head_dim}, MLP {a.intermediate_size}, block {a.block_size}, "
           f"target layers {a.target_layer_ids}, mask token {a.mask_token_id}, {n / 1e6:.2f} M params -> {args.out}")
-    if a.dflash2 is not None:
-        print(f"dflash2: {a.dflash2_options}")
-    if a.dspark is not None:
-        print(f"dspark: {a.dspark_options}")
+    if a.options is not None:
+        print(f"{a.kind}: {options_dict(a.options)}")
     if a.has_sliding:
         print(f"layer types {a.layer_types}, sliding window {a.sliding_window}")
     return 0
