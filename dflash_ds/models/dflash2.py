@@ -71,7 +71,7 @@ class DFlash2Layer(DrafterLayer):
 
     def __init__(self, arch: DrafterArch) -> None:
         super().__init__(arch)
-        opts = arch.dflash2
+        opts = arch.options
         args = (arch.hidden_size, opts.conv_kernel_size, opts.conv_group_size, arch.block_size)
         self.attention_conv = GroupedDynamicConv(*args)
         self.mlp_conv = GroupedDynamicConv(*args)
@@ -90,10 +90,10 @@ class DFlash2Drafter(DFlashDrafter):
     layer_cls = DFlash2Layer
 
     def __init__(self, arch: DrafterArch) -> None:
-        if arch.dflash2 is None:
-            raise ValueError("DFlash2Drafter needs arch.dflash2 (the DFlash2 options)")
+        if arch.options is None:
+            raise ValueError("DFlash2Drafter needs arch.options (the DFlash2 options)")
         super().__init__(arch)
-        self.candidate_selector = CandidateSelector(arch.hidden_size, arch.vocab_size, arch.dflash2.selector_rank)
+        self.candidate_selector = CandidateSelector(arch.hidden_size, arch.vocab_size, arch.options.selector_rank)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """As DFlash's, then identity convolutions: tap 0 of each base kernel 1, projections 0."""
@@ -106,7 +106,7 @@ class DFlash2Drafter(DFlashDrafter):
                     conv.kernel_projection.weight.zero_()
 
     def _scaled(self, block_embeds: torch.Tensor) -> torch.Tensor:
-        scale = self.arch.dflash2.input_embedding_scale
+        scale = self.arch.options.input_embedding_scale
         return block_embeds if scale == 1.0 else block_embeds * scale
 
     def forward_train(self, context_features, block_embeds, anchors, pad=None) -> torch.Tensor:
@@ -119,7 +119,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     def candidates(self, hidden: torch.Tensor, lm_head) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-K candidate ids and unary scores of final-normed hidden states [..., H] -> two [..., K]."""
-        o = self.arch.dflash2
+        o = self.arch.options
         return unary_candidates(hidden, lm_head, o.selector_top_k, o.output_multiplier, o.final_logit_softcapping)
 
     def block_scores(self, hidden: torch.Tensor, lm_head, anchor_ids: torch.Tensor, tables: tuple | None = None):

@@ -18,7 +18,7 @@ Attention layer types follow the serving engines' DFlash loaders (read in SGLang
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +98,7 @@ class DrafterArch:
     """Window of the sliding layers, counting the query itself (HF convention)."""
     options: Any = None
     """The parts of the drafter's kind beyond DFlash: an instance of its KindSpec.options (models/kinds.py, e.g.
-    models/dspark_arch.DSparkOptions), which fixes the kind; None = a DFlash drafter. The constructor also takes
-    them under the kind's name (`dspark=DSparkOptions(...)`), and `arch.<kind>` reads them (None for another)."""
+    models/dspark_arch.DSparkOptions), which fixes the kind; None = a DFlash drafter."""
 
     def __post_init__(self) -> None:
         self.layer_types = resolve_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
@@ -118,22 +117,6 @@ class DrafterArch:
     def kind(self) -> str:
         """The kind its options fix (models/kinds.py): dflash without any."""
         return kinds.kind_of_options(self.options)
-
-    def __getattr__(self, name: str) -> Any:
-        # `arch.<kind>`: that kind's options or None; `arch.<kind>_options`: them as a checkpoint records them
-        # (runtime/checkpoint.arch_keys). Reached only for a name that is no attribute.
-        kind = name.removesuffix("_options")
-        if name.startswith("__") or kind == kinds.DFLASH or kind not in kinds.kind_names():
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        mine = self.options if self.__dict__.get("options") is not None and self.kind == kind else None
-        return mine if kind == name else kinds.options_dict(mine)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name not in self.__dataclass_fields__ and name != kinds.DFLASH and name in kinds.kind_names():
-            if value is None and self.kind != name:  # `arch.<kind> = None` on another kind changes nothing
-                return
-            name = "options"  # `arch.<kind> = opts`: the kind's options (the kind follows them)
-        object.__setattr__(self, name, value)
 
     @property
     def has_sliding(self) -> bool:
@@ -226,22 +209,3 @@ def read_drafter_arch(path: str | Path) -> DrafterArch:
     cfg = read_json_file(cfg_path, f"drafter folder {path} has no {CONFIG_NAME}")
     return DrafterArch.from_json_dict(cfg, str(cfg_path))
 
-
-_dataclass_init = DrafterArch.__init__
-
-
-def _init(self: DrafterArch, *args: Any, **kwargs: Any) -> None:
-    """The dataclass's constructor, also taking a kind's options under its name (`dflash2=DFlash2Options()`; None =
-    not that kind), which wins over `options` (as `dataclasses.replace(arch, dspark=None)` passes both)."""
-    named = {k: kwargs.pop(k) for k in list(kwargs) if k != kinds.DFLASH and k in kinds.kind_names()}
-    chosen = [v for v in named.values() if v is not None]
-    if len(chosen) > 1:
-        raise DFlashError(f"a drafter is one kind: {' or '.join(named)}, not both")
-    if chosen:
-        kwargs["options"] = chosen[0]
-    elif kwargs.get("options") is not None and kinds.kind_of_options(kwargs["options"]) in named:
-        kwargs["options"] = None
-    _dataclass_init(self, *args, **kwargs)
-
-
-DrafterArch.__init__ = _init  # type: ignore[method-assign]

@@ -62,10 +62,10 @@ class DSparkDrafter(DFlashDrafter):
     kind = "dspark"
 
     def __init__(self, arch: DrafterArch) -> None:
-        if arch.dspark is None:
-            raise ValueError("DSparkDrafter needs arch.dspark (the DSpark options)")
+        if arch.options is None:
+            raise ValueError("DSparkDrafter needs arch.options (the DSpark options)")
         super().__init__(arch)
-        o = arch.dspark
+        o = arch.options
         self.markov_head = MarkovHead(arch.vocab_size, o.markov_rank)
         self.confidence_head = None
         if o.enable_confidence_head:
@@ -79,7 +79,7 @@ class DSparkDrafter(DFlashDrafter):
     def forward_train(self, context_features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor,
                       pad: bool | None = None) -> torch.Tensor:
         """DFlash's forward_train; in the anchor-as-first layout, shifted as above."""
-        if not self.arch.dspark.sample_from_anchor:
+        if not self.arch.options.sample_from_anchor:
             return super().forward_train(context_features, block_embeds, anchors, pad)
         out = super().forward_train(context_features, block_embeds[:, :, :-1], anchors, pad)
         return torch.cat([out[:, :, :1], out], dim=2)
@@ -87,7 +87,7 @@ class DSparkDrafter(DFlashDrafter):
     def forward_infer(self, context_features: torch.Tensor | None, block_embeds: torch.Tensor, start: int,
                       cache=None) -> torch.Tensor:
         """DFlash's forward_infer; in the anchor-as-first layout, shifted as above."""
-        if not self.arch.dspark.sample_from_anchor:
+        if not self.arch.options.sample_from_anchor:
             return super().forward_infer(context_features, block_embeds, start, cache)
         out = super().forward_infer(context_features, block_embeds[:, :-1], start, cache)
         return torch.cat([out[:, :1], out], dim=1)
@@ -101,7 +101,7 @@ class DSparkDrafter(DFlashDrafter):
         chunks of blocks (est_tau) then makes a fixed number of module calls, as ZeRO-3's gathers need on every rank."""
         w1 = self.markov_head.markov_w1.weight
         rows = torch.arange(w1.shape[0] if w1.numel() else self.arch.vocab_size, device=w1.device)
-        eye = torch.eye(self.arch.dspark.markov_rank, device=w1.device, dtype=w1.dtype)
+        eye = torch.eye(self.arch.options.markov_rank, device=w1.device, dtype=w1.dtype)
         return self.markov_head.embed(rows), self.markov_head.bias(eye)
 
     def draft_tokens(self, hidden: torch.Tensor, lm_head, anchor_ids: torch.Tensor, temperature: float = 0.0,

@@ -12,7 +12,6 @@ import torch
 
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter_arch import DrafterArch, default_target_layer_ids
-from dflash_ds.models.kinds import kind_names
 from dflash_ds.models.target import read_target_config
 
 # "<|MASK|>" is SGLang's default DFlash mask token (dflash_config.mask_token when unset).
@@ -51,8 +50,8 @@ def drafter_arch_from_target(target_dir: str | Path, *, num_layers: int = 5, blo
                              **shape: Any) -> DrafterArch:
     """Width, heads, vocab and RoPE from the target; target_layer_ids by the default rule (docs/DESIGN.md §2).
 
-    `options` (a kind's options, models/kinds.py; None = a DFlash drafter) make it a drafter of that kind; a kind's
-    name takes them too (`dspark=DSparkOptions(...)`, as DrafterArch does).
+    `options` (a kind's options, models/kinds.py, e.g. `DSparkOptions(...)`; None = a DFlash drafter) make it a
+    drafter of that kind.
     `shape` may set any of SHAPE_OVERRIDES (None = the target's): the heads, head width and MLP width
     of the draft layers need not be the target's (z-lab's Qwen3.6-27B drafter: 32 / 8 heads of 128 on a
     target of 24 / 4 heads of 256). The hidden size is the target's: the drafter reads its hidden states
@@ -82,7 +81,6 @@ def drafter_arch_from_target(target_dir: str | Path, *, num_layers: int = 5, blo
     # a hybrid target's partial rotary factor and multimodal RoPE sections are not the drafter's.
     rope = {k: v for k, v in rope.items() if k != "partial_rotary_factor" and not k.startswith("mrope")}
     rope.setdefault("rope_theta", float(cfg.get("rope_theta", 10000.0)))
-    by_kind = {k: shape.pop(k) for k in list(shape) if k in kind_names()}  # `dspark=...`: DrafterArch reads it
     unknown = sorted(set(shape) - set(SHAPE_OVERRIDES))
     if unknown:
         raise TypeError(f"drafter_arch_from_target: unknown shape fields {unknown}")
@@ -106,7 +104,7 @@ def drafter_arch_from_target(target_dir: str | Path, *, num_layers: int = 5, blo
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)), rope_parameters=rope,
             block_size=block_size, num_target_layers=n_target, mask_token_id=int(mask_token_id),
             target_layer_ids=list(layer_ids), layer_types=layer_types, sliding_window=sliding_window,
-            options=options, **by_kind,
+            options=options,
         )
     except DFlashError as exc:  # the layer-type rules: name the config fields they come from
         raise DFlashError(f"model.{exc}") from None

@@ -220,17 +220,17 @@ SHAPE_KEYS = ("block_size", "target_layer_ids", "num_hidden_layers", "hidden_siz
               "intermediate_size", "kind")
 
 
-def arch_keys() -> tuple[str, ...]:
-    """SHAPE_KEYS, then `<kind>_options` of every registered kind with options (DrafterArch reads them)."""
-    from dflash_ds.models.kinds import kind_specs
+def arch_record(arch) -> dict[str, Any]:
+    """The drafter's shape as a checkpoint records it: SHAPE_KEYS, then `<kind>_options` of every registered kind
+    with options (that kind's options as a dict on a drafter of it, None on another: the key names the kind, as
+    checkpoints written before the kind registry do)."""
+    from dflash_ds.models.kinds import kind_specs, options_dict
 
-    return (*SHAPE_KEYS, *(f"{spec.name}_options" for spec in kind_specs() if spec.options is not None))
-
-
-def __getattr__(name: str) -> Any:
-    if name == "ARCH_KEYS":  # arch_keys() of the kinds registered now (not at this module's import)
-        return arch_keys()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    record = {key: getattr(arch, key) for key in SHAPE_KEYS}
+    for spec in kind_specs():
+        if spec.options is not None:
+            record[f"{spec.name}_options"] = options_dict(arch.options) if arch.kind == spec.name else None
+    return record
 
 
 def trainer_state(cfg: Config, arch, num_drafters: int, global_batch: int, zero_stage: int, dtype, step: int,
@@ -243,7 +243,7 @@ def trainer_state(cfg: Config, arch, num_drafters: int, global_batch: int, zero_
             "colocated": bool(cfg.topology.colocate),
             "global_batch": global_batch, "zero_stage": zero_stage,
             "dtype": str(dtype).removeprefix("torch."),
-            "arch": {key: getattr(arch, key) for key in arch_keys()},
+            "arch": arch_record(arch),
             "rng": "per-batch generators seeded by (seed, global batch id): nothing else to restore",
             "config": scrub_secrets(to_dict(cfg))}
 

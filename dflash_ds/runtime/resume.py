@@ -125,9 +125,9 @@ def best_so_far(state: dict[str, Any], output_dir: str | Path) -> dict | None:
 def check_resume_state(state: dict, arch, path: Path) -> None:
     """A checkpoint whose drafter shape, block size or target layers differ from the run -> clear error."""
     saved = state.get("arch", {})
-    for key in ckpt.arch_keys():
-        if key in saved and saved[key] != getattr(arch, key):
-            raise DFlashError(f"checkpoint {path} has {key} = {saved[key]} but this run has {getattr(arch, key)}")
+    for key, value in ckpt.arch_record(arch).items():
+        if key in saved and saved[key] != value:
+            raise DFlashError(f"checkpoint {path} has {key} = {saved[key]} but this run has {value}")
 
 
 def agree_on_resume(ctx, cfg: Config, mine: ResumePoint, arch, leader: bool) -> ResumePoint:

@@ -155,7 +155,7 @@ def test_dflash2_parts_in_psi_and_activations() -> None:
                        vocab_size=small.vocab, rms_norm_eps=1e-6, max_position_embeddings=4096,
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, block_size=16,
                        num_target_layers=36, mask_token_id=0, target_layer_ids=[1, 34],
-                       dflash2=DFlash2Options())
+                       options=DFlash2Options())
     with torch.device("meta"):
         drafter = DFlashDrafter(arch)
     assert drafter.kind == "dflash2" and sum(p.numel() for p in drafter.parameters()) == mm.drafter_params(small)
@@ -207,7 +207,7 @@ def test_dspark_parts_in_psi_and_the_loss() -> None:
                        num_attention_heads=small.heads, num_key_value_heads=small.kv_heads, head_dim=small.head_dim,
                        vocab_size=small.vocab, rms_norm_eps=1e-6, max_position_embeddings=4096,
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, block_size=16,
-                       num_target_layers=36, mask_token_id=0, target_layer_ids=[1, 34], dspark=DSparkOptions())
+                       num_target_layers=36, mask_token_id=0, target_layer_ids=[1, 34], options=DSparkOptions())
     with torch.device("meta"):
         drafter = DFlashDrafter(arch)
     assert sum(p.numel() for p in drafter.parameters()) == mm.drafter_params(small)

@@ -41,7 +41,7 @@ def test_eval_reports_the_heads_own_target(tiny_target: Path) -> None:
     from dflash_ds.models.from_target import drafter_arch_from_target
     from dflash_ds.models.target import load_target
 
-    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, dspark=DSparkOptions(markov_rank=4))
+    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, options=DSparkOptions(markov_rank=4))
     drafter = DFlashDrafter(arch)
     drafter.init_weights(0)
     target = load_target(str(tiny_target), dtype=torch.float32, device="cpu")

@@ -52,7 +52,7 @@ def test_walk_follows_previous_choice() -> None:
 
 
 def _arch(target: Path, opts: DFlash2Options | None = OPTS, block_size: int = 4):
-    return drafter_arch_from_target(target, num_layers=2, block_size=block_size, dflash2=opts)
+    return drafter_arch_from_target(target, num_layers=2, block_size=block_size, options=opts)
 
 
 def test_identity_init_is_the_dflash_backbone_and_train_matches_infer(tiny_target: Path) -> None:
@@ -87,7 +87,7 @@ def test_export_round_trip_and_errors(tiny_target: Path, tmp_path: Path) -> None
                                                  "selector_rank", "selector_top_k")} == {
         "block_size": 4, "conv_kernel_size": 3, "conv_group_size": 32, "selector_rank": 8, "selector_top_k": 4}
     back = DFlashDrafter.from_pretrained(out)
-    assert type(back).__name__ == "DFlash2Drafter" and back.arch.dflash2 == OPTS
+    assert type(back).__name__ == "DFlash2Drafter" and back.arch.options == OPTS
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in d2.state_dict().items())
     assert "candidate_selector.predecessor_codebook" in back.state_dict()  # bare tensor, as vLLM loads it
     del cfg["dflash_config"]["selector_rank"]
@@ -100,14 +100,14 @@ def test_export_round_trip_and_errors(tiny_target: Path, tmp_path: Path) -> None
 
 def test_config_and_resume_refuse_a_kind_change(tiny_target: Path) -> None:
     from dflash_ds.config import Config, validate
-    from dflash_ds.runtime.checkpoint import ARCH_KEYS
+    from dflash_ds.runtime.checkpoint import arch_record
     from dflash_ds.runtime.resume import check_resume_state
 
     cfg = Config()
     cfg.model.kind = "dflash3"
     with pytest.raises(DFlashError, match="model.kind = 'dflash3' must be dflash, dflash2 or dspark"):
         validate(cfg)
-    saved = {"arch": {k: getattr(_arch(tiny_target, None), k) for k in ARCH_KEYS}}
+    saved = {"arch": arch_record(_arch(tiny_target, None))}
     assert saved["arch"]["kind"] == "dflash"
     with pytest.raises(DFlashError, match="has kind = dflash but this run has dflash2"):
         check_resume_state(saved, _arch(tiny_target), Path("ckpt"))

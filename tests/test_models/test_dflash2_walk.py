@@ -51,9 +51,8 @@ def fitted2(request, tiny_target: Path):
 
     dspark = request.param == "dspark"
     arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=BS,
-                                    dflash2=None if dspark else DFlash2Options(conv_group_size=32, selector_rank=16,
-                                                                               selector_top_k=4),
-                                    dspark=DSparkOptions(markov_rank=16) if dspark else None)
+                                    options=DSparkOptions(markov_rank=16) if dspark else
+                                    DFlash2Options(conv_group_size=32, selector_rank=16, selector_top_k=4))
     loss_cfg = LossConfig(num_anchors=32, gamma=4.0, **({"lk": "l1", "lk_weight": 0.9} if dspark else {}))
     drafter = DFlashDrafter(arch)
     drafter.init_weights(0)

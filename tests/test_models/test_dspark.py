@@ -109,7 +109,7 @@ def test_objective_is_deepspecs_loss(tiny_target: Path) -> None:
 
     gen = torch.Generator().manual_seed(0)
     block, gamma = 5, 4.0
-    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=block, dspark=DSparkOptions(markov_rank=8))
+    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=block, options=DSparkOptions(markov_rank=8))
     drafter = DFlashDrafter(arch)
     drafter.init_weights(0)
     with torch.no_grad():  # Markov and confidence heads far from their init, so that every term counts
@@ -161,7 +161,7 @@ def test_ece_and_brier_by_hand() -> None:
 
 
 def _dspark(tiny_target: Path, **kw) -> DFlashDrafter:
-    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, dspark=DSparkOptions(markov_rank=2, **kw))
+    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, options=DSparkOptions(markov_rank=2, **kw))
     drafter = DFlashDrafter(arch)
     drafter.init_weights(0)
     return drafter
@@ -197,11 +197,11 @@ def test_export_config_and_its_errors(tiny_target: Path, tmp_path: Path) -> None
     assert cfg["enable_confidence_head"] is False and cfg["sample_from_anchor"] is False
     assert cfg["dflash_config"]["block_size"] == 4 and "mask_token_id" in cfg["dflash_config"]
     back = DFlashDrafter.from_pretrained(out)
-    assert back.kind == "dspark" and back.confidence_head is None and back.arch.dspark == drafter.arch.dspark
+    assert back.kind == "dspark" and back.confidence_head is None and back.arch.options == drafter.arch.options
     cfg["sample_from_anchor"] = True  # DeepSpec's anchor-as-first layout: block_size 4 is 4 drafts
     (out / "config.json").write_text(json.dumps(cfg))
     anchor_first = DFlashDrafter.from_pretrained(out)
-    assert anchor_first.arch.dspark.sample_from_anchor and anchor_first.arch.block_size == 5
+    assert anchor_first.arch.options.sample_from_anchor and anchor_first.arch.block_size == 5
     del cfg["markov_rank"]
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DFlashError, match="lacks 'markov_rank'"):
@@ -210,7 +210,7 @@ def test_export_config_and_its_errors(tiny_target: Path, tmp_path: Path) -> None
 
 def test_config_rules_and_resume_of_the_kind(tiny_target: Path) -> None:
     from dflash_ds.config import Config, validate
-    from dflash_ds.runtime.checkpoint import ARCH_KEYS
+    from dflash_ds.runtime.checkpoint import arch_record
     from dflash_ds.runtime.resume import check_resume_state
 
     cfg = Config()
@@ -222,7 +222,7 @@ def test_config_rules_and_resume_of_the_kind(tiny_target: Path) -> None:
     cfg.model.selector_rank = 8
     with pytest.raises(DFlashError, match="is a dflash2 field but model.kind = 'dspark'"):
         validate(cfg)
-    saved = {"arch": {k: getattr(_dspark(tiny_target).arch, k) for k in ARCH_KEYS}}
+    saved = {"arch": arch_record(_dspark(tiny_target).arch)}
     assert saved["arch"]["kind"] == "dspark" and saved["arch"]["dspark_options"]["markov_rank"] == 2
     with pytest.raises(DFlashError, match="has kind = dspark but this run has dflash"):
         check_resume_state(saved, drafter_arch_from_target(tiny_target, num_layers=1, block_size=4), Path("ckpt"))

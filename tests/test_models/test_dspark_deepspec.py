@@ -31,7 +31,7 @@ N = 4  # DeepSpec's block_size: drafts a block
 def _deepspec_checkpoint(tiny_target: Path, folder: Path) -> DFlashDrafter:
     """A DSpark drafter written as DeepSpec's layout would hold it; returns the drafter."""
     arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=N + 1,
-                                    dspark=DSparkOptions(markov_rank=4, sample_from_anchor=True))
+                                    options=DSparkOptions(markov_rank=4, sample_from_anchor=True))
     drafter = DFlashDrafter(arch)
     drafter.init_weights(0)
     ours = drafter.save_pretrained(folder / "ours")
@@ -58,7 +58,7 @@ def test_deepspec_checkpoint_converts_and_drafts_as_deepspec(tiny_target: Path, 
     original = _deepspec_checkpoint(tiny_target, tmp_path)
     out = convert_deepspec(tmp_path / "deepspec", tmp_path / "conv", target=tiny_target)
     conv = DFlashDrafter.from_pretrained(out)
-    assert conv.kind == "dspark" and conv.arch.block_size == N + 1 and conv.arch.dspark.sample_from_anchor
+    assert conv.kind == "dspark" and conv.arch.block_size == N + 1 and conv.arch.options.sample_from_anchor
     for name, tensor in original.state_dict().items():
         torch.testing.assert_close(conv.state_dict()[name], tensor, rtol=0, atol=0)
     assert speculative_config(out) == {"method": "dspark", "model": str(out), "num_speculative_tokens": N}

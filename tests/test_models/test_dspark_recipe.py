@@ -51,7 +51,7 @@ def test_confidence_target_greedy_is_the_hit(tiny_target: Path) -> None:
     from dflash_ds.models.from_target import drafter_arch_from_target
 
     gen = torch.Generator().manual_seed(0)
-    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, dspark=DSparkOptions(markov_rank=4))
+    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, options=DSparkOptions(markov_rank=4))
     drafter = DFlashDrafter(arch)
     drafter.init_weights(0)
     v, h = arch.vocab_size, arch.hidden_size

@@ -103,7 +103,7 @@ def test_toy_kind_trains_exports_and_loads_back(toy, tiny_target: Path, tmp_path
     from dflash_ds.errors import DFlashError
     from dflash_ds.models.drafter import DFlashDrafter
     from dflash_ds.models.target import load_target
-    from dflash_ds.runtime.checkpoint import arch_keys
+    from dflash_ds.runtime.checkpoint import arch_record
     from dflash_ds.runtime.engine import DrafterTrainModule
     from dflash_ds.serving.vllm_server import speculative_config
     from dflash_ds.tools.train_step import drafter_step, target_batch
@@ -118,8 +118,7 @@ def test_toy_kind_trains_exports_and_loads_back(toy, tiny_target: Path, tmp_path
     assert cfg["architectures"] == ["ToyDraftModel"] and cfg["toy_rank"] == 3
     drafter = DFlashDrafter.from_pretrained(out)
     assert type(drafter) is toy.ToyDrafter and drafter.arch.kind == "toy"
-    assert drafter.arch.options == toy.ToyOptions(3) and drafter.arch.toy_options == {"toy_rank": 3}
-    assert drafter.arch.dspark is None and "toy_options" in arch_keys()
+    assert drafter.arch.options == toy.ToyOptions(3) and arch_record(drafter.arch)["toy_options"] == {"toy_rank": 3}
     assert speculative_config(out) == {"method": "dflash", "model": str(out), "num_speculative_tokens": 3}
 
     # trains through the trainer's forward (runtime/step.forward, as train-step): the loss falls, the toy part moves
@@ -176,7 +175,7 @@ def test_toy_kind_plans_with_its_own_terms(toy, capsys) -> None:
                        num_attention_heads=small.heads, num_key_value_heads=small.kv_heads, head_dim=small.head_dim,
                        vocab_size=small.vocab, rms_norm_eps=1e-6, max_position_embeddings=4096,
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, block_size=16,
-                       num_target_layers=36, mask_token_id=0, target_layer_ids=[1, 34], toy=toy.ToyOptions())
+                       num_target_layers=36, mask_token_id=0, target_layer_ids=[1, 34], options=toy.ToyOptions())
     with torch.device("meta"):
         drafter = DFlashDrafter(arch)
     assert drafter.kind == "toy" and sum(p.numel() for p in drafter.parameters()) == mm.drafter_params(small)

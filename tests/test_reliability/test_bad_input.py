@@ -421,7 +421,7 @@ def test_model_fields_that_contradict_the_drafter(tiny_target, tmp_path):
     assert cli.main(["init-drafter", "--target", str(tiny_target), "--out", str(drafter2), "--num-layers", "2",
                      "--block-size", "8", "--kind", "dflash2", "--selector-top-k", "4"]) == 0
     base2 = dict(base, drafter=str(drafter2))
-    assert resolve_arch(load_config(TINY, dict(base2, model={"selector_top_k": 4}))).dflash2.selector_top_k == 4
+    assert resolve_arch(load_config(TINY, dict(base2, model={"selector_top_k": 4}))).options.selector_top_k == 4
     with pytest.raises(DFlashError, match=r"model.selector_top_k = 16 but --drafter .*drafter2 has selector_top_k = 4"):
         resolve_arch(load_config(TINY, dict(base2, model={"kind": "dflash2", "selector_top_k": 16})))
     # without --drafter, a DFlash2 field under model.kind dflash is a config error; the defaults load

@@ -26,7 +26,7 @@ OPTS = DFlash2Options(conv_kernel_size=3, conv_group_size=16, selector_rank=8, s
 def _random_dflash2(target: Path, block_size: int) -> DFlashDrafter:
     """A DFlash2 drafter whose convolutions and selector are far from their identity init."""
     arch = drafter_arch_from_target(target, num_layers=2, block_size=block_size)
-    arch.dflash2 = OPTS
+    arch.options = OPTS
     drafter = DFlashDrafter(arch)
     drafter.init_weights(0)
     gen = torch.Generator().manual_seed(1)

@@ -29,7 +29,7 @@ TOL = 1e-4  # fp32 both sides, logits of size ~10 (the bias is a sum over the ra
 def test_vllm_loads_dspark_export_and_drafts_as_ours(vllm_python: str, tiny_target: Path, tmp_path: Path) -> None:
     block, rank = 5, 16
     arch = drafter_arch_from_target(tiny_target, num_layers=2, block_size=block,
-                                    dspark=DSparkOptions(markov_rank=rank))
+                                    options=DSparkOptions(markov_rank=rank))
     drafter = DFlashDrafter(arch)
     drafter.init_weights(0)
     gen = torch.Generator().manual_seed(1)
@@ -89,7 +89,7 @@ def test_eval_engine_vllm_serves_dspark_on_the_v2_runner(tiny_target: Path, tmp_
     """On this CPU, one line before any model loads; on a GPU, the V2 runner (its DSpark speculator) is asked for."""
     from dflash_ds.eval import served
 
-    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, dspark=DSparkOptions(markov_rank=4))
+    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, options=DSparkOptions(markov_rank=4))
     export = DFlashDrafter(arch).save_pretrained(tmp_path / "export")
     assert main(["eval", "--engine", "vllm", "--target", str(tiny_target), "--drafter", str(export), "--data",
                  str(tmp_path / "absent.jsonl")]) == 2
