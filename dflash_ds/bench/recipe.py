@@ -125,12 +125,14 @@ def result_mode(result: dict) -> tuple[float, str | None]:
     return t, (result.get("draft_sample", "probabilistic") if t > 0 else None)
 
 
-def train_once(args: argparse.Namespace, recipe: dict, seed: int, run_dir: Path) -> tuple[float, Path]:
-    """Train (or resume) one run; its wall seconds and the export of its last checkpoint."""
+def train_once(args: argparse.Namespace, recipe: dict, seed: int, run_dir: Path) -> tuple[dict, Path]:
+    """Train (or resume) one run; {train_wall_s, train_cpu_s} and the export of its last checkpoint. The CPU
+    seconds (user + system of the training process and every rank it waited for, os.wait4) do not depend on what
+    else the machine runs, as wall seconds do: with 1 thread a rank they are the wall time an idle core would take."""
     trained = run_dir / "trained.json"
     if trained.is_file():  # finished by an earlier bench (e.g. evaluated at another temperature)
         record = json.loads(trained.read_text())
-        return record["train_wall_s"], run_dir / record["export"]
+        return {k: record[k] for k in ("train_wall_s", "train_cpu_s") if k in record}, run_dir / record["export"]
     print(f"bench recipe: {recipe['name']} seed {seed}: training {args.steps} steps (log {run_dir / 'train.log'})",
           flush=True)
     log = run_dir / "train.log"
@@ -138,8 +140,10 @@ def train_once(args: argparse.Namespace, recipe: dict, seed: int, run_dir: Path)
            "OMP_NUM_THREADS": str(args.threads)}
     t0 = time.perf_counter()
     with open(log, "a") as f:
-        status = subprocess.run(train_command(args, recipe, seed, run_dir), stdout=f, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True).returncode
+        proc = subprocess.Popen(train_command(args, recipe, seed, run_dir), stdout=f, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        _, raw, usage = os.wait4(proc.pid, 0)
+        proc.returncode = status = os.waitstatus_to_exitcode(raw)
     wall = time.perf_counter() - t0
     if status != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
@@ -147,9 +151,10 @@ def train_once(args: argparse.Namespace, recipe: dict, seed: int, run_dir: Path)
                           f"last lines of {log}:\n{tail}")
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     export = Path("checkpoints") / latest / "export"
-    trained.with_suffix(".tmp").write_text(json.dumps({"train_wall_s": round(wall, 1), "export": str(export)}) + "\n")
+    times = {"train_wall_s": round(wall, 1), "train_cpu_s": round(usage.ru_utime + usage.ru_stime, 1)}
+    trained.with_suffix(".tmp").write_text(json.dumps({**times, "export": str(export)}) + "\n")
     os.replace(trained.with_suffix(".tmp"), trained)
-    return wall, run_dir / export
+    return times, run_dir / export
 
 
 def train_metrics(run_dir: Path) -> dict[str, Any]:
@@ -213,7 +218,7 @@ def run_one(args, recipe, seed, target, prompts) -> dict[str, Any]:
     if not settings.is_file():
         settings.with_suffix(".tmp").write_text(json.dumps(run_settings(args, recipe, seed), indent=2) + "\n")
         os.replace(settings.with_suffix(".tmp"), settings)
-    train_wall, export = train_once(args, recipe, seed, run_dir)
+    train_times, export = train_once(args, recipe, seed, run_dir)
     drafter = DFlashDrafter.from_pretrained(export).eval()
     with _EVAL_LOCK:
         t0 = time.perf_counter()
@@ -226,7 +231,7 @@ def run_one(args, recipe, seed, target, prompts) -> dict[str, Any]:
               "temperature": args.temperature, **({"draft_sample": args.draft_sample} if args.temperature > 0 else {}),
               "tau": res["tau"], "tau_pooled": res["tau_pooled"], "decode_steps": res["decode_steps"],
               "per_position_acceptance": res["per_position_acceptance"], **train_metrics(run_dir),
-              "train_wall_s": round(train_wall, 1), "eval_wall_s": round(eval_wall, 1),
+              **train_times, "eval_wall_s": round(eval_wall, 1),
               "export": str(export)}
     tmp = done.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
@@ -259,6 +264,8 @@ def summarize(recipes: list[dict], results: list[dict]) -> list[dict[str, Any]]:
                                                  for k in range(positions)],
                      "train_tokens": statistics.fmean(x["train_tokens"] for x in mine),
                      "train_wall_s": statistics.fmean(x["train_wall_s"] for x in mine),
+                     **({"train_cpu_s": statistics.fmean(x["train_cpu_s"] for x in mine)}
+                        if all("train_cpu_s" in x for x in mine) else {}),
                      **{key: statistics.fmean(x[key] for x in mine) for key in TRAIN_FIGURES
                         if all(key in x for x in mine)}})
     base = rows[0]
@@ -274,13 +281,14 @@ def format_table(rows: list[dict], baseline: str, temperature: float = 0.0, draf
     # The training figure that predicts this serving: the greedy walk, or alpha's expected streak for sampling.
     name = "est_tau" if temperature <= 0 else "argmax_alpha_tau" if draft_sample == "greedy" else "alpha_tau"
     predictor = f"train_{name}"
-    lines = [f"{'recipe':<16} {'tau':>13} {'pooled':>13} {'vs ' + baseline:>12} {'tokens':>9} {'wall s':>7} "
+    lines = [f"{'recipe':<16} {'tau':>13} {'pooled':>13} {'vs ' + baseline:>12} {'tokens':>9} {'wall s':>7} {'cpu s':>7} "
              f"{'train tau':>9} {name:>9}  P(position k accepted)"]
     for r in rows:
         mark = " *" if r["beyond_spread"] else ""
         lines.append(f"{r['recipe']:<16} {r['tau_mean']:>6.3f} ±{r['tau_std']:<5.3f} "
                      f"{r['tau_pooled_mean']:>6.3f} ±{r['tau_pooled_std']:<5.3f} {r['vs_baseline']:>+10.3f}{mark:<2} "
-                     f"{r['train_tokens']:>9.0f} {r['train_wall_s']:>7.0f} {_figure(r, 'train_tau'):>9} "
+                     f"{r['train_tokens']:>9.0f} {r['train_wall_s']:>7.0f} {_figure(r, 'train_cpu_s', '.0f'):>7} "
+                     f"{_figure(r, 'train_tau'):>9} "
                      f"{_figure(r, predictor):>9}  "
                      + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]))
     served, estimate = (("greedy (lossless-checked)", "greedy-walk estimate") if temperature <= 0 else
@@ -289,12 +297,14 @@ def format_table(rows: list[dict], baseline: str, temperature: float = 0.0, draf
                          "distribution"))
     lines.append(f"tau: held-out, {served}, mean over prompts of each prompt's mean accepted length; ± the standard "
                  f"deviation over seeds; * = seed ranges do not overlap with {baseline}'s; train tau / {name}: the "
-                 f"last training record's uniform argmax tau and {estimate} (mean over seeds)")
+                 f"last training record's uniform argmax tau and {estimate} (mean over seeds); wall s / cpu s: "
+                 f"training seconds, wall and CPU (user + system of every rank: with 1 thread a rank, what an idle "
+                 f"core takes, whatever else ran)")
     return "\n".join(lines)
 
 
-def _figure(row: dict, key: str) -> str:
-    return f"{row[key]:.2f}" if key in row else "-"
+def _figure(row: dict, key: str, spec: str = ".2f") -> str:
+    return format(row[key], spec) if key in row else "-"
 
 
 def plot(rows: list[dict], results: list[dict], path: Path, temperature: float = 0.0) -> None:

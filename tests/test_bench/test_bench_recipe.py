@@ -52,6 +52,8 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path, cli_
         assert row["tau_mean"] == runs[0]["tau"] >= 1.0 and row["tau_std"] == 0.0
         assert row["tau_pooled_mean"] == runs[0]["tau_pooled"] and len(row["per_position_acceptance"]) == 7
         assert row["train_tokens"] > 0 and row["train_wall_s"] > 0 and "train_tau" in row
+        # CPU seconds of the training process and the ranks it waited for: torch's import alone is seconds a process
+        assert row["train_cpu_s"] == runs[0]["train_cpu_s"] > 2.0
         assert Path(runs[0]["export"], "model.safetensors").is_file()
     base, other = summary["recipes"]
     assert other["vs_baseline"] == pytest.approx(other["tau_mean"] - base["tau_mean"])
@@ -91,6 +93,7 @@ def test_bench_recipe_table_results_and_resume(tiny_target, tmp_path: Path, cli_
     for a, b in zip(sampled["runs"], again["runs"]):
         assert a["temperature"] == 1.0 and a["tau"] >= 1.0 and a["export"] == b["export"]
         assert a["train_wall_s"] == b["train_wall_s"] and a["train_tokens"] == b["train_tokens"]
+        assert a["train_cpu_s"] == b["train_cpu_s"]  # read back, not trained again
         assert a["draft_sample"] == "greedy"  # the engines' default draft rule
     # A result file from before the draft rule was recorded sampled its drafts: not reused for greedy drafts.
     old = json.loads((out / "kl_lk/seed3/result_t1.json").read_text())
@@ -157,14 +160,14 @@ def test_table_lines_carry_each_recipes_figures() -> None:
 
     row = {"recipe": "base", "tau_mean": 2.5, "tau_std": 0.125, "tau_pooled_mean": 2.25, "tau_pooled_std": 0.0625,
            "vs_baseline": 0.0, "beyond_spread": False, "train_tokens": 1000, "train_wall_s": 12.4,
-           "train_tau": 4.876, "train_est_tau": 3.214, "per_position_acceptance": [0.5, 0.25]}
+           "train_cpu_s": 20.6, "train_tau": 4.876, "train_est_tau": 3.214, "per_position_acceptance": [0.5, 0.25]}
     other = {**row, "recipe": "lk", "tau_mean": 1.75, "vs_baseline": -0.75, "beyond_spread": True}
-    del other["train_est_tau"]  # a run whose records had no est_tau
+    del other["train_est_tau"], other["train_cpu_s"]  # runs recorded before est_tau, CPU seconds
     header, base, lk, legend = format_table([row, other], "base").splitlines()
     assert header.split()[:4] == ["recipe", "tau", "pooled", "vs"] and "train tau" in header and "est_tau" in header
-    assert base.split() == ["base", "2.500", "±0.125", "2.250", "±0.062", "+0.000", "1000", "12", "4.88", "3.21",
+    assert base.split() == ["base", "2.500", "±0.125", "2.250", "±0.062", "+0.000", "1000", "12", "21", "4.88", "3.21",
                             "0.50", "0.25"]
-    assert lk.split() == ["lk", "1.750", "±0.125", "2.250", "±0.062", "-0.750", "*", "1000", "12", "4.88", "-",
+    assert lk.split() == ["lk", "1.750", "±0.125", "2.250", "±0.062", "-0.750", "*", "1000", "12", "-", "4.88", "-",
                           "0.50", "0.25"]
     assert "seed ranges do not overlap with base's" in legend and "greedy (lossless-checked)" in legend
     # Sampled serving: the training column that predicts it is argmax_alpha_tau for argmax drafts (the engines'
@@ -172,7 +175,7 @@ def test_table_lines_carry_each_recipes_figures() -> None:
     row = {**row, "train_alpha_tau": 5.678, "train_argmax_alpha_tau": 4.321}
     header, base, lk, legend = format_table([row, other], "base", 1.0).splitlines()
     assert "argmax_alpha_tau" in header and "est_tau" not in header and "temperature 1 (greedy drafts)" in legend
-    assert base.split()[8:10] == ["4.88", "4.32"] and lk.split()[9:11] == ["4.88", "-"]
+    assert base.split()[9:11] == ["4.88", "4.32"] and lk.split()[10:12] == ["4.88", "-"]
     header, base, lk, legend = format_table([row, other], "base", 1.0, "probabilistic").splitlines()
     assert " alpha_tau" in header and "argmax" not in header and "(probabilistic drafts)" in legend
-    assert base.split()[8:10] == ["4.88", "5.68"]
+    assert base.split()[9:11] == ["4.88", "5.68"]
