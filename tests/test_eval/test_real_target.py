@@ -63,7 +63,7 @@ def real_drafters(real_target, tmp_path_factory):
         cfg = AblationConfig(mask_token_id=MASK_TOKEN_ID, **TRAIN)
         trained = train_drafter(target, real_target, list(zip(prompts, answers)), cfg, work / "init")
         trained.save_pretrained(work / "trained")
-        untrained = init_drafter(real_target, work / "untrained", num_layers=cfg.num_layers,
+        init_drafter(real_target, work / "untrained", num_layers=cfg.num_layers,
                                  block_size=cfg.block_size, mask_token_id=MASK_TOKEN_ID, seed=cfg.seed)
     finally:
         torch.set_num_threads(threads)
