@@ -63,8 +63,8 @@ def real_drafters(real_target, tmp_path_factory):
         cfg = AblationConfig(mask_token_id=MASK_TOKEN_ID, **TRAIN)
         trained = train_drafter(target, real_target, list(zip(prompts, answers)), cfg, work / "init")
         trained.save_pretrained(work / "trained")
-        init_drafter(real_target, work / "untrained", num_layers=cfg.num_layers,
-                                 block_size=cfg.block_size, mask_token_id=MASK_TOKEN_ID, seed=cfg.seed)
+        init_drafter(real_target, work / "untrained", num_layers=cfg.num_layers, block_size=cfg.block_size,
+                     mask_token_id=MASK_TOKEN_ID, seed=cfg.seed)
     finally:
         torch.set_num_threads(threads)
     return work / "untrained", work / "trained", load_prompts(work / "held_out.jsonl", real_target, N_HELD), target
