@@ -41,6 +41,7 @@ class AblationConfig:
     num_layers: int = 2  # drafter layers
     block_size: int = 8
     seed: int = 0  # drafter init and anchor draws
+    mask_token_id: int | None = None  # None: init-drafter's choice (a target without a mask token needs one)
 
 
 def encode_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
@@ -94,8 +95,10 @@ def train_drafter(target, target_dir: str | Path, seqs: list[tuple[list[int], li
     """A fresh drafter trained `cfg.steps` AdamW steps of the real objective (components/objective.py)."""
     from dflash_ds.tools.init_drafter import init_drafter
 
+    # Trained in fp32 whatever the export's dtype (a bf16 target's drafter is saved in bf16): AdamW on bf16 weights
+    # loses small updates.
     drafter = init_drafter(target_dir, out_dir, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                           seed=cfg.seed, force=True)
+                           mask_token_id=cfg.mask_token_id, seed=cfg.seed, force=True).float()
     states = target_states(target, seqs, drafter.arch.target_layer_ids, shift)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     # The trainer's schedule (docs/DESIGN.md §3): linear warmup, cosine decay to a tenth of the peak.
