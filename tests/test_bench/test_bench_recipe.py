@@ -156,7 +156,7 @@ def test_file_names_and_modes_of_sampled_evaluations() -> None:
 
 
 def test_table_lines_carry_each_recipes_figures() -> None:
-    from dflash_ds.bench.recipe import format_table
+    from dflash_ds.bench.recipe_table import format_table
 
     row = {"recipe": "base", "tau_mean": 2.5, "tau_std": 0.125, "tau_pooled_mean": 2.25, "tau_pooled_std": 0.0625,
            "vs_baseline": 0.0, "beyond_spread": False, "train_tokens": 1000, "train_wall_s": 12.4,
