@@ -181,14 +181,6 @@ def kind_fields() -> dict[str, tuple[str, ...]]:
     return {spec.name: spec.model_fields for spec in kind_specs() if spec.model_fields}
 
 
-def __getattr__(name: str) -> tuple[str, ...]:
-    """`<KIND>_FIELDS` (e.g. DFLASH2_FIELDS): that kind's model.* fields, read from its spec."""
-    fields = kind_fields().get(name.removesuffix("_FIELDS").lower()) if name.endswith("_FIELDS") else None
-    if fields is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return fields
-
-
 def _validate_kind_fields(cfg: Config) -> None:
     """A field of another kind set away from its default (a field of kind k while model.kind is not k) -> one clear
     error (it would be ignored).

@@ -425,9 +425,9 @@ def test_model_fields_that_contradict_the_drafter(tiny_target, tmp_path):
     with pytest.raises(DFlashError, match=r"model.selector_top_k = 16 but --drafter .*drafter2 has selector_top_k = 4"):
         resolve_arch(load_config(TINY, dict(base2, model={"kind": "dflash2", "selector_top_k": 16})))
     # without --drafter, a DFlash2 field under model.kind dflash is a config error; the defaults load
-    from dflash_ds.config_rules import DFLASH2_FIELDS
+    from dflash_ds.config_rules import kind_fields
     from dflash_ds.models.dflash2_arch import option_names
-    assert set(DFLASH2_FIELDS) == set(option_names())
+    assert set(kind_fields()["dflash2"]) == set(option_names())
     with pytest.raises(DFlashError, match=r"^config: model.selector_top_k = 16 is a dflash2 field but model.kind = "
                                           r"'dflash' ignores it"):
         load_config(TINY, {"model": {"selector_top_k": 16}})
