@@ -28,6 +28,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_ds.bench.curve",
         "held-out tau against training tokens: every checkpoint a run kept, evaluated on the same prompts",
     ),
+    "kinds": (
+        "dflash_ds.bench.kinds",
+        "every drafter kind x depth x seed trained on a target's own answers, held-out tau at each step budget "
+        "(the real-target table)",
+    ),
     "memory": (
         "dflash_ds.bench.memory",
         "peak memory and time of one drafter micro-step at small widths, measured vs predicted, and the "

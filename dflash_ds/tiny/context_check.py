@@ -83,37 +83,55 @@ def target_states(target, seqs: list[tuple[list[int], list[int]]], layer_ids: li
     for i, (p, a) in enumerate(seqs):
         ids[i, : len(p) + len(a)] = torch.tensor(p + a)
         loss_mask[i, len(p): len(p) + len(a)] = 1
+    device = target.get_input_embeddings().weight.device  # the states live where the target runs
+    ids, loss_mask = ids.to(device), loss_mask.to(device)
     context, last = capture_hidden(target, ids, None, layer_ids)
     if shift:
         context = torch.cat([torch.zeros_like(context[:, :shift]), context[:, :-shift]], dim=1)
-    lengths = torch.tensor([len(p) + len(a) for p, a in seqs])
+    lengths = torch.tensor([len(p) + len(a) for p, a in seqs], device=device)
     return TargetStates(ids, loss_mask, lengths, context, last)
 
 
 def train_drafter(target, target_dir: str | Path, seqs: list[tuple[list[int], list[int]]], cfg: AblationConfig,
-                  out_dir: str | Path, shift: int = 0) -> DFlashDrafter:
-    """A fresh drafter trained `cfg.steps` AdamW steps of the real objective (components/objective.py)."""
+                  out_dir: str | Path, shift: int = 0, *, options=None, loss_cfg: LossConfig | None = None,
+                  states: TargetStates | None = None,
+                  on_step: Callable[[int, DFlashDrafter, torch.Tensor, torch.Tensor | None], None] | None = None,
+                  ) -> DFlashDrafter:
+    """A fresh drafter trained `cfg.steps` AdamW steps of the real objective (components/objective.py).
+
+    `options`: a kind's (models/kinds.py; None = DFlash); `loss_cfg`: the loss (default: LossConfig's with
+    `cfg.num_anchors`); `states`: the target's features of `seqs` when already computed (`target_states`, on the
+    device to train on); `on_step(step, drafter, label_tokens, loss)` after each step (step counts from 1;
+    `label_tokens`: a device scalar of the label positions trained so far, `loss` the step's (detached): read only
+    by who needs them); also once before the first step, with step 0 and no loss.
+    """
     from dflash_ds.tools.init_drafter import init_drafter
 
     # Trained in fp32 whatever the export's dtype (a bf16 target's drafter is saved in bf16): AdamW on bf16 weights
     # loses small updates.
     drafter = init_drafter(target_dir, out_dir, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                           mask_token_id=cfg.mask_token_id, seed=cfg.seed, force=True).float()
-    states = target_states(target, seqs, drafter.arch.target_layer_ids, shift)
+                           mask_token_id=cfg.mask_token_id, seed=cfg.seed, force=True, options=options).float()
+    if states is None:
+        states = target_states(target, seqs, drafter.arch.target_layer_ids, shift)
+    device = states.context.device
+    drafter.to(device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     # The trainer's schedule (docs/DESIGN.md §3): linear warmup, cosine decay to a tenth of the peak.
     warmup = max(1, cfg.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.45 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))))
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    loss_cfg = LossConfig(num_anchors=cfg.num_anchors)
+    loss_cfg = loss_cfg or LossConfig(num_anchors=cfg.num_anchors)
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.empty(0, dtype=torch.long)
+    labels = torch.zeros((), dtype=torch.long, device=device)
     drafter.train()
+    if on_step is not None:
+        on_step(0, drafter, labels, None)
     for step in range(cfg.steps):
         if len(order) < cfg.batch:
             order = torch.cat([order, torch.randperm(len(seqs), generator=gen)])
-        rows, order = order[: cfg.batch], order[cfg.batch:]
+        rows, order = order[: cfg.batch].to(device), order[cfg.batch:]
         batch = TargetStates(*(t[rows] for t in (states.input_ids, states.loss_mask, states.lengths, states.context,
                                                    states.last_hidden)))
         terms, _ = drafter_objective(drafter, embed, head, batch, loss_cfg,
@@ -122,6 +140,9 @@ def train_drafter(target, target_dir: str | Path, seqs: list[tuple[list[int], li
         terms.loss.backward()
         opt.step()
         sched.step()
+        if on_step is not None:
+            labels += terms.valid.sum()
+            on_step(step + 1, drafter, labels, terms.loss.detach())
     return drafter.eval()
 
 
