@@ -131,10 +131,11 @@ def source_field_docs(klass: type) -> dict[str, str]:
     has no source, carries them in `_field_docs`."""
     import ast
     import inspect
+    import textwrap
 
     if "_field_docs" in klass.__dict__:
         return dict(klass._field_docs)  # type: ignore[attr-defined]
-    body = ast.parse(inspect.getsource(klass)).body[0].body  # type: ignore[attr-defined]
+    body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body  # type: ignore[attr-defined]
     return {node.target.id: str(nxt.value.value) for node, nxt in zip(body, body[1:])  # type: ignore[attr-defined]
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)}
 

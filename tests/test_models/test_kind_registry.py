@@ -224,6 +224,25 @@ def test_toy_kind_fields_are_config_fields(toy, tiny_target: Path, tmp_path: Pat
     assert losses[0] == losses[1] != losses[2]
 
 
+def test_a_kind_field_may_not_take_a_name_already_there(toy) -> None:
+    """A kind declaring a field that a section or another kind has already: one clear error, the registry unharmed."""
+    from dflash_ds.config import Config
+    from dflash_ds.errors import DFlashError
+
+    @dataclasses.dataclass
+    class Clash:
+        gamma: float = 1.0
+        """A second loss.gamma."""
+
+    kinds.register(kinds.KindSpec("clash", "ClashDraftModel", "a clash (test)", loss_options=Clash))
+    try:
+        with pytest.raises(DFlashError, match="drafter kind 'clash' declares loss.gamma, a field of LossConfig"):
+            Config()
+    finally:
+        kinds.unregister("clash")
+    assert Config().loss.toy_gamma == 0.0
+
+
 def test_no_kind_is_named_outside_models_and_components() -> None:
     """Outside models/ and components/ (and the registry in models/kinds.py) dflash-ds asks a kind's spec, never its
     name: no source line names a registered kind (its name, any case, as in its architecture) but dflash, the
