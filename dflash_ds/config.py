@@ -4,7 +4,8 @@ A run is a YAML/JSON file plus command-line overrides (`--section.key value`).
 Loading is strict: an unknown key is an error naming the closest valid key, and
 every value is checked against its field's rule before any heavy work starts.
 Reading files and overrides is in dflash_ds/config_parse.py, the rules in dflash_ds/config_rules.py
-(both re-exported here).
+(both re-exported here). A drafter kind's own model.* and loss.* fields are declared in its module and added to
+those sections by dflash_ds/config_kinds.py; this file names no kind.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from dflash_ds.config_parse import (  # noqa: F401
     parse_overrides,
     read_config_file,
 )
+from dflash_ds.config_kinds import KindSection
 from dflash_ds.config_rules import _RULES, validate  # noqa: F401
 
 
 @dataclass
-class DrafterConfig:
-    """Shape of the drafter (docs/DESIGN.md §2)."""
+class DrafterConfig(KindSection, section="model"):
+    """Shape of the drafter (docs/DESIGN.md §2); each drafter kind adds its own fields (config_kinds.py)."""
 
     num_layers: int = 5
     """Number of draft decoder layers (also the number of target layers read)."""
@@ -58,35 +60,15 @@ class DrafterConfig:
     attention_backend: str = "auto"
     """Training attention: auto (flex_attention on CUDA, dense mask + SDPA on CPU), dense, or flex (CUDA only)."""
     kind: str = "dflash"
-    """dflash; dflash2: DFlash plus grouped convolutions around each sublayer and a candidate selector (its
-    fields below; why these defaults at Qwen3-8B / Qwen3.6-27B: models/dflash2_arch.py); or dspark: DFlash plus
-    a sequential Markov head and a confidence head (models/dspark_arch.py), trained by default on DeepSpec's
-    recipe (see `recipe`: block 8, loss.lk l1, loss.lk_weight 0.9, loss.gamma 4)."""
-    conv_kernel_size: int = 2
-    """dflash2: taps of each in-block convolution (2: position i reads i and i - 1)."""
-    conv_group_size: int = 64
-    """dflash2: channels sharing one dynamic conv coefficient (must divide the hidden size)."""
-    selector_rank: int = 64
-    """dflash2: rank of the selector codebooks (2 x vocab x rank parameters; docs/MEMORY.md)."""
-    selector_top_k: int = 8
-    """dflash2: candidates per draft position (the target head's top-K) that the selector walks over."""
-    output_multiplier: float = 1.0
-    """dflash2: scale of the candidates' logits (unary scores) before the soft cap."""
-    final_logit_softcapping: float = 0.0
-    """dflash2: unary scores are cap * tanh(logit / cap); 0 = no cap."""
-    input_embedding_scale: float = 1.0
-    """dflash2: multiplies the embedded block inputs."""
-    markov_rank: int = 256
-    """dspark: rank of the Markov head (2 x vocab x rank parameters: 77.8 M at Qwen3-8B, models/dspark_arch.py)."""
-    enable_confidence_head: bool = True
-    """dspark: build the confidence head (an estimate that each drafted token is accepted; eval --confidence-stop)."""
-    confidence_head_with_markov: bool = True
-    """dspark: the confidence head also reads the previous token's Markov embedding."""
+    """dflash, or a kind registered in models/kinds.py: DFlash plus parts of its own, which its module describes
+    with why its defaults (kinds.BUILTIN_MODULES; `dflash-ds init-drafter --help` lists the kinds). Its own model.*
+    and loss.* fields follow each section's, their docs starting with its name (config_kinds.py); a kind may bring
+    a recipe of its own (see `recipe`)."""
 
 
 @dataclass
-class LossConfig:
-    """The DFlash training loss (docs/DESIGN.md §3)."""
+class LossConfig(KindSection, section="loss"):
+    """The DFlash training loss (docs/DESIGN.md §3); each drafter kind adds its own fields (config_kinds.py)."""
 
     gamma: float = 7.0
     """Position decay w_k = exp(-(k-1)/gamma); larger weighs later positions more."""
@@ -106,7 +88,7 @@ class LossConfig:
     """Hard labels of the CE term: data (the data's next tokens) or target (the target's argmax at each position)."""
     lk: str = ""
     """LK loss on the acceptance rate alpha = sum min(p_drafter, p_target): "" (off), log (-log alpha), hybrid, or
-    l1 (||p_drafter - p_target||_1 = 2 (1 - alpha): DeepSpec's DSpark term, 0.9 of it beside 0.1 CE)."""
+    l1 (||p_drafter - p_target||_1 = 2 (1 - alpha): DeepSpec's term, 0.9 of it beside 0.1 CE)."""
     lk_weight: float = 1.0
     """Mix of the LK loss with the CE/KL term when lk is set: (1 - w) base + w LK (1 = LK alone, the paper's). LK
     alone trains the whole distribution: on the demo's uncertain target it gained 1.3 tau served with sampled
@@ -120,23 +102,6 @@ class LossConfig:
     """Position weights: decay (exp(-(k-1)/gamma)) or dpace (D-PACE: from the drafter's own confidence)."""
     dpace_alpha: float = 0.5
     """D-PACE smoothing: confidence q becomes (1 - dpace_alpha) * q + dpace_alpha."""
-    selector_weight: float = 1.0
-    """dflash2: weight of the selector term (K-way CE over the candidates given the gold predecessor)."""
-    selector_detach: bool = False
-    """dflash2: train the selector on detached hidden states (no selector gradient into the backbone)."""
-    selector_gold: str = "swap"
-    """dflash2: where the head's top-K misses the gold token (10-15% of positions on the tiny targets): swap (the
-    gold replaces the K-th, weakest, candidate: every position trains, as speculators does) or drop (those
-    positions carry no selector term, as NeMo does; a strict top-K, SpecForge's, has no gold to aim at there)."""
-    selector_warmup_steps: int = 0
-    """dflash2: the selector weight ramps linearly from 1/N to full over the first N optimizer steps (0 = off)."""
-    confidence_weight: float = 1.0
-    """dspark: weight of the confidence head's BCE against its target (loss.confidence_target)."""
-    confidence_target: str = "sampled"
-    """dspark: what the confidence head learns to predict. sampled (DeepSpec's): the acceptance rate of a sampled
-    draft, alpha = 1 - 0.5 ||p - q||_1 (detached; needs the target's distribution: loss.lk or loss.kl_weight, else
-    the greedy hit stands in); greedy: whether the drafter's argmax (Markov bias included, teacher-forced) equals
-    the label (loss.labels), what greedy serving accepts and `eval` judges the head on."""
 
     @property
     def needs_last_hidden(self) -> bool:
@@ -322,7 +287,7 @@ class Config:
 
     recipe: str = "auto"
     """Defaults of the drafter kind, applied under the file and the flags (a field either sets wins): auto (the
-    kind's own: dspark -> deepspec, DeepSpec's objective, models/dspark_arch.RECIPE; dflash and dflash2 have none),
+    kind's own, if it has one: its KindSpec's `recipe_name` and `recipe` in its module, e.g. DeepSpec's objective),
     none (the plain defaults below), or the kind's recipe by name. Rank 0 prints the recipe in force and each of its
     fields the run departs from."""
     target: str = ""

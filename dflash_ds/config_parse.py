@@ -1,7 +1,8 @@
 """Reading config files and `--section.key value` overrides into typed dataclasses.
 
 Generic over any tree of dataclasses: nothing here imports dflash_ds.config (which re-exports
-these helpers), so there is no import cycle. Also describes every field as a command-line flag
+these helpers), so there is no import cycle. A section's fields are those of its class as built (config_kinds.py
+adds the drafter kinds' fields to model.* and loss.*). Also describes every field as a command-line flag
 (metavar, default, doc) for `python -m dflash_ds.train --help`.
 """
 
@@ -125,25 +126,35 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def class_field_docs(cls: type) -> dict[str, str]:
-    """Dotted field name -> its doc, read from the docstrings beside the fields (nested dataclasses too)."""
+def source_field_docs(klass: type) -> dict[str, str]:
+    """Field name -> the docstring beside it in `klass`'s own body; a class made at run time (config_kinds.py), which
+    has no source, carries them in `_field_docs`."""
     import ast
     import inspect
+    import textwrap
 
+    if "_field_docs" in klass.__dict__:
+        return dict(klass._field_docs)  # type: ignore[attr-defined]
+    body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body  # type: ignore[attr-defined]
+    return {node.target.id: str(nxt.value.value) for node, nxt in zip(body, body[1:])  # type: ignore[attr-defined]
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)}
+
+
+def class_field_docs(cls: type) -> dict[str, str]:
+    """Dotted field name -> its doc, for the fields of `cls()` (nested dataclasses too, as `cls()` builds them: a
+    config section holds the registered kinds' fields, config_kinds.py)."""
     docs: dict[str, str] = {}
 
-    def walk(klass: type, prefix: str) -> None:
-        tree = ast.parse(inspect.getsource(klass))
-        body = tree.body[0].body  # type: ignore[attr-defined]
-        for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[prefix + node.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
-        for f in dataclasses.fields(klass):
-            hint = typing.get_type_hints(klass)[f.name]
-            if dataclasses.is_dataclass(hint):
-                walk(hint, f"{prefix}{f.name}.")
+    def walk(obj: Any, prefix: str) -> None:
+        own = source_field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            elif f.name in own:
+                docs[prefix + f.name] = own[f.name]
 
-    walk(cls, "")
+    walk(cls(), "")
     return docs
 
 

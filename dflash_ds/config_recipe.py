@@ -1,10 +1,10 @@
 """A drafter kind's own recipe: config fields its runs take unless the file or a flag sets them.
 
-`model.kind: dspark` alone trains DeepSpec's objective (models/dspark_arch.RECIPE): the recipe sits between the
-defaults and the run's file, so whatever the run sets wins, and `recipe: none` turns it off. The kind is the
-run's model.kind, or with --drafter the folder's (its config.json architectures), whose shape then stays the
-folder's (the recipe's model.* fields are not applied). `recipe_report` is the line rank 0 prints: the recipe in
-force and each of its fields the run departs from. Nothing here imports dflash_ds.config (no cycle).
+A kind's `model.kind` alone trains its recipe (`KindSpec.recipe`, in its module; e.g. DeepSpec's objective): the
+recipe sits between the defaults and the run's file, so whatever the run sets wins, and `recipe: none` turns it
+off. The kind is the run's model.kind, or with --drafter the folder's (its config.json architectures), whose shape
+then stays the folder's (the recipe's model.* fields are not applied). `recipe_report` is the line rank 0 prints:
+the recipe in force and each of its fields the run departs from. Nothing here imports dflash_ds.config (no cycle).
 """
 
 from __future__ import annotations

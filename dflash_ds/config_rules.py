@@ -44,11 +44,6 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("loss.lk_kl_decay", "must be >= 0", lambda v: v >= 0),
     ("loss.position_weighting", "must be decay or dpace", lambda v: v in ("decay", "dpace")),
     ("loss.dpace_alpha", "must be in [0, 1]", lambda v: 0 <= v <= 1),
-    ("loss.selector_weight", "must be >= 0", lambda v: v >= 0),
-    ("loss.selector_gold", "must be swap or drop", lambda v: v in ("swap", "drop")),
-    ("loss.selector_warmup_steps", "must be >= 0", lambda v: v >= 0),
-    ("loss.confidence_weight", "must be >= 0", lambda v: v >= 0),
-    ("loss.confidence_target", "must be sampled or greedy", lambda v: v in ("sampled", "greedy")),
     ("optim.lr", "must be > 0", lambda v: v > 0),
     ("optim.min_lr_ratio", "must be in [0, 1]", lambda v: 0 <= v <= 1),
     ("optim.warmup_steps", "must be >= 0", lambda v: v >= 0),
@@ -105,13 +100,14 @@ def _get(cfg: Config, dotted: str) -> Any:
     return obj
 
 
-# model.kind and each kind's own model.* fields are checked after this field's rule (the kinds' specs hold theirs)
+# model.kind and each kind's own fields (model.* and loss.*) are checked after this field's rule (the kinds' specs
+# hold theirs)
 _KIND_RULES_AFTER = "model.attention_backend"
 
 
 def _kind_rules() -> list[tuple[str, str, typing.Callable[[Any], bool]]]:
     """model.kind's rule (a registered kind: models/kinds.py), then every kind's rules of its fields."""
-    from dflash_ds.models.kinds import kind_names, kind_specs  # here: the kinds' modules import dflash_ds.config
+    from dflash_ds.models.kinds import kind_names, kind_specs  # here: importing the config loads no kind
 
     names = kind_names()
     text = f"must be {', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else f"must be {names[0]}"

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog="Every config field below can be set with --section.key VALUE or --section.key=VALUE, "
                             "VALUE read as YAML (e.g. --optim.lr 3e-4, --model.target_layer_ids '[1, 2]', "
                             "--wandb.enabled false). Precedence: defaults < --config file < the short flags "
-                            "above < --section.key overrides. Fields are defined in dflash_ds/config.py.")
+                            "above < --section.key overrides. Fields are defined in dflash_ds/config.py (a drafter "
+                            "kind's own, in its module: dflash_ds/config_kinds.py).")
     p.add_argument("--config", help="YAML/JSON run config (defaults: dflash_ds/config.py)")
     short = p.add_argument_group("short flags (each sets the config field named in brackets)")
     for flag, dotted, tp, help_text in FLAGS:

@@ -48,9 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block, the anchor included")
     parser.add_argument("--kind", default="dflash",
                         help=f"drafter kind(s) (model.kind), comma-separated: {', '.join(kind_names())}. Each width "
-                             "measures each kind's own micro-step (its parts and loss terms at config.py's defaults: "
-                             "DFlash2's convolutions + selector term, DSpark's Markov bias + confidence term) and the "
-                             "table gives its step time against DFlash's; the full-width prediction is of the first kind")
+                             "measures each kind's own micro-step (its parts and loss terms at their defaults, each "
+                             "term at its default weight; its memory terms: models/kinds.py) and the table gives its "
+                             "step time against DFlash's; the full-width prediction is of the first kind")
     parser.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch")
     parser.add_argument("--seq-len", type=int, default=2048,
                         help="tokens per sequence; the batch is token-budget // seq-len sequences, all response tokens")

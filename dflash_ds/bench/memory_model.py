@@ -9,14 +9,12 @@ padding blocks are computed too):
     P = B*A*(bs-1) label positions         b = bytes of the compute dtype (4 fp32, 2 bf16)
     H hidden, I intermediate, nh / nkv heads of head_dim d, V vocabulary, L drafter layers
 
-A kind beyond DFlash (`DrafterShape.kind`) adds the plain numbers of its spec's `MemoryTerms` (models/kinds.py):
-parameters per layer and outside the layers (Psi), H-wide values saved per block token in each layer, and its
-loss's buffers. DFlash2 (models/dflash2_arch.memory_terms): its two convolutions per layer count in the layer's
-parameters and add DFLASH2_SAVED_H H-wide values to a_tok; the selector counts in Psi and its kept K x rank rows
-in the loss. DSpark (models/dspark_arch.memory_terms): its Markov head (2 x V x r) and confidence head count in
-Psi; the loss adds, per chunk, the bias product e @ w2^T and the head's output beside their sum (2 more [c, K, V]
-buffers of the run dtype), the [V, r] fp32 gradient accumulator of markov_w2 and the P x r Markov embeddings. At
-Qwen3-8B, r 256, chunk 64 blocks of 15 positions, bf16: 2 x 960 x 151,936 x 2 = 0.58 GB + 0.16 GB + P x 512 bytes.
+A kind beyond DFlash (`DrafterShape.kind`) adds the plain numbers of its spec's `MemoryTerms` (models/kinds.py),
+counted, and explained, by the `memory_terms` of its module (`KindSpec.memory`): parameters per layer (in the
+layer's count) and outside the layers (in Psi, their gradients a backward term of their own), H-wide values saved
+per block token in each layer (added to a_tok), and its loss's buffers: copies of an LM-head chunk's [c, K, V]
+entries beside the head's (a logit bias and its product, say), values per label position (kept rows or
+embeddings for backward) and fixed bytes (an fp32 gradient accumulator), a loss term of their own.
 
 The micro-step's peak is `held + max(forward, loss, backward)`:
 
@@ -97,7 +95,7 @@ class DrafterShape:
     block_size: int
     tied: bool = False  # target embedding and LM head are one matrix
     kind: str = "dflash"  # model.kind (models/kinds.py)
-    options: Any = None  # the kind's options (DrafterArch.options); None = its defaults (config.DrafterConfig's)
+    options: Any = None  # the kind's options (DrafterArch.options); None = their defaults
 
 
 @dataclass(frozen=True)
@@ -131,14 +129,14 @@ def kind_terms(d: DrafterShape) -> MemoryTerms:
 
 
 def layer_params(d: DrafterShape) -> int:
-    """Parameters of one draft layer: q/k/v/o, q/k norms, SwiGLU, two RMSNorms (+ the kind's, DFlash2's two convs)."""
+    """Parameters of one draft layer: q/k/v/o, q/k norms, SwiGLU, two RMSNorms (+ the kind's: MemoryTerms)."""
     h, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
     return h * q + 2 * h * kv + q * h + 2 * d.head_dim + 3 * h * d.intermediate + 2 * h + kind_terms(d).layer_params
 
 
 def drafter_params(d: DrafterShape) -> int:
     """Psi: trainable parameters (layers, fc over n*H, hidden_norm, final norm, the kind's parts outside the layers:
-    DFlash2's selector, DSpark's heads)."""
+    MemoryTerms.head_params)."""
     return (d.num_layers * layer_params(d) + d.num_read * d.hidden * d.hidden + 2 * d.hidden
             + kind_terms(d).head_params)
 

@@ -44,7 +44,7 @@ def micro_step_inputs(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.Step
 
     The module is what DeepSpeed wraps in training (drafter + frozen full-vocabulary embedding and head); the
     batch is `step.batch` full-length sequences of response tokens; the loss config is the kind's defaults with
-    the anchors and chunk asked for (DFlash2's selector term and DSpark's confidence term at weight 1).
+    the anchors and chunk asked for (each kind's own loss term at its default weight: config_kinds.py).
     """
     import torch
     from torch import nn

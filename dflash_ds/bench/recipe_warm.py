@@ -1,12 +1,13 @@
 """Warm-started recipes of `bench recipe`: `from: PATH` (with `{seed}`) starts each seed's run from another
 run's export instead of a fresh drafter.
 
-    - name: dspark_warm
+    - name: KIND_warm
       from: q/recipe/dflash/seed{seed}     # a bench run folder (its trained export) or an export folder
-      set: {model.kind: dspark, loss.lk: l1, loss.lk_weight: 0.9}
+      set: {model.kind: KIND, loss.lk: l1, loss.lk_weight: 0.9}
 
-The run folder gets `warm_start/`: `init-drafter --from` of that export into the recipe's model.kind
-(models/warm_start.py: the added parts at identity / zero, so step 0 drafts as the source), and trains from
+KIND is a kind that can be warm-started (its spec's `warm_start`, models/kinds.py). The run folder gets
+`warm_start/`: `init-drafter --from` of that export into the recipe's model.kind (models/warm_start.py: the
+kind's added parts at identity / zero, so step 0 drafts as the source), and trains from
 it with `--drafter`. The source's own training tokens are not the run's: the table's tokens column counts the
 run's only, so compare a warm row with a from-scratch row trained for the sum.
 """
@@ -42,23 +43,13 @@ def warm_flags(recipe: dict[str, Any], seed: int, run_dir: Path) -> list[str]:
         return []
     out = run_dir / "warm_start"
     if not (out / "config.json").is_file():
+        from dflash_ds.config import DrafterConfig
         from dflash_ds.models.kinds import DFLASH, kind_spec
         from dflash_ds.tools.init_drafter import warm_start_drafter
 
         kind = str(recipe["set"].get("model.kind", DFLASH))
         fields = {k.removeprefix("model."): v for k, v in recipe["set"].items() if k.startswith("model.")}
-        options = kind_spec(kind).options_from_model(_Fields({**fields, "kind": kind}))
+        options = kind_spec(kind).options_from_model(DrafterConfig(**{**fields, "kind": kind}))
         warm_start_drafter(source, out, kind, options, seed=seed, force=True)
     return ["--drafter", str(out)]
 
-
-class _Fields:
-    """A recipe's model.* overrides over config.DrafterConfig's defaults, as `from_model_config` reads them."""
-
-    def __init__(self, fields: dict[str, Any]) -> None:
-        from dflash_ds.config import DrafterConfig
-
-        self._defaults, self._fields = DrafterConfig(), fields
-
-    def __getattr__(self, name: str) -> Any:
-        return self._fields.get(name, getattr(self._defaults, name))

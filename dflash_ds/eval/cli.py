@@ -203,7 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-budget", default="", help="comma-separated draft-node budgets for tree drafting, "
                         "e.g. 16,64,256 (default: single path only)")
     parser.add_argument("--confidence-stop", type=float, default=None, metavar="P",
-                        help="a drafter with a confidence head (dspark): also decode with each draft cut before the "
+                        help="a drafter with a confidence head: also decode with each draft cut before the "
                              "first token whose running product of confidences falls below P (one token always "
                              "drafted); the JSON's confidence_stop has tau, drafted_per_accepted and "
                              "target_forwards_per_token beside the uncut run's. Not what vLLM does with the head: "

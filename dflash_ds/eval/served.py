@@ -1,8 +1,8 @@
 """`dflash-ds eval --engine vllm`: the export served as vLLM's drafter of its kind, its acceptance read from vLLM itself.
 
 Two servers of the same target, one after the other: plain (the lossless reference) and with the export
-as its speculative drafter (`vllm_server.speculative_config`: method "dflash" for DFlash and DFlash2, "dspark"
-for DSpark; `num_speculative_tokens` = block_size - 1, the layout dflash-ds trains). The same
+as its speculative drafter (`vllm_server.speculative_config`: the method of the export's kind, `KindSpec.vllm_method`
+in models/kinds.py; `num_speculative_tokens` = block_size - 1, the layout dflash-ds trains). The same
 prompts (token ids, through /v1/completions: no chat template applied twice) go to both at temperature 0.
 At a temperature > 0 only the speculative server runs (sampled outputs have no token-for-token reference),
 each prompt with its own seed, drafting greedily (vLLM's default `draft_sample_method`) or, with
@@ -52,7 +52,7 @@ def serving_env(drafter: str | Path, temperature: float = 0.0) -> dict[str, str]
     """What vLLM needs to serve this drafter's kind and layout here; a clear error where it cannot.
 
     vLLM 0.32 serves all-full and all-sliding DFlash layouts on its default runner; a mix of full and sliding
-    layers, and the DFlash2 and DSpark drafters, need its V2 model runner, which runs on Triton: a GPU. Its CPU
+    layers, and the kinds whose spec says `vllm_v2_only`, need its V2 model runner, which runs on Triton: a GPU. Its CPU
     build samples wrongly under speculative decoding (SAMPLED_ON_CPU): temperature > 0 is a GPU measurement.
     """
     from dflash_ds.models.kinds import kind_of_architecture, kind_spec

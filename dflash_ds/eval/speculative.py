@@ -253,7 +253,7 @@ def _accept_sampled(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen: tor
 def draw_draft(draft_logits: torch.Tensor, temperature: float, draft_sample: str,
                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
     """The chain's draft tokens and the distribution q they were drawn from (None at temperature 0)."""
-    if isinstance(draft_logits, WalkDraft):  # drawn by a DFlash2 walk (eval/walk_draft.py)
+    if isinstance(draft_logits, WalkDraft):  # drawn by a sequential drafter (eval/walk_draft.py)
         return draft_logits.tokens, draft_logits.q
     if temperature <= 0:
         return draft_logits.argmax(-1).tolist(), None
@@ -317,14 +317,15 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
         block_size = a.block_size if block_size is None else block_size
         layer_ids = a.target_layer_ids if layer_ids is None else layer_ids
         mask_token_id = a.mask_token_id if mask_token_id is None else mask_token_id
-        walks = hasattr(drafter, "draft_tokens")  # DFlash2's selector walk or DSpark's Markov chain drafts
+        walks = hasattr(drafter, "draft_tokens")  # a sequential drafter (models/drafter.BlockDraft)
         draft_fn = draft_fn or (walk_draft_fn(drafter, target, temperature, draft_sample, generator, confidence_stop)
                                 if walks else drafter_draft_fn(drafter, target))
         if walks and tree_budget is not None:
             raise DFlashError(f"tree drafting is not implemented for a {drafter.kind} drafter: drop --tree-budget")
         if confidence_stop is not None and getattr(drafter, "confidence_head", None) is None:
-            raise DFlashError("--confidence-stop needs a drafter with a confidence head (a dspark drafter built with "
-                              "enable_confidence_head)")
+            raise DFlashError(f"--confidence-stop needs a drafter with a confidence head: this {drafter.kind} drafter "
+                              "has none (its kind has none, or it was built without: `dflash-ds init-drafter --help` "
+                              "lists each kind's fields)")
     if draft_fn is None or block_size is None:
         raise ValueError("speculative_generate needs a drafter, or a draft_fn and a block_size")
     if tree_budget is not None and temperature > 0:

@@ -1,15 +1,16 @@
-"""Sequential drafting in `eval`: DFlash2's candidate walk and DSpark's Markov chain, as vLLM 0.32 runs them.
+"""Sequential drafting in `eval`: a drafter that drafts token by token (`draft_tokens`), as vLLM 0.32 runs it.
 
-Both draft position by position, each token conditioned on the one drafted before it (models/dflash2.py,
-models/dspark.py: `draft_tokens`). At T = 0, and at T > 0 with draft sampling "greedy" (vLLM's default
-`draft_sample_method`), each position takes its best token; a greedy draft at T > 0 is a one-hot q. With
-"probabilistic" at T > 0 position k draws x_k from softmax(z_k / T), z_k being the logits after the token
-drawn before it (DFlash2: the K scores of the walked row, -inf off the candidates, vLLM's
-`_selector_walk_kernel`; DSpark: the full-vocabulary logits plus the Markov bias, `_sample_sequential`), and
-that distribution is q_k for speculative sampling. q_k depends on the earlier draft tokens only, so the chain
-rule of `speculative._accept_sampled` keeps the output distributed as the target's.
+Such a drafter drafts position by position, each token conditioned on the one drafted before it (its kind's drafter
+module, models/kinds.py `KindSpec.drafter_module`, defines `draft_tokens`, returning a models/drafter.BlockDraft). At
+T = 0, and at T > 0 with draft sampling "greedy" (vLLM's default `draft_sample_method`), each position takes its
+best token; a greedy draft at T > 0 is a one-hot q. With "probabilistic" at T > 0 position k draws x_k from
+softmax(z_k / T), z_k being the logits after the token drawn before it (a walk over candidates: the K scores of the
+walked row, -inf off the candidates, as vLLM's `_selector_walk_kernel`; a chain over the whole vocabulary: the
+logits with the kind's bias, as vLLM's `_sample_sequential`), and that distribution is q_k for speculative
+sampling. q_k depends on the earlier draft tokens only, so the chain rule of `speculative._accept_sampled` keeps
+the output distributed as the target's.
 
-A DSpark drafter with a confidence head also reports, per drafted token, its estimate that the token is
+A drafter with a confidence head also reports, per drafted token, its estimate that the token is
 accepted; `confidence_stop` P cuts the chain before the first token whose running product of confidences
 falls below P (one token is always drafted), so a block the drafter doubts costs fewer verified tokens.
 """
@@ -33,8 +34,8 @@ class WalkDraft:
     tokens: list[int]
     q: torch.Tensor | None
     confidence: list[float] | None = None
-    # the full-vocabulary logits [L, V] each token was taken from (DSpark: the Markov bias included; None for a walk
-    # over candidates): eval's alpha = sum min(p, softmax(logits)) per token, the head's sampled target
+    # the full-vocabulary logits [L, V] each token was taken from (the kind's bias included; None for a walk over
+    # candidates): eval's alpha = sum min(p, softmax(logits)) per token, the head's sampled target
     logits: torch.Tensor | None = None
 
     @property

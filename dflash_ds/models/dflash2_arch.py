@@ -1,9 +1,11 @@
-"""The DFlash2 fields of a drafter's shape and of its export's `dflash_config`.
+"""The DFlash2 fields of a drafter's shape, of its export's `dflash_config` and of a run's config.
 
 Names are the serving engines' (vLLM 0.32 `qwen3_dflash2.py` reads them from `dflash_config`). vLLM
 requires `conv_kernel_size`, `conv_group_size`, `selector_rank` and `selector_top_k` (no defaults
 there); `output_multiplier` (1.0), `final_logit_softcapping` (0 = none) and `input_embedding_scale`
-(1.0) are optional. The defaults are dflash-ds's (config.DrafterConfig holds them); why each, at the real shape:
+(1.0) are optional. Each is a run's model.* field too, and `DFlash2Loss` holds the kind's loss.* fields: this
+module declares them, their one source of defaults (config_kinds.py adds them to the run's config). The defaults
+are dflash-ds's; why each, at the real shape:
 
 - conv_kernel_size 2: the two-tap convolution of the DFlash2 write-up (position i reads i and i - 1).
 - conv_group_size 64: one dynamic coefficient per 64 channels. kernel_projection is
@@ -17,10 +19,9 @@ there); `output_multiplier` (1.0), `final_logit_softcapping` (0 = none) and `inp
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from dflash_ds.config import DrafterConfig as _M  # the one source of the defaults
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.kinds import KindSpec, MemoryTerms, register
 
@@ -34,19 +35,20 @@ DFLASH2_SAVED_H = 10.5
 class DFlash2Options:
     """Shape of the DFlash2 parts: the grouped dynamic convolutions and the candidate selector."""
 
-    conv_kernel_size: int = _M.conv_kernel_size
-    """Taps of each convolution (position i reads i, i-1, ..., never across a block boundary)."""
-    conv_group_size: int = _M.conv_group_size
-    """Channels that share one dynamic coefficient (must divide the hidden size)."""
-    selector_rank: int = _M.selector_rank
-    """Rank of the selector's predecessor/successor codebooks (each vocab x rank)."""
-    selector_top_k: int = _M.selector_top_k
-    """Candidates per draft position: the target head's top-K of the drafter's hidden state."""
-    output_multiplier: float = _M.output_multiplier
-    """Scale of the candidates' logits before the soft cap (unary scores)."""
-    final_logit_softcapping: float = _M.final_logit_softcapping
+    conv_kernel_size: int = 2
+    """Taps of each in-block convolution (2: position i reads i and i - 1; never across a block boundary)."""
+    conv_group_size: int = 64
+    """Channels sharing one dynamic conv coefficient (must divide the hidden size)."""
+    selector_rank: int = 64
+    """Rank of the selector's predecessor/successor codebooks (2 x vocab x rank parameters; docs/MEMORY.md)."""
+    selector_top_k: int = 8
+    """Candidates per draft position (the target head's top-K of the drafter's hidden state) that the selector
+    walks over."""
+    output_multiplier: float = 1.0
+    """Scale of the candidates' logits (unary scores) before the soft cap."""
+    final_logit_softcapping: float = 0.0
     """Unary scores are cap * tanh(logit / cap); 0 = no cap."""
-    input_embedding_scale: float = _M.input_embedding_scale
+    input_embedding_scale: float = 1.0
     """Multiplies the embedded block inputs (written to the export only when not 1)."""
 
     def check(self, hidden_size: int, vocab_size: int, where: str = "") -> "DFlash2Options":
@@ -102,6 +104,33 @@ class DFlash2Options:
         return SPEC.options_from_model(model)
 
 
+@dataclass
+class DFlash2Loss:
+    """The DFlash2 loss.* fields: the selector term's weight and targets (components/selector_loss.py)."""
+
+    selector_weight: float = 1.0
+    """Weight of the selector term (K-way CE over the candidates given the gold predecessor)."""
+    selector_detach: bool = False
+    """Train the selector on detached hidden states (no selector gradient into the backbone)."""
+    selector_gold: str = "swap"
+    """Where the head's top-K misses the gold token (10-15% of positions on the tiny targets): swap (the gold
+    replaces the K-th, weakest, candidate: every position trains, as speculators does) or drop (those positions
+    carry no selector term, as NeMo does; a strict top-K, SpecForge's, has no gold to aim at there)."""
+    selector_warmup_steps: int = 0
+    """The selector weight ramps linearly from 1/N to full over the first N optimizer steps (0 = off)."""
+
+
+def selector_warmup(loss: Any, step: int) -> Any:
+    """The loss settings of optimizer step `step`: loss.selector_weight ramped over loss.selector_warmup_steps
+    (components/schedules.ramp_at); `loss` itself outside the warm-up."""
+    from dflash_ds.components.schedules import ramp_at
+
+    warm = loss.selector_warmup_steps
+    if warm <= 0 or step >= warm:
+        return loss
+    return replace(loss, selector_weight=loss.selector_weight * ramp_at(step, warm))
+
+
 def option_names() -> list[str]:
     """The DFlash2 field names (config model.*, init-drafter flags, dflash_config keys)."""
     return [f.name for f in fields(DFlash2Options)]
@@ -143,11 +172,14 @@ def warm_start_parts(drafter: Any) -> None:
 SPEC = register(KindSpec(
     name="dflash2", architecture="DFlash2DraftModel",
     summary="grouped convolutions + candidate selector; DFlash2DraftModel export",
-    options=DFlash2Options, model_fields=tuple(option_names()),
+    options=DFlash2Options, model_fields=tuple(option_names()), loss_options=DFlash2Loss, loss_at=selector_warmup,
     rules=(*((f"model.{name}", "must be >= 1", lambda v: v >= 1)
              for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
            ("model.output_multiplier", "must be > 0", lambda v: v > 0),
            ("model.final_logit_softcapping", "must be >= 0 (0 = no cap)", lambda v: v >= 0),
-           ("model.input_embedding_scale", "must be > 0", lambda v: v > 0)),
+           ("model.input_embedding_scale", "must be > 0", lambda v: v > 0),
+           ("loss.selector_weight", "must be >= 0", lambda v: v >= 0),
+           ("loss.selector_gold", "must be swap or drop", lambda v: v in ("swap", "drop")),
+           ("loss.selector_warmup_steps", "must be >= 0", lambda v: v >= 0)),
     drafter_module="dflash_ds.models.dflash2", vllm_method="dflash", vllm_v2_only=True,
     memory=memory_terms, warm_start=warm_start_parts))

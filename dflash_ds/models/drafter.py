@@ -157,7 +157,7 @@ class DFlashDrafter(nn.Module):
 
     kind = "dflash"
     layer_cls: type = DrafterLayer
-    _by_kind: dict[str, type] = {}  # kind -> class; subclasses register themselves (models/__init__.py loads them)
+    _by_kind: dict[str, type] = {}  # kind -> class; subclasses register themselves (imported by __new__)
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

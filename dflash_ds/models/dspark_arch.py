@@ -1,4 +1,4 @@
-"""The DSpark fields of a drafter's shape and of its export's config.json.
+"""The DSpark fields of a drafter's shape, of its export's config.json and of a run's config.
 
 Names and places are vLLM 0.32's (`qwen3_dspark.py`, `config/speculative.py`, `spec_decode/dspark/`):
 `markov_rank`, `enable_confidence_head` and `confidence_head_with_markov` are top-level config keys; the
@@ -15,7 +15,10 @@ tokens `[anchor, MASK x (N-1)]` at positions a..a+N-1, query i predicting the to
 models/dspark.py runs the backbone on the first N tokens of the block and hands query i's state to draft slot
 i + 1, so the loss, the Markov chain, eval and training read it unchanged; an export writes block_size N back.
 
-Defaults (config.DrafterConfig holds them), at the real shape:
+The run's model.* fields are DSparkOptions' (all but `sample_from_anchor`, an export's), its loss.* fields DSparkLoss':
+this module declares them, their one source of defaults (config_kinds.py adds them to the run's config).
+
+Defaults, at the real shape:
 - markov_rank 256 (DeepSpec's Qwen3 configs): markov_w1 (target vocab x r) + markov_w2 (draft vocab x r) =
   2 x 151,936 x 256 = 77.8 M parameters at Qwen3-8B (7% of a 5-layer 1.05 B drafter; 1.24 GB of fp32
   AdamW state with master weights), 2 x 248,320 x 256 = 127.1 M at Qwen3.6-27B. Serving reads one w1 row
@@ -30,7 +33,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from dflash_ds.config import DrafterConfig as _M  # the one source of the defaults
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.kinds import KindSpec, MemoryTerms, register
 
@@ -54,13 +56,13 @@ RECIPE = {"model.block_size": 8, "model.num_layers": 5, "model.markov_rank": 256
 class DSparkOptions:
     """Shape of the DSpark parts: the Markov head and the confidence head."""
 
-    markov_rank: int = _M.markov_rank
+    markov_rank: int = 256
     """Rank r of the Markov head: markov_w1 (vocab x r) embeds the previous token, markov_w2 (vocab x r) maps
-    it to a logit bias."""
-    enable_confidence_head: bool = _M.enable_confidence_head
-    """Build the confidence head (a sigmoid estimate that each drafted token is accepted)."""
-    confidence_head_with_markov: bool = _M.confidence_head_with_markov
-    """The confidence head reads the previous token's Markov embedding beside the hidden state."""
+    it to a logit bias (2 x vocab x r parameters: 77.8 M at Qwen3-8B)."""
+    enable_confidence_head: bool = True
+    """Build the confidence head (a sigmoid estimate that each drafted token is accepted; eval --confidence-stop)."""
+    confidence_head_with_markov: bool = True
+    """The confidence head also reads the previous token's Markov embedding beside the hidden state."""
     sample_from_anchor: bool = False
     """DeepSpec's anchor-as-first layout (module doc): read from an export, never a run's model.* field."""
 
@@ -117,6 +119,19 @@ class DSparkOptions:
         return SPEC.options_from_model(model)
 
 
+@dataclass
+class DSparkLoss:
+    """The DSpark loss.* fields: the confidence head's term (components/confidence.py)."""
+
+    confidence_weight: float = 1.0
+    """Weight of the confidence head's BCE against its target (loss.confidence_target)."""
+    confidence_target: str = "sampled"
+    """What the confidence head learns to predict. sampled (DeepSpec's): the acceptance rate of a sampled draft,
+    alpha = 1 - 0.5 ||p - q||_1 (detached; needs the target's distribution: loss.lk or loss.kl_weight, else the
+    greedy hit stands in); greedy: whether the drafter's argmax (Markov bias included, teacher-forced) equals the
+    label (loss.labels), what greedy serving accepts and `eval` judges the head on."""
+
+
 def option_names() -> list[str]:
     """The DSpark field names a run sets (config model.*, init-drafter flags); the layout comes from an export."""
     return [f.name for f in fields(DSparkOptions) if f.name != "sample_from_anchor"]
@@ -129,9 +144,11 @@ def dspark_params(hidden_size: int, vocab_size: int, opts: DSparkOptions) -> int
 
 
 def memory_terms(opts: DSparkOptions, hidden_size: int, vocab_size: int) -> MemoryTerms:
-    """bench/memory_model.py's DSpark terms: both heads in Psi; the loss holds a chunk's head output and bias product
-    beside their sum, markov_w2's fp32 gradient accumulator and the teacher-forced Markov embeddings of every label
-    position."""
+    """bench/memory_model.py's DSpark terms: both heads in Psi (the Markov head 2 x V x r); the loss holds a chunk's
+    head output and the bias product e @ w2^T beside their sum (2 more [c, K, V] buffers of the run dtype),
+    markov_w2's [V, r] fp32 gradient accumulator and the teacher-forced Markov embeddings of every label position
+    (P x r). At Qwen3-8B, r 256, chunk 64 blocks of 15 positions, bf16: 2 x 960 x 151,936 x 2 = 0.58 GB + 0.16 GB
+    + P x 512 bytes."""
     return MemoryTerms(head_params=dspark_params(hidden_size, vocab_size, opts), grads_name="markov_grads",
                        loss_name="markov_bias", loss_chunk_copies=2, loss_position_values=opts.markov_rank,
                        loss_fixed_bytes=4 * vocab_size * opts.markov_rank)
@@ -149,8 +166,10 @@ def warm_start_parts(drafter: Any) -> None:
 SPEC = register(KindSpec(
     name="dspark", architecture="Qwen3DSparkModel",
     summary="Markov head + confidence head; Qwen3DSparkModel export",
-    options=DSparkOptions, model_fields=tuple(option_names()),
-    rules=(("model.markov_rank", "must be >= 1", lambda v: v >= 1),),
+    options=DSparkOptions, model_fields=tuple(option_names()), loss_options=DSparkLoss,
+    rules=(("model.markov_rank", "must be >= 1", lambda v: v >= 1),
+           ("loss.confidence_weight", "must be >= 0", lambda v: v >= 0),
+           ("loss.confidence_target", "must be sampled or greedy", lambda v: v in ("sampled", "greedy"))),
     drafter_module="dflash_ds.models.dspark", vllm_method="dspark", vllm_v2_only=True,
     vllm_anchor_first_by_default=True, memory=memory_terms, warm_start=warm_start_parts,
     recipe_name=RECIPE_NAME, recipe=RECIPE))

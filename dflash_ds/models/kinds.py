@@ -3,9 +3,15 @@
 A kind is DFlash's backbone plus parts of its own (docs/DESIGN.md §2, §11, §12). Its module (models/dflash2_arch.py,
 models/dspark_arch.py) defines the options dataclass of those parts and calls `register(KindSpec(...))`; its
 drafter module defines the `DFlashDrafter` subclass. Everything outside models/ and components/ reads the spec
-(the export's architecture, how vLLM serves it, the config rules of its fields, its memory terms, its recipe)
-instead of branching on the kind's name. Adding a kind: write its module and name it in BUILTIN_MODULES (or
-import it before use: tests/test_models/test_kind_registry.py registers a toy kind from a file of its own).
+(the export's architecture, how vLLM serves it, its config fields and their rules, its loss schedule, its memory
+terms, its recipe) instead of branching on the kind's name. Adding a kind: write its module and name it in
+BUILTIN_MODULES (or import it before use: tests/test_models/test_kind_registry.py registers a toy kind from a file
+of its own). This module and the kinds' arch modules import no torch: the config reads them (config_kinds.py).
+
+A kind declares its own config fields in its module, once, with their types, defaults and docstrings: its model.*
+fields are fields of its options dataclass (named in `KindSpec.model_fields`), its loss.* fields those of a small
+dataclass of their own (`KindSpec.loss_options`); config_kinds.py adds them to the run's model.* and loss.*
+sections, where they are set, validated (`KindSpec.rules`), documented and recorded like DFlash's own.
 
 The options dataclass (`KindSpec.options`, held by `DrafterArch.options`) provides:
 - `check(hidden_size, vocab_size)`: one clear error naming a field that cannot build a drafter;
@@ -71,9 +77,16 @@ class KindSpec:
     options: type | None = None
     """The dataclass of the kind's own arch fields (module doc); None = nothing beyond DFlash."""
     model_fields: tuple[str, ...] = ()
-    """The model.* fields (config.DrafterConfig) that become its options; also init-drafter's flags."""
+    """The fields of `options` a run sets as model.* fields (config_kinds.py); also init-drafter's flags."""
+    loss_options: type | None = None
+    """The dataclass of its own loss.* fields, each of its fields one (config_kinds.py); None = none."""
+    loss_at: Callable[[Any, int], Any] | None = None
+    """(a run's loss.* section, optimizer step) -> the loss settings of that step (runtime/step.loss_at): how the
+    kind schedules its own loss.* fields (DFlash2: its selector weight's warm-up); None = as the run sets them.
+    Every run's settings pass through it, whatever the run's kind (with --drafter the folder, not model.kind,
+    names it): its fields at their defaults must change nothing."""
     rules: tuple[tuple[str, str, Callable[[Any], bool]], ...] = ()
-    """(dotted field, rule text, predicate) of those fields, checked with config_rules' own."""
+    """(dotted field, rule text, predicate) of its model.* and loss.* fields, checked with config_rules' own."""
     drafter_module: str | None = None
     """The module defining its DFlashDrafter subclass, imported on the first build of the kind."""
     vllm_method: str = "dflash"
@@ -97,6 +110,14 @@ class KindSpec:
         if self.options is None or getattr(model, "kind", DFLASH) != self.name:
             return None
         return self.options(**{name: getattr(model, name) for name in self.model_fields})
+
+    def section_fields(self, section: str) -> tuple[type | None, tuple[str, ...]]:
+        """(the dataclass declaring them, their names) of its own fields of config section "model" or "loss"."""
+        if section == "model":
+            return self.options, self.model_fields
+        if section == "loss" and self.loss_options is not None:
+            return self.loss_options, tuple(f.name for f in dataclasses.fields(self.loss_options))
+        return None, ()
 
     def default_options(self) -> Any:
         """Its options at their defaults (None for a kind without options)."""

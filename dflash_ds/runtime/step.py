@@ -13,7 +13,6 @@ is a pure function of the batch and the weights: a resumed run and an uninterrup
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import time
@@ -23,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from dflash_ds.components.objective import TargetStates
-from dflash_ds.components.schedules import noise_std_at, ramp_at
+from dflash_ds.components.schedules import noise_std_at
 from dflash_ds.config import Config, LossConfig
 from dflash_ds.data.batching import Cursor
+from dflash_ds.models.kinds import kind_specs
 from dflash_ds.runtime import faults
 from dflash_ds.runtime.evaluate import estimate, pooled_walks, walks_at
 
@@ -79,12 +79,13 @@ def noise_at(cfg: Config, step: int) -> float:
 
 
 def loss_at(cfg: Config, step: int) -> LossConfig:
-    """The loss settings of optimizer step `step`: cfg.loss, with the selector weight ramped over
-    `loss.selector_warmup_steps` (components/schedules.ramp_at)."""
-    warm = cfg.loss.selector_warmup_steps
-    if warm <= 0 or step >= warm:
-        return cfg.loss
-    return dataclasses.replace(cfg.loss, selector_weight=cfg.loss.selector_weight * ramp_at(step, warm))
+    """The loss settings of optimizer step `step`: cfg.loss as each drafter kind schedules its own loss.* fields
+    (`KindSpec.loss_at`, e.g. a warm-up of its term's weight); cfg.loss itself when none changes it."""
+    loss = cfg.loss
+    for spec in kind_specs():  # every kind's: with --drafter the folder, not model.kind, names the run's kind
+        if spec.loss_at is not None:
+            loss = spec.loss_at(loss, step)
+    return loss
 
 
 def forward(model, tensors: dict, loss_cfg: LossConfig, seed: int, batch_id: int, noise: float,

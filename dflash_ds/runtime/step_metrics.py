@@ -251,11 +251,12 @@ class WindowTotals:
             # argmax_alpha(_tau): the same for the drafter's argmax drafted (vLLM's and SGLang's default)
             **({k: m[k] for k in ("alpha", "tv_distance", "alpha_tau", "argmax_alpha", "argmax_alpha_tau")}
                if "alpha" in m else {}),
-            # DFlash2: the selector's accuracy given the gold predecessor beside the unary (top-1) accuracy on the
-            # same positions, how often the top-K holds the gold token, and the selector term
+            # a kind with a candidate selector (components/selector_loss.py): the selector's accuracy given the gold
+            # predecessor beside the unary (top-1) accuracy on the same positions, how often the top-K holds the
+            # gold token, and the selector term
             **(selector_metrics(s) if s["selector_positions"] > 0 else {}),
-            # DSpark: the confidence head's calibration against the teacher-forced greedy hit (ECE over 10 bins,
-            # Brier), its mean error against its BCE target and the BCE term (components/confidence.py)
+            # a kind with a confidence head: the head's calibration against the teacher-forced greedy hit (ECE over
+            # 10 bins, Brier), its mean error against its BCE target and the BCE term (components/confidence.py)
             **confidence_metrics(s),
             # greedy decoding walked over the response (components/acceptance.py): est_tau at every record when
             # train.est_tau_rows > 0, val_* on the validation split at an evaluation step

@@ -1,7 +1,7 @@
 """Start `vllm serve` for a target (optionally with a dflash-ds export as its drafter) on a free loopback port.
 
-A drafter is served by the method its export's architecture names (`speculative_config`: "dflash" for DFlash and
-DFlash2, "dspark" for DSpark) with the draft length of its block layout (block_size - 1 after the anchor).
+A drafter is served by the method its export's architecture names (`speculative_config`: its kind's
+`KindSpec.vllm_method`, models/kinds.py) with the draft length of its block layout (block_size - 1 after the anchor).
 
 vLLM lives in an environment of its own (it pins torch and transformers versions of its own), so the
 server runs that environment's Python: `--vllm-python`, else $DFLASH_VLLM_PYTHON, else the
@@ -69,9 +69,10 @@ def speculative_config(drafter: str | Path, num_speculative_tokens: int | None =
     """vLLM's `--speculative-config` for an export: the method its architecture is served by, its draft length.
 
     The draft length is one block's drafts in the export's layout: block_size - 1 where the anchor is the bonus
-    token (the DFlash layout, every kind dflash-ds trains, DSpark's `sample_from_anchor: false`), block_size
-    where the anchor is the first prediction (an anchor-as-first DSpark checkpoint, DeepSpec's). Left to
-    itself, vLLM drafts block_size tokens with DSpark whatever the layout.
+    token (the DFlash layout, every kind dflash-ds trains: `sample_from_anchor: false` where the export has the
+    key), block_size where the anchor is the first prediction (an anchor-as-first checkpoint, DeepSpec's). Left to
+    itself, vLLM drafts block_size tokens for a kind whose spec says `vllm_anchor_first_by_default`, whatever the
+    layout.
     """
     # Imported here: the models package loads torch, which a server for a target alone does not need.
     from dflash_ds.models.kinds import kind_of_architecture, kind_spec, kind_specs

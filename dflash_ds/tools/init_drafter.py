@@ -25,7 +25,7 @@ def init_drafter(target_dir: str | Path, out_dir: str | Path, *, num_layers: int
     The export's dtype is what SGLang / vLLM run under --dtype auto, so a bf16 target's drafter
     says bfloat16 (a float32 config would be served as float16 by SGLang). `shape`: the heads, head
     width and MLP width when not the target's (models/from_target.SHAPE_OVERRIDES). `options`: a drafter of their
-    kind (models/kinds.py; None = DFlash; e.g. `DSparkOptions()`).
+    kind (models/kinds.py: `KindSpec.options`, e.g. `kind_spec(name).default_options()`; None = DFlash).
     """
     arch = drafter_arch_from_target(target_dir, num_layers=num_layers, block_size=block_size,
                                     mask_token_id=mask_token_id, layer_types=layer_types,

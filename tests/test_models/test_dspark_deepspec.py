@@ -2,7 +2,7 @@
 (`dflash-ds convert-deepspec`), loads, drafts as DeepSpec's backbone does, and trains and serves as its layout says.
 
 The checkpoint is built here from our own export: what that layout is assumed to be, and where it was read, is
-in dflash_ds/tools/convert_deepspec.py's docstring (vLLM 0.32's `qwen3_dspark.py` load_weights,
+in dflash_ds/models/deepspec.py's docstring (vLLM 0.32's `qwen3_dspark.py` load_weights,
 `config/speculative.py`, `spec_decode/dspark/speculator.py` and the SAMPLE_FROM_ANCHOR branch of
 `_prepare_dflash_inputs_kernel`: block_size N is N query tokens [anchor, MASK x (N-1)] at positions a..a+N-1,
 query i predicting a+i+1). The variations of names tried: config keys at the top level (no dflash_config, no
@@ -23,7 +23,7 @@ from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter import DFlashDrafter
 from dflash_ds.models.dspark_arch import DSparkOptions
 from dflash_ds.models.from_target import drafter_arch_from_target
-from dflash_ds.tools.convert_deepspec import convert_deepspec
+from dflash_ds.models.deepspec import convert_deepspec
 
 N = 4  # DeepSpec's block_size: drafts a block
 

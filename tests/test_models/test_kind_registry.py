@@ -1,11 +1,14 @@
 """One registry entry per drafter kind (models/kinds.py): a toy fourth kind, written to a file of its own and imported,
 trains through the trainer's forward, exports under its architecture and loads back, validates as a config and
-plans with its own memory terms, with no edit to any other file."""
+plans with its own memory terms, and declares a model.* and a loss.* field that a run sets like DFlash's own
+(config_kinds.py), with no edit to any other file; and no kind is named outside models/ and components/."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -14,12 +17,13 @@ import torch
 
 from dflash_ds.models import kinds
 
-# The whole kind: its options, its drafter class and its spec. A low-rank residual on the drafter's hidden states
-# (toy_up starts at zero: the kind drafts as DFlash at step 0 until training moves it).
+# The whole kind: its options, its loss fields, its drafter class and its spec. A low-rank residual on the drafter's
+# hidden states (toy_up starts at zero: the kind drafts as DFlash at step 0 until training moves it); model.toy_rank
+# is its rank, loss.toy_gamma a position decay of its own that its loss_at hook puts in place of loss.gamma.
 TOY_MODULE = '''
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -31,6 +35,7 @@ from dflash_ds.models.kinds import KindSpec, MemoryTerms, register
 @dataclass
 class ToyOptions:
     toy_rank: int = 3
+    """Rank of the low-rank residual."""
 
     def check(self, hidden_size: int, vocab_size: int) -> "ToyOptions":
         if self.toy_rank < 1:
@@ -43,6 +48,16 @@ class ToyOptions:
     @classmethod
     def from_export(cls, cfg: dict, where: str) -> "ToyOptions":
         return cls(toy_rank=int(cfg["toy_rank"]))
+
+
+@dataclass
+class ToyLoss:
+    toy_gamma: float = 0.0
+    """Position decay of the toy's runs in place of loss.gamma (0 = loss.gamma's)."""
+
+
+def loss_at(loss, step: int):
+    return replace(loss, gamma=loss.toy_gamma) if loss.toy_gamma > 0 else loss
 
 
 class ToyDrafter(DFlashDrafter):
@@ -72,8 +87,11 @@ def warm_start(drafter) -> None:
 
 
 SPEC = register(KindSpec(name="toy", architecture="ToyDraftModel", summary="a low-rank residual (test)",
-                         options=ToyOptions, memory=memory_terms, warm_start=warm_start,
-                         rules=(("model.block_size", "must be <= 64 for a toy", lambda v: v <= 64),)))
+                         options=ToyOptions, model_fields=("toy_rank",), loss_options=ToyLoss, loss_at=loss_at,
+                         memory=memory_terms, warm_start=warm_start,
+                         rules=(("model.block_size", "must be <= 64 for a toy", lambda v: v <= 64),
+                                ("model.toy_rank", "must be >= 1", lambda v: v >= 1),
+                                ("loss.toy_gamma", "must be >= 0 (0 = loss.gamma)", lambda v: v >= 0))))
 '''
 
 
@@ -146,6 +164,97 @@ def test_toy_kind_trains_exports_and_loads_back(toy, tiny_target: Path, tmp_path
     run.model.block_size = 128
     with pytest.raises(DFlashError, match="model.block_size = 128 must be <= 64 for a toy"):
         validate(run)
+
+
+def test_toy_kind_fields_are_config_fields(toy, tiny_target: Path, tmp_path: Path) -> None:
+    """The toy's model.toy_rank and loss.toy_gamma, declared in its module only: set from a file and as overrides,
+    checked by its rules and strictly, documented and recorded like DFlash's fields, and they reach the drafter
+    (its options, as the job builds it) and the loss (the step's loss settings, through its loss_at hook)."""
+    from dflash_ds.config import Config, LossConfig, field_docs, load_config, to_dict
+    from dflash_ds.errors import DFlashError
+    from dflash_ds.models.drafter import DFlashDrafter
+    from dflash_ds.models.target import load_target
+    from dflash_ds.runtime.engine import DrafterTrainModule
+    from dflash_ds.runtime.job import resolve_arch
+    from dflash_ds.runtime.step import forward, loss_at
+    from dflash_ds.tools.train_step import target_batch
+
+    run = tmp_path / "toy.yaml"
+    run.write_text(f"target: {tiny_target}\nmodel:\n  kind: toy\n  num_layers: 1\n  block_size: 4\n  toy_rank: 2\n"
+                   "loss:\n  num_anchors: 8\n  toy_gamma: 3.0\n")
+    cfg = load_config(run)
+    assert (cfg.model.toy_rank, cfg.loss.toy_gamma) == (2, 3.0)
+    over = load_config(run, ["--model.toy_rank", "5", "--loss.toy_gamma=0.5"])
+    assert (over.model.toy_rank, over.loss.toy_gamma) == (5, 0.5)
+    assert (Config().model.toy_rank, LossConfig().toy_gamma) == (3, 0.0)  # the toy module's defaults
+    assert LossConfig(toy_gamma=2.0).toy_gamma == 2.0 and dataclasses.replace(cfg.loss, gamma=1.0).toy_gamma == 3.0
+
+    for overrides, message in ((["--loss.toy_gamma", "-1"], "loss.toy_gamma = -1.0 must be >= 0 (0 = loss.gamma)"),
+                               (["--model.toy_rank", "0"], "model.toy_rank = 0 must be >= 1"),
+                               (["--loss.toy_gama", "1"], "unknown key loss.'toy_gama'; did you mean 'toy_gamma'?"),
+                               (["--model.toy_rank", "two"], "model.toy_rank = 'two' must be an integer")):
+        with pytest.raises(DFlashError, match=re.escape(message)):
+            load_config(run, overrides)
+    with pytest.raises(DFlashError, match="model.toy_rank = 2 is a toy field but model.kind = 'dflash' ignores it"):
+        load_config(None, {"model": {"toy_rank": 2}})
+
+    docs = field_docs()
+    assert docs["model.toy_rank"] == "toy: rank of the low-rank residual."
+    assert docs["loss.toy_gamma"] == "toy: position decay of the toy's runs in place of loss.gamma (0 = loss.gamma's)."
+    record = to_dict(cfg)
+    assert record["model"]["toy_rank"] == 2 and record["loss"]["toy_gamma"] == 3.0
+    assert list(record["loss"])[-1] == "toy_gamma"  # the kinds' fields after DFlash's, registered last
+
+    # the drafter: the job's shape carries the toy's options from model.*
+    arch = resolve_arch(cfg)
+    drafter = DFlashDrafter(arch)
+    assert arch.options == toy.ToyOptions(toy_rank=2) and drafter.toy_down.out_features == 2
+
+    # the loss: the step's settings take loss.toy_gamma as the decay, and the trainer's forward computes with it
+    step_loss = loss_at(cfg, 0)
+    assert step_loss == dataclasses.replace(cfg.loss, gamma=3.0) and loss_at(over, 0).gamma == 0.5
+    assert loss_at(load_config(run, ["--loss.toy_gamma", "0"]), 0).gamma == 7.0  # 0: loss.gamma's
+    target = load_target(tiny_target)
+    tensors = target_batch(target, arch.target_layer_ids, batch=2, prompt_len=8, new_tokens=24, seed=0)
+    module = DrafterTrainModule(drafter, target.get_input_embeddings(), target.get_output_embeddings())
+    drafter.init_weights(0)
+    with torch.no_grad():
+        losses = [float(forward(module, tensors, loss, 0, 0, 0.0, torch.float32)[0].loss)
+                  for loss in (step_loss, dataclasses.replace(cfg.loss, gamma=3.0), cfg.loss)]
+    assert losses[0] == losses[1] != losses[2]
+
+
+def test_a_kind_field_may_not_take_a_name_already_there(toy) -> None:
+    """A kind declaring a field that a section or another kind has already: one clear error, the registry unharmed."""
+    from dflash_ds.config import Config
+    from dflash_ds.errors import DFlashError
+
+    @dataclasses.dataclass
+    class Clash:
+        gamma: float = 1.0
+        """A second loss.gamma."""
+
+    kinds.register(kinds.KindSpec("clash", "ClashDraftModel", "a clash (test)", loss_options=Clash))
+    try:
+        with pytest.raises(DFlashError, match="drafter kind 'clash' declares loss.gamma, a field of LossConfig"):
+            Config()
+    finally:
+        kinds.unregister("clash")
+    assert Config().loss.toy_gamma == 0.0
+
+
+def test_no_kind_is_named_outside_models_and_components() -> None:
+    """Outside models/ and components/ (and the registry in models/kinds.py) dflash-ds asks a kind's spec, never its
+    name: no source line names a registered kind (its name, any case, as in its architecture) but dflash, the
+    backbone."""
+    package = Path(__file__).resolve().parents[2] / "dflash_ds"
+    names = [name for name in kinds.kind_names() if name != kinds.DFLASH]
+    assert {"dflash2", "dspark"} <= set(names)
+    named = re.compile("|".join(map(re.escape, names)), re.IGNORECASE)
+    hits = [f"{path.relative_to(package)}:{n}: {line.strip()}" for path in sorted(package.rglob("*.py"))
+            if path.relative_to(package).parts[0] not in ("models", "components")
+            for n, line in enumerate(path.read_text().splitlines(), 1) if named.search(line)]
+    assert not hits, "\n".join(hits)
 
 
 def test_toy_kind_plans_with_its_own_terms(toy, capsys) -> None:

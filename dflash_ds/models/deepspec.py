@@ -1,5 +1,6 @@
 """`dflash-ds convert-deepspec`: a DeepSpec-layout DSpark checkpoint as a dflash-ds export, for eval, fine-tuning
-(--drafter) and serving.
+(--drafter) and serving. DSpark's own command (DeepSpec trains only DSpark), beside its modules dspark.py and
+dspark_arch.py; cli.py names it.
 
 What is assumed about that layout, read from vLLM 0.32's loading code (no released checkpoint is reachable from
 here): tensor names as `Qwen3DSparkForCausalLM.load_weights` takes them (`layers.N...`, `fc`, `hidden_norm`,
@@ -87,7 +88,7 @@ def convert_deepspec(src: str | Path, out: str | Path, target: str | Path | None
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Register the convert-deepspec flags."""
-    p.add_argument("src", help="DeepSpec-layout DSpark checkpoint folder (config.json + *.safetensors)")
+    p.add_argument("src", help="DeepSpec-layout checkpoint folder (config.json + *.safetensors)")
     p.add_argument("--out", required=True, help="export folder to write (config.json + model.safetensors)")
     p.add_argument("--target", default=None, help="the target's HF folder: its depth when the config has no "
                                                   "num_target_layers")
