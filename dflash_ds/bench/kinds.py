@@ -2,9 +2,8 @@
 
 The real-target table (docs/QUALITY.md "The kinds on a real target"): the same prompts, answers, drafter shape
 (`--layers`, `--block-size`), steps, batch, anchors, learning rate and seeds for each kind, each kind's own
-objective as its recipe sets it (`load_config` with `model.kind`: DSpark trains DeepSpec's 0.1 CE + 0.9 L1 + the
-confidence BCE, gamma 4; DFlash and DFlash2 the default CE with decay, DFlash2 its selector term). Every run is
-evaluated at each `--steps` budget (0 = the untrained drafter) by real speculative decoding on the same held-out
+objective as its recipe sets it (`load_config` with `model.kind`, the kind's `recipe` in models/kinds.py: what
+`train` would train). Every run is evaluated at each `--steps` budget (0 = the untrained drafter) by real speculative decoding on the same held-out
 prompts: `eval`'s decoder (eval/speculative.py, HF engine, greedy), every output checked against the target's
 greedy answer (made once, OUT/references.json; a differing output stops the bench).
 
@@ -14,10 +13,13 @@ answers to the first `--train-prompts` (`regenerate`, kept in OUT/answers.jsonl 
 Training runs in this process from the target's features, computed once per depth (tiny/context_check.py:
 `target_states`, then `train_drafter`: the real objective, components/objective.py, AdamW with the trainer's
 warmup + cosine schedule), not through `dflash-ds train`: an online CPU run of a 135M target spends its time in
-the target's forward (53 tok/s, docs/DESIGN.md §13). On a GPU the same command runs the whole table in one
-process. What it costs: the features are [prompts, longest, depth x H] fp32 (192 x 120 x 5 x 576 x 4 B = 265 MB
-for SmolLM2 at 5 layers; a Qwen3-8B target (H 4096) at the same size would need 1.9 GB: use fewer prompts or
-shorter answers there), plus the final hidden for a kind whose loss reads the target's distribution.
+the target's forward (a colocated run measured 53 tok/s, 67 s a step of 2 x 2,048 tokens). On a GPU the same
+command runs the whole table in one process. What it costs: the features are [prompts, longest, depth x H] fp32
+(192 x 120 x 5 x 576 x 4 B = 265 MB for SmolLM2 at 5 layers; a Qwen3-8B target (H 4096) at the same size would
+need 1.9 GB: use fewer prompts or shorter answers there), plus the final hidden for a kind whose loss reads the
+target's distribution (192 x 120 x 576 x 4 B = 53 MB). On this project's 2-core CPU (SmolLM2, one thread): a
+2-layer DFlash step of 4 x 8 anchors in blocks of 4 takes 0.35 s, and one evaluation of 16 held-out prompts x 32
+tokens ~50 s (evaluation, not training, dominates a CPU table: 64 prompts at 3 budgets x 18 runs is ~8 h).
 
 Each result (kind, layers, seed, steps) is one JSON under OUT/runs/; a rerun reads finished ones back, so a
 killed bench continues; OUT/settings.json keeps what the results depend on and a rerun under other settings
