@@ -79,8 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-token-id", type=int, default=None, help="the drafters' MASK id (default: "
                         "init-drafter's choice; SmolLM2 has no mask token: 16, <empty_output>)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
-    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once on CPU, each in a forked "
-                        "process with one thread (default 1; cuda: 1)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each worker a process of its "
+                        "own with the target and features (one thread each on CPU; on a GPU several share it: "
+                        "evaluation is launch-bound there; default 1)")
 
 
 def check_settings(out: Path, settings: dict[str, Any]) -> None:
@@ -100,11 +101,10 @@ def check_settings(out: Path, settings: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def prepare_data(args: argparse.Namespace, out: Path) -> tuple[list[tuple[list[int], list[int]]], list[list[int]]]:
-    """(training (prompt, answer) id pairs, held-out prompt ids): the split, then the target's own answers."""
+def prepare_data(args: argparse.Namespace, out: Path) -> None:
+    """The split (OUT/train.jsonl, OUT/held_out.jsonl), then the target's own answers (OUT/answers.jsonl)."""
     from dflash_ds.data.natural_prompts import natural_prompts, split_prompts, write_jsonl
     from dflash_ds.data.regenerate import regenerate
-    from dflash_ds.eval.cli import load_prompts
 
     train, held = split_prompts(natural_prompts(seed=args.prompt_seed), seed=args.prompt_seed,
                                 held_out=args.held_out)
@@ -114,13 +114,41 @@ def prepare_data(args: argparse.Namespace, out: Path) -> tuple[list[tuple[list[i
     write_jsonl(held, out / "held_out.jsonl")
     regenerate(args.target, out / "train.jsonl", out / "answers.jsonl", batch_size=32,
                max_new_tokens=args.answer_tokens)
-    prompts = load_prompts(out / "train.jsonl", args.target, args.train_prompts)
-    by_id = {}
+
+
+def read_data(args: argparse.Namespace, out: Path) -> tuple[list[tuple[list[int], list[int]]], list[list[int]]]:
+    """(training (prompt, answer) id pairs, held-out prompt ids) from what `prepare_data` wrote."""
+    from dflash_ds.eval.cli import load_prompts
+
+    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    answers = {}
     for line in (out / "answers.jsonl").read_text().splitlines():
         row = json.loads(line)
-        by_id[row["id"]] = row["token_ids"][0]
-    answers = [by_id[r["id"]] for r in train[: args.train_prompts]]
-    return list(zip(prompts, answers)), load_prompts(out / "held_out.jsonl", args.target, args.held_out)
+        answers[row["id"]] = row["token_ids"][0]
+    prompts = load_prompts(out / "train.jsonl", args.target, len(rows))
+    return (list(zip(prompts, [answers[r["id"]] for r in rows])),
+            load_prompts(out / "held_out.jsonl", args.target, args.held_out))
+
+
+def load_context(args: argparse.Namespace, out: Path, device: str, target=None, threads: int = 0) -> dict[str, Any]:
+    """What a run needs, in this process: the target, the data, the features of each depth, the references."""
+    import torch
+
+    from dflash_ds.models.target import load_target
+    from dflash_ds.tiny.context_check import target_states
+    from dflash_ds.tools.init_drafter import drafter_arch_from_target
+
+    if threads:
+        torch.set_num_threads(threads)
+    target = target if target is not None else load_target(args.target, device=device)
+    seqs, held = read_data(args, out)
+    states = {}
+    for layers in args.layers:
+        arch = drafter_arch_from_target(args.target, num_layers=layers, block_size=args.block_size,
+                                        mask_token_id=args.mask_token_id)
+        states[layers] = target_states(target, seqs, arch.target_layer_ids)  # on the target's device
+    return {"args": args, "out": out, "target": target, "seqs": seqs, "held": held, "states": states,
+            "references": references(target, held, args.eval_tokens, out), "device": device}
 
 
 def kind_setup(kind: str, args: argparse.Namespace, layers: int):
@@ -163,8 +191,6 @@ def one_run(ctx: dict[str, Any], kind: str, layers: int, seed: int) -> list[dict
     from dflash_ds.tiny.context_check import AblationConfig, held_out_tau, train_drafter
 
     args, out, target = ctx["args"], ctx["out"], ctx["target"]
-    if ctx["threads"]:
-        torch.set_num_threads(ctx["threads"])
     budgets = sorted(set(args.steps))
     options, loss_cfg = kind_setup(kind, args, layers)
     cfg = AblationConfig(steps=max(max(budgets), 1), batch=args.batch, num_anchors=args.anchors, num_layers=layers,
@@ -243,16 +269,12 @@ def run(args: argparse.Namespace) -> int:
 
     from dflash_ds.models.kinds import kind_names
     from dflash_ds.models.target import load_target
-    from dflash_ds.tiny.context_check import target_states
-    from dflash_ds.tools.init_drafter import drafter_arch_from_target
 
     kinds = args.kinds.split(",") if args.kinds else kind_names()
     unknown = [k for k in kinds if k not in kind_names()]
     if unknown:
         raise DFlashError(f"--kinds: unknown {unknown}; registered: {', '.join(kind_names())}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if device.startswith("cuda") and args.jobs > 1:
-        raise DFlashError("--jobs > 1 forks CPU workers: on cuda run one process (--jobs 1)")
     if args.jobs < 1 or args.batch < 1 or args.anchors < 1 or args.block_size < 2:
         raise DFlashError("--jobs, --batch and --anchors must be >= 1, --block-size >= 2")
     out = Path(args.out)
@@ -261,26 +283,22 @@ def run(args: argparse.Namespace) -> int:
     check_settings(out, settings)
     for kind in kinds:  # a kind whose config cannot take the bench's shape fails here, before any answer is made
         kind_setup(kind, args, max(args.layers))
-    seqs, held = prepare_data(args, out)
+    prepare_data(args, out)
     target = load_target(args.target, device=device)
+    seqs, held = read_data(args, out)
     print(f"bench kinds: {len(seqs)} training answers, {len(held)} held-out prompts, {len(kinds)} kinds x "
           f"layers {args.layers} x seeds {args.seeds}, budgets {sorted(set(args.steps))} on {device}", flush=True)
-    states = {}
-    for layers in args.layers:
-        arch = drafter_arch_from_target(args.target, num_layers=layers, block_size=args.block_size,
-                                        mask_token_id=args.mask_token_id)
-        states[layers] = target_states(target, seqs, arch.target_layer_ids)  # on the target's device
-    ctx = {"args": args, "out": out, "target": target, "seqs": seqs, "held": held, "states": states,
-           "references": references(target, held, args.eval_tokens, out), "device": device,
-           "threads": 1 if args.jobs > 1 else 0}
+    references(target, held, args.eval_tokens, out)  # made once, here, before any worker reads them
     todo = [(k, n, s) for k in kinds for n in args.layers for s in args.seeds]
     if args.jobs == 1:
+        ctx = load_context(args, out, device, target)
         results = [r for run_ in todo for r in one_run(ctx, *run_)]
-    else:
-        global _CTX
-        _CTX = ctx  # inherited by the forked workers: the target and features are not pickled
-        with ProcessPoolExecutor(args.jobs, mp_context=get_context("fork")) as pool:
-            results = [r for rs in pool.map(_forked_run, todo) for r in rs]
+    else:  # spawned (CUDA cannot be forked): each worker loads the target and makes the features once
+        del target
+        threads = 1 if device == "cpu" else 0
+        with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"), initializer=_start_worker,
+                                 initargs=(args, out, device, threads)) as pool:
+            results = [r for rs in pool.map(_worker_run, todo) for r in rs]
     rows = summarize(results)
     table = format_table(rows)
     (out / "table.md").write_text(table + "\n")
@@ -294,6 +312,11 @@ def run(args: argparse.Namespace) -> int:
 _CTX: dict[str, Any] = {}
 
 
-def _forked_run(run_: tuple[str, int, int]) -> list[dict[str, Any]]:
-    os.environ["OMP_NUM_THREADS"] = "1"
+def _start_worker(args: argparse.Namespace, out: Path, device: str, threads: int) -> None:
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    _CTX.update(load_context(args, out, device, threads=threads))
+
+
+def _worker_run(run_: tuple[str, int, int]) -> list[dict[str, Any]]:
     return one_run(_CTX, *run_)

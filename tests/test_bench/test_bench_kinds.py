@@ -1,7 +1,7 @@
 """`dflash-ds bench kinds`: each kind trains its own objective on the same data, resumes, and refuses mixed settings.
 
 On the tiny target (natural prompts through its tokenizer, its own answers): three kinds, one depth, one seed, 12
-steps, two forked jobs. Each run's step-12 loss is recomputed here by `train_drafter` from a loss configuration
+steps, two worker processes. Each run's step-12 loss is recomputed here by `train_drafter` from a loss configuration
 written out by hand (DSpark: DeepSpec's 0.1 CE + 0.9 L1 at gamma 4; the others the defaults): equal when the
 bench trains the kind's recipe, and DSpark's differs from the same run on plain CE (so the check can fail).
 """
@@ -19,7 +19,7 @@ ARGS = ["--kinds", "dflash,dflash2,dspark", "--layers", "1", "--seeds", "0", "--
 
 @pytest.fixture(scope="module")
 def bench_run(tiny_target, tmp_path_factory):
-    """The bench's output folder and its summary, run once in this process (two forked jobs)."""
+    """The bench's output folder and its summary, run once (in two spawned worker processes)."""
     from dflash_ds.cli import main
 
     out = tmp_path_factory.mktemp("kinds") / "out"
@@ -28,7 +28,7 @@ def bench_run(tiny_target, tmp_path_factory):
 
 
 def hand_loss(tiny_target, out, kind: str, loss_fields: dict, steps: int = 12) -> float:
-    """The step-`steps` loss of a run trained here, in one thread as the bench's forked jobs train."""
+    """The step-`steps` loss of a run trained here, in one thread as the bench's workers train."""
     import torch
 
     from dflash_ds.config import LossConfig
