@@ -68,6 +68,7 @@ def test_each_kind_trains_its_own_objective_on_the_same_data(bench_run, tiny_tar
     assert runs[("dflash", 12)]["loss"] == pytest.approx(hand_loss(tiny_target, out, "dflash", {}), rel=1e-5)
     table = (out / "table.md").read_text()
     assert "| dspark | 1 | 12 |" in table and "| dflash2 | 1 | 0 |" in table
+    assert not any((out / "init").iterdir())  # each run's untrained export is removed once it trained
 
 
 def test_a_rerun_reads_results_back_and_other_settings_are_refused(bench_run, tiny_target, cli_here):
