@@ -31,3 +31,25 @@ def exit_now(status: int | None) -> NoReturn:
             except (OSError, ValueError):  # a closed pipe or stream: nothing left to say there
                 pass
         os._exit(code)
+
+
+def say(message: str, stream=None, timeout_s: float = 2.0) -> None:
+    """Print one line, waiting at most `timeout_s` for it: for a thread that decides how its rank ends.
+
+    A rank's stdout and stderr are pipes to its launcher (torchrun, slurmstepd), and a pipe whose reader stalls
+    blocks the writer once its 64 KiB are full. A watchdog thread blocked there stops beating, and global rank 0
+    calls the rank lost and leaves with the store; so the line is written from a thread of its own, and a line
+    that cannot be written in time is dropped (the state it reports is published before it is said). stdout is
+    flushed after it, the same way: what the rank printed before reaches its log before an `os._exit`."""
+    import threading
+
+    def write() -> None:
+        try:
+            print(message, file=stream if stream is not None else sys.stdout, flush=True)
+            sys.stdout.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to say there
+            pass
+
+    writer = threading.Thread(target=write, name="dflash-say", daemon=True)
+    writer.start()
+    writer.join(timeout_s)

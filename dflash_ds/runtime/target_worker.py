@@ -29,10 +29,11 @@ from dflash_ds.distributed import bridge as bridge_mod
 from dflash_ds.distributed.topology import RoleContext
 from dflash_ds.distributed.wire import batch_meta, build_payload, payload_specs, receive_start
 from dflash_ds.models.drafter_arch import DrafterArch
+from dflash_ds.process_exit import say
 from dflash_ds.runtime import faults
 from dflash_ds.runtime.job import last_step, load_run_target
 from dflash_ds.runtime.sources import capture_batch
-from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog, hard_exit
+from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog, decide_exit, hard_exit
 
 
 def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watchdog, arch: DrafterArch,
@@ -136,8 +137,11 @@ def _exit_once_drafters_stopped(ctx: RoleContext, watchdog: Watchdog) -> None:
     """
     s = _stop_step(ctx, watchdog)
     if s is not None and all(watchdog.store.check([f"dflash/done/{r}"]) for r in ctx.layout.drafter_ranks):
-        print(f"[dflash-ds] target rank {ctx.global_rank}: drafters stopped at step {s}; exiting with "
-              f"status {EXIT_PREEMPTED}", flush=True)
+        # What the others and the launcher read first, the line last: a write to a stalled stdout pipe must not
+        # hold this thread (its heartbeat) until rank 0 calls the rank lost and the guard ends it with 3.
         watchdog.mark_done()  # rank 0, still waiting for the others to check out, must not call it lost
         watchdog.store.add("dflash/shutdown", 1)
+        decide_exit(EXIT_PREEMPTED)
+        say(f"[dflash-ds] target rank {ctx.global_rank}: drafters stopped at step {s}; exiting with "
+            f"status {EXIT_PREEMPTED}")
         hard_exit(EXIT_PREEMPTED)

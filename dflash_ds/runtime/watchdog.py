@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 
+from dflash_ds.process_exit import say
 from dflash_ds.runtime import faults
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; `--resume auto` continues
@@ -62,10 +63,25 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+_decided: list[int] = []  # the exit status this process decided first (decide_exit)
+
+
+def decide_exit(status: int) -> int:
+    """Make `status` this process's exit status and record it, unless one was decided already; the one decided.
+
+    A thread that decided 75 (its drafters have checkpointed) and is then held on its way out (a blocked write)
+    is not turned into a 3 by the store guard: the status in the exit record (SLURM's requeue reads it) and the
+    one the process ends with are the first decided."""
+    if not _decided:
+        _decided.append(status)
+        faults.record_exit(status, teardown=False)  # every rank's status and exit time (tests, train_slurm.sbatch)
+    return _decided[0]
+
+
 def hard_exit(status: int) -> None:
-    """End this process now with `status`, from any thread (the main one may be blocked in a collective)."""
-    faults.record_exit(status, teardown=False)  # tests only: every rank's status and exit time
-    os._exit(status)
+    """End this process now with `status` (or the one decided before), from any thread (the main one may be
+    blocked in a collective)."""
+    os._exit(decide_exit(status))
 
 
 class ExitOnSignal:
@@ -94,9 +110,8 @@ class ExitOnSignal:
     def _run(self) -> None:
         got = os.read(self._r, 1)
         if got and got[0] in [int(s) for s in self.SIGNALS]:
-            print(f"[dflash-ds] rank {self.rank}: {signal.Signals(got[0]).name} after its role ended: exiting with "
-                  f"status {self.status}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
+            say(f"[dflash-ds] rank {self.rank}: {signal.Signals(got[0]).name} after its role ended: exiting with "
+                f"status {self.status}", sys.stderr)
             hard_exit(self.status)
 
     def close(self) -> None:
@@ -244,8 +259,8 @@ class Watchdog:
             if self._closed.is_set():
                 return
             if self._orphan_deadline is not None:  # rank 0 left at its own grace deadline: this rank's is as near
-                print(f"[dflash-ds] rank {self.rank} at step {self.step}: the job store is gone after the launcher; "
-                      f"exiting", file=sys.stderr, flush=True)
+                say(f"[dflash-ds] rank {self.rank} at step {self.step}: the job store is gone after the launcher; "
+                    f"exiting", sys.stderr)
                 hard_exit(EXIT_LOST_LAUNCHER)
             self._die(0, f"lost contact with the job store on {self.describe_rank(0)} ({type(exc).__name__}); "
                          f"rank 0 is probably lost")
@@ -276,14 +291,14 @@ class Watchdog:
             reason = self.launcher.gone()
             if reason is None:
                 return
-            print(f"[dflash-ds] rank {self.rank} at step {self.step}: {reason}: stopping (checkpoint if the "
-                  f"drafters can agree), exiting within {self.launcher_grace_s:.0f}s", file=sys.stderr, flush=True)
+            say(f"[dflash-ds] rank {self.rank} at step {self.step}: {reason}: stopping (checkpoint if the "
+                f"drafters can agree), exiting within {self.launcher_grace_s:.0f}s", sys.stderr)
             self._orphan_deadline = time.monotonic() + self.launcher_grace_s
             self.local_signal = "launcher gone"
             self.stop_event.set()
         elif time.monotonic() > self._orphan_deadline:
-            print(f"[dflash-ds] rank {self.rank} at step {self.step}: launcher gone {self.launcher_grace_s:.0f}s "
-                  f"ago; exiting", file=sys.stderr, flush=True)
+            say(f"[dflash-ds] rank {self.rank} at step {self.step}: launcher gone {self.launcher_grace_s:.0f}s "
+                f"ago; exiting", sys.stderr)
             hard_exit(EXIT_LOST_LAUNCHER)
 
     def _check_peers(self) -> None:
@@ -311,15 +326,15 @@ class Watchdog:
             named = sorted(p for p, (age, _) in silent.items() if age > limit or age > 2.5 * self.interval_s)
             for peer in named:
                 age, step = silent[peer]
-                print(f"[dflash-ds] rank {self.rank} at step {self.step}: lost {self.describe_rank(peer)}: "
-                      f"no heartbeat for {age:.0f}s (its last step was {step})", file=sys.stderr, flush=True)
+                say(f"[dflash-ds] rank {self.rank} at step {self.step}: lost {self.describe_rank(peer)}: "
+                    f"no heartbeat for {age:.0f}s (its last step was {step})", sys.stderr)
             self._die(lost[0], f"{len(named)} rank(s) lost")
         for peer in lost:
             if peer not in self.lost:  # rank 0, past its work, waiting for the others to check out
                 age, step = silent[peer]
-                print(f"[dflash-ds] rank {self.rank} at step {self.step}: lost {self.describe_rank(peer)}: no "
-                      f"heartbeat for {age:.0f}s (its last step was {step}); not waiting for it",
-                      file=sys.stderr, flush=True)
+                say(f"[dflash-ds] rank {self.rank} at step {self.step}: lost {self.describe_rank(peer)}: no "
+                    f"heartbeat for {age:.0f}s (its last step was {step}); not waiting for it",
+                    sys.stderr)
                 self.lost.add(peer)
 
     def stalled_peers(self, min_age_s: float = 3.0) -> list[int]:
@@ -342,7 +357,7 @@ class Watchdog:
             return False
 
     def _die(self, peer: int, message: str) -> None:
-        print(f"[dflash-ds] rank {self.rank} at step {self.step}: {message}; exiting", file=sys.stderr, flush=True)
+        say(f"[dflash-ds] rank {self.rank} at step {self.step}: {message}; exiting", sys.stderr)
         hard_exit(EXIT_LOST_RANK)
 
     def mark_done(self) -> None:

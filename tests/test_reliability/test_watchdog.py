@@ -156,3 +156,51 @@ def test_the_hazard_the_own_client_removes():
     for wd in (w0, w1):
         wd._closed.set()
     assert any(rank == 1 and peer == 0 for rank, peer, _ in deaths), deaths
+
+
+_TARGET_HOOK = """
+import fcntl, os, sys, types
+import torch.distributed as dist
+from dflash_ds.runtime.target_worker import _exit_once_drafters_stopped
+from dflash_ds.runtime.watchdog import Watchdog
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, wait_for_workers=False)
+wd = Watchdog(store, 2, 3, str, heartbeat_timeout_s=60)
+wd.stop_event.set()  # the job-wide stop this rank saw
+flags = fcntl.fcntl(1, fcntl.F_GETFL)  # stdout: a pipe its reader has stopped reading, full
+fcntl.fcntl(1, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+try:
+    while True:
+        os.write(1, b"x" * 4096)
+except BlockingIOError:
+    pass
+fcntl.fcntl(1, fcntl.F_SETFL, flags)
+os.write(2, b"full\\n")
+ctx = types.SimpleNamespace(global_rank=2, layout=types.SimpleNamespace(drafter_ranks=[0, 1]))
+_exit_once_drafters_stopped(ctx, wd)  # the watchdog thread's tick: both drafters are done
+os.write(2, b"returned\\n")
+"""
+
+
+def test_a_target_with_a_stalled_stdout_checks_out_and_ends_75_once_its_drafters_stopped(tmp_path):
+    """A target's watchdog leaves with 75 once every drafter checkpointed and finished. Its stdout (a pipe to
+    torchrun / slurmstepd) may be full: the thread said so first and blocked there, without a beat, until rank 0
+    called it lost and left, and the store guard ended it with 3 a minute later: SLURM did not requeue a job whose
+    checkpoint was complete (seen once on CI). Now the rank checks out, records 75 and ends 75 all the same."""
+    import subprocess
+    import sys
+
+    from proc_utils import process_group
+
+    from dflash_ds.runtime.watchdog import STOP_STEP_KEY
+
+    store = _store()
+    store.set(STOP_STEP_KEY, "8")
+    store.set("dflash/done/0", "1"), store.set("dflash/done/1", "1")
+    env = {**__import__("os").environ, "DFLASH_EXIT_STATUS_DIR": str(tmp_path), "RANK": "2"}
+    with process_group([sys.executable, "-c", _TARGET_HOOK, str(store.port)], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, env=env) as proc:  # stdout never read
+        assert proc.stderr.readline() == b"full\n"
+        status = proc.wait(timeout=30)
+        assert status == 75, proc.stderr.read().decode()[-2000:]
+    assert store.check(["dflash/done/2"]) and store.add("dflash/shutdown", 0) == 1  # rank 0 sees it checked out
+    assert __import__("json").loads((tmp_path / "rank2.json").read_text())["status"] == 75
