@@ -8,8 +8,9 @@ is copied here; each subcommand stands in for a step the peer does with a GPU:
   hidden-states TARGET DATA IDS     the files vLLM's extract_hidden_states + ExampleHiddenStatesConnector write
                                     (DATA/hidden_states/hs_<i>.safetensors: token_ids, hidden_states [seq, n + 1, H]),
                                     computed with HF: that connector needs pinned memory, which vLLM's CPU build lacks
-  epochs DATA STEPS SEED RATIO      epochs that end the peer's run at exactly STEPS (it runs one more step in every
-                                    epoch after --max-steps)
+  epochs DATA STEPS SEED RATIO [TOKENS]
+                                    epochs that end the peer's run at exactly STEPS (it runs one more step in every
+                                    epoch after --max-steps) of TOKENS-token batches (default 2048)
   train ARGS...                     `speculators train ARGS` on CPU (its trainer moves to device 0 and synchronizes
                                     an accelerator)
   to-export PEER_CKPT SHAPE OUT     a peer checkpoint -> dflash-ds's export layout (for `dflash-ds eval`), checked
@@ -64,8 +65,9 @@ def hidden_states(target: str, data: str, ids: str) -> None:
     print(f"{len(ds)} rows, decoder layers {taken} -> {out}")
 
 
-def epochs(data: str, steps: str, seed: str, ratio: str) -> None:
-    """Print the epochs whose packed batches first reach STEPS (the peer's own sampler)."""
+def epochs(data: str, steps: str, seed: str, ratio: str, batch_tokens: str = "2048") -> None:
+    """Print the epochs whose packed batches (of BATCH_TOKENS, the peer's --total-seq-len) first reach STEPS (the
+    peer's own sampler)."""
     from datasets import load_from_disk
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
@@ -73,8 +75,8 @@ def epochs(data: str, steps: str, seed: str, ratio: str) -> None:
     lengths = lengths[: int(len(lengths) * float(ratio))]
     total = n = 0
     while total < int(steps):
-        sampler = MultipackDistributedBatchSamplerV2(batch_max_length=2048, lengths=lengths, num_replicas=1, rank=0,
-                                                     seed=int(seed))
+        sampler = MultipackDistributedBatchSamplerV2(batch_max_length=int(batch_tokens), lengths=lengths,
+                                                     num_replicas=1, rank=0, seed=int(seed))
         sampler.set_epoch(n)
         total, n = total + len(sampler), n + 1
     print(n)
