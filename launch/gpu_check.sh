@@ -14,10 +14,11 @@
 # budget left is skipped and counts as failed):
 #  0. install (when needed; ~20 s), preflight (seconds; the script stops at once if it fails: C compiler,
 #     Python.h, /dev/shm, CUDA, device count, NCCL), gpu_info (nvidia-smi, torch / CUDA, free memory);
-#  1. bench_memory (170 s): `bench memory` at the Qwen3-8B preset's full width (5 layers, 16,384 tokens,
-#     2,048 anchors, chunk 64, bf16, flex_attention) for dflash, dflash2 and dspark, checkpointing on and off on
-#     the same build: step time, MFU / HFU, each kind against DFlash, peak against the formula; the profile's top
-#     kernels ($OUT/profile.txt, .dflash2, .dspark);
+#  1. bench_memory (230 s): `bench memory` at the Qwen3-8B preset's full width (5 layers, 16,384 tokens,
+#     2,048 anchors, chunk 64, bf16, flex_attention) for dflash, dflash2 and dspark, checkpointing on and off,
+#     each fused (train.fuse: the loss's passes and DFlash2's convolutions compiled) and eager, on the same build:
+#     step time, MFU / HFU, each kind against DFlash, peak against the formula; the profile's top kernels of the
+#     fused step ($OUT/profile.txt, .dflash2, .dspark);
 #  2. real_shape (130 s): `bench real-shape`: a random Qwen3-8B target made on the GPU + the default drafter
 #     in DeepSpeed ZeRO-2, colocated: tokens/s, MFU of each part, peak and reserved memory against plan;
 #  3. warmup (90 s) + colocated (150 s): launch/gpu_colocated.sh (NCCL, bf16, flex_attention, DeepSpeed on
@@ -87,15 +88,16 @@ if [ "$DEVICE" = cuda ]; then
     if [ "$failed" -ne 0 ]; then echo "gpu_check: preflight failed (above): not a machine this check can pass on"; exit 1; fi
     step gpu_info 20 bash -c "nvidia-smi; $PY -c 'import torch, transformers; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__); \
 print(torch.cuda.get_device_name(0), \"free/total GiB\", [round(x / 2**30, 1) for x in torch.cuda.mem_get_info(0)])'"
-    step bench_memory 170 "$PY" -m dflash_ds bench memory --preset qwen3-8b --device cuda --dtype bf16 --widths 4096 \
-        --kind dflash,dflash2,dspark --activation-checkpointing both --profile "$OUT/profile.txt" \
+    step bench_memory 230 "$PY" -m dflash_ds bench memory --preset qwen3-8b --device cuda --dtype bf16 --widths 4096 \
+        --kind dflash,dflash2,dspark --activation-checkpointing both --fuse both --profile "$OUT/profile.txt" \
         --json "$OUT/bench_memory.json"
     step real_shape 130 "$PY" -m dflash_ds bench real-shape --preset qwen3-8b --json "$OUT/real_shape.json"
     step warmup 90 env OUT="$OUT/colocated" PYTHON="$PY" WARMUP_ONLY=1 bash launch/gpu_colocated.sh
     step colocated 150 env OUT="$OUT/colocated" PYTHON="$PY" KEEP_DATA=1 bash launch/gpu_colocated.sh
     if [ "${FULL:-0}" = 1 ]; then
         GPU_TESTS=(tests/test_core/test_drafter_flex.py tests/test_core/test_flex_compiles.py
-                   tests/test_core/test_single_step.py tests/test_bench/test_bench_memory.py)
+                   tests/test_core/test_single_step.py tests/test_bench/test_bench_memory.py
+                   tests/test_core/test_fusion.py)
         GPU_LIMIT=180
     else
         GPU_TESTS=(tests/test_core/test_drafter_flex.py) GPU_LIMIT=100

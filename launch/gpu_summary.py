@@ -26,7 +26,7 @@ def figures(out: Path, steps: dict[str, dict[str, Any]]) -> None:
     if bench and "bench_memory" in steps:
         steps["bench_memory"]["figures"] = {
             "peak_kind": bench.get("peak_kind"),
-            "rows": [{k: r.get(k) for k in ("kind", "width", "activation_checkpointing", "step_s", "tokens_per_s",
+            "rows": [{k: r.get(k) for k in ("kind", "width", "activation_checkpointing", "fuse", "step_s", "tokens_per_s",
                                             "mfu", "hfu", "step_vs_dflash", "error_pct")}
                      | {"measured_peak_gb": r["measured_peak_bytes"] / 1e9,
                         "predicted_peak_gb": r["predicted_peak_bytes"] / 1e9,
@@ -85,11 +85,12 @@ def table(summary: dict[str, Any]) -> str:
         lines.append(f"| {name} | {status} | {s.get('seconds', '-')} | {fig} |")
     bench = (steps.get("bench_memory") or {}).get("figures")
     if bench:
-        lines += ["", "| kind | ckpt | step s | tokens/s | MFU | HFU | vs dflash | peak GB (pred.) |",
-                  "|---|---|---:|---:|---:|---:|---:|---|"]
+        lines += ["", "| kind | ckpt | fuse | step s | tokens/s | MFU | HFU | vs dflash | peak GB (pred.) |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---|"]
         for r in bench["rows"]:
             vs = "-" if r["step_vs_dflash"] is None else f"{r['step_vs_dflash']:.2f}x"
-            lines.append(f"| {r['kind']} | {'on' if r['activation_checkpointing'] else 'off'} | {r['step_s']:.3f} | "
+            lines.append(f"| {r['kind']} | {'on' if r['activation_checkpointing'] else 'off'} | {r.get('fuse') or '-'} | "
+                         f"{r['step_s']:.3f} | "
                          f"{r['tokens_per_s']:,.0f} | {_pct(r['mfu'])} | {_pct(r['hfu'])} | {vs} | "
                          f"{r['measured_peak_gb']:.2f} ({r['predicted_peak_gb']:.2f}) |")
     return "\n".join(lines) + "\n"

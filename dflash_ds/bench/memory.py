@@ -25,6 +25,7 @@ from typing import Any
 
 from dflash_ds.bench import memory_model as mm
 from dflash_ds.bench.micro_step import micro_step_inputs, visible_keys, write_profile
+from dflash_ds.components.fusion import set_fuse_mode
 from dflash_ds.errors import DFlashError, read_json_file
 from dflash_ds.models.kinds import kind_names
 from dflash_ds.models.presets import PRESETS
@@ -70,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "both: each row measured on, then off, on the same build)")
     parser.add_argument("--mask-backend", choices=["auto", "dense", "flex"], default="auto",
                         help="block-sparse mask: dense boolean + SDPA, flex_attention, auto (flex on CUDA, dense on CPU)")
+    parser.add_argument("--fuse", choices=["auto", "on", "off", "both"], default="auto",
+                        help="train.fuse: compile the loss's per-chunk passes and a kind's own elementwise parts "
+                             "(auto: on CUDA; both: each row measured compiled, then eager, on the same build)")
     parser.add_argument("--widths", default="256,512",
                         help="comma-separated hidden sizes to measure at (heads, kv heads and MLP scaled; vocabulary, "
                              "token budget, anchors and chunk stay full size)")
@@ -189,7 +193,8 @@ def _release_heap() -> None:
 def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.StepShape], args: argparse.Namespace,
                   device, dtype, profile: str = "") -> list[dict[str, Any]]:
     """Build the drafter at this width with random weights and a full-vocabulary head; time and size its
-    micro-step under each of `steps` (they differ in checkpointing only: one build serves them all).
+    micro-step under each of `steps` (they differ in checkpointing only: one build serves them all), each under
+    each of `args.fuse`'s modes (`fuse_modes`): a row per (step, mode), in that order.
 
     `profile`: a file for the top kernels of one more step of the first setting (`write_profile`).
     """
@@ -213,8 +218,9 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.St
     b, s = steps[0].batch, steps[0].seq_len
     visible, per_row = visible_keys(b, s, shape.block_size, args.num_anchors, args.max_anchors)
     rows = []
-    for n, step in enumerate(steps):
+    for n, (step, fuse) in enumerate((st, f) for st in steps for f in fuse_modes(args)):
         drafter.activation_checkpointing = step.checkpointing
+        set_fuse_mode(fuse)
         peaks, times, anchors_used = [], [], 0
         for i in range(args.warmup + args.steps):
             if cuda:
@@ -236,7 +242,7 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.St
         step_s = sorted(times)[len(times) // 2]
         model_flops = mm.micro_step_flops(shape, step, visible, recompute=False)
         hw_flops = mm.micro_step_flops(shape, step, visible)
-        rows.append({"kind": shape.kind, "activation_checkpointing": step.checkpointing,
+        rows.append({"kind": shape.kind, "activation_checkpointing": step.checkpointing, "fuse": fuse,
                      "measured_peak_bytes": max(peaks), "step_s": step_s, "tokens_per_s": b * s / step_s,
                      "anchors": anchors_used, "anchors_per_row": per_row, "tflop": model_flops / 1e12,
                      "mfu": model_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
@@ -244,6 +250,11 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.St
                      **({"profile_top": top} if top is not None else {})})
     del module, drafter, states
     return rows
+
+
+def fuse_modes(args: argparse.Namespace) -> list[str]:
+    """The train.fuse modes each setting is measured under (--fuse; both: compiled, then eager)."""
+    return ["on", "off"] if args.fuse == "both" else [args.fuse]
 
 
 # ---------------------------------------------------------------- prediction at full width
@@ -302,11 +313,13 @@ def run(args: argparse.Namespace) -> int:
             shape = drafter_shape(cfg, width, args.num_layers, args.block_size, kind)
             profile = "" if not args.profile or width != widths[-1] else (
                 args.profile if kind == kinds[0] else f"{args.profile}.{kind}")
-            for step_c, measured in zip(steps, measure_width(cfg, shape, steps, args, device, dtype, profile)):
+            settings = [st for st in steps for _ in fuse_modes(args)]
+            for step_c, measured in zip(settings, measure_width(cfg, shape, steps, args, device, dtype, profile)):
                 predicted = mm.micro_step_peak(shape, step_c)
                 terms = mm.micro_step_terms(shape, step_c)
                 base = next((r for r in rows if r["kind"] == "dflash" and r["width"] == width
-                             and r["activation_checkpointing"] == step_c.checkpointing), None)
+                             and r["activation_checkpointing"] == step_c.checkpointing
+                             and r["fuse"] == measured["fuse"]), None)
                 rows.append({"width": width, "heads": shape.heads, "kv_heads": shape.kv_heads,
                              "head_dim": shape.head_dim, "intermediate": shape.intermediate,
                              "params": mm.drafter_params(shape), **measured, "predicted_peak_bytes": predicted,
@@ -340,7 +353,8 @@ def _print(res: dict[str, Any]) -> None:
     from dflash_ds.bench.table import print_table
 
     mfu = res["device"] != "cpu"
-    rows = [[r.get("kind", "dflash"), "on" if r.get("activation_checkpointing") else "off", str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
+    rows = [[r.get("kind", "dflash"), "on" if r.get("activation_checkpointing") else "off", r.get("fuse", "off"),
+             str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
              str(r["intermediate"]), f"{r['params'] / 1e6:,.1f}", str(r["anchors"]), _gb(r["measured_peak_bytes"]),
              _gb(r["predicted_peak_bytes"]), f"{r['error_pct']:+.1f}", r["predicted_phase"], f"{r['step_s']:.3f}",
              "-" if r.get("step_vs_dflash") is None else f"{r['step_vs_dflash']:.2f}x", f"{r['tokens_per_s']:,.0f}"]
@@ -350,7 +364,7 @@ def _print(res: dict[str, Any]) -> None:
         f"mask {res['mask']}; "
         f"{res['batch']} x {res['seq_len']} tokens, anchors {res['num_anchors']}/seq capped at {res['max_anchors']}, "
         f"chunk {res['chunk_blocks']} blocks, KL {res['kl_weight']:g}",
-        ["kind", "ckpt", "width", "heads", "MLP", "params M", "anchors", "measured GB", "predicted GB", "error %", "peak phase",
+        ["kind", "ckpt", "fuse", "width", "heads", "MLP", "params M", "anchors", "measured GB", "predicted GB", "error %", "peak phase",
          "step s", "vs dflash", "tokens/s"] + (["MFU %", "HFU %"] if mfu else []), rows,
         f"one micro-step (objective + backward); measured = {res['peak_kind']} minus before the step"
         + (", allocations >= 64 KiB mmapped; " if res["cpu_allocations_mmapped"] else "; ") +

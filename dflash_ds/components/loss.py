@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from dflash_ds.components.anchors import (  # noqa: F401  (re-exported: they lived here)
     anchor_quotas, block_inputs_and_labels, sample_anchors, water_fill)
+from dflash_ds.components.fusion import compiles_for, fused
 from dflash_ds.components.loss_metrics import (  # noqa: F401  (re-exported: they lived here)
     ACCEPTANCE_SUMS, acceptance_sums, leading_run, metric_sums, metrics_from_sums)
 from dflash_ds.components.weights import decay_weights, position_weights, streak_weights  # noqa: F401
@@ -169,8 +170,33 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
 
 
 def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, spec: LossSpec,
-                         target_logits: torch.Tensor | None, need_grad: bool):
-    """`_loss_parts` of one chunk plus d(numerator)/d(logits), by hand, with few [c, K, V] buffers.
+                         target_logits: torch.Tensor | None, need_grad: bool, pad_to: int = 0):
+    """`_loss_parts` of one chunk plus d(numerator)/d(logits) (in the logits' dtype, [c, K, V]): `_chunk_core` on
+    the chunk's c x K rows. Where the core runs compiled (static shapes, components/fusion.py) a chunk of fewer
+    than `pad_to` blocks is padded to it with invalid positions (their weight is 0: nothing changes)."""
+    c, k = labels.shape
+    pad = max(pad_to - c, 0) if compiles_for(logits) else 0
+
+    def rows(t: torch.Tensor | None, fill=0) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t.reshape(c * k, *t.shape[2:])
+        return torch.cat([t, t.new_full((pad * k, *t.shape[1:]), fill)]) if pad else t
+
+    num, weight_sum, stats, dz = _chunk_core(rows(logits), rows(labels, -100), rows(valid, False), k, spec,
+                                             rows(target_logits), need_grad)
+    if pad:
+        stats, dz = [s[:c] for s in stats], None if dz is None else dz[: c * k]
+    return num, weight_sum, stats, None if dz is None else dz.view(c, k, -1)
+
+
+@fused(dynamic=False)
+def _chunk_core(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, k: int, spec: LossSpec,
+                target_logits: torch.Tensor | None, need_grad: bool):
+    """`_loss_parts` of c blocks of k positions (logits [c*k, V], labels and valid [c*k], target_logits [c*k, V])
+    plus d(numerator)/d(logits) [c*k, V] in the logits' dtype, by hand, with few [c, k, V] buffers; compiled on
+    CUDA (components/fusion.py: the passes below fuse into a few kernels). `logits` is detached: its buffer may
+    be reused for the gradient when it is fp32.
 
     With p = softmax(z), p_d = softmax(z/T), p_t = softmax(t/T), the (detached) weights w and
     m = [p_d < p_t] (the subgradient of min), S = sum(p_d * m):
@@ -182,19 +208,30 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torc
     target's distribution and 17 with LK in fp32, against 12.4 / 32.5 for the autograd graph of
     `_loss_parts` (CE / KL).
     """
-    n, k, v = logits.shape
-    z = logits.float()
+    v = logits.shape[-1]
+    z = logits.float().view(-1, k, v)
+    labels, valid = labels.view(-1, k), valid.view(-1, k)
+    if target_logits is not None:
+        target_logits = target_logits.view(-1, k, v)
     with torch.no_grad():
         if target_logits is not None and spec.labels == "target":
             labels = target_logits.argmax(-1)
         y = labels.clamp(min=0, max=v - 1)[..., None]
-        top8 = z.topk(min(8, v), dim=-1).indices
-        hit = top8 == y
-        stats = [hit[..., 0] & valid, hit[..., :4].any(-1) & valid, hit.any(-1) & valid]
-        top1 = top8[..., :1]
-        del top8, hit
+        zy = z.gather(-1, y)
+        if torch.compiler.is_compiling():
+            # The label's rank (how many logits beat it) fuses into the passes over z where top-k is a kernel of
+            # its own (6% of an H200 step); a tie counts for the label (eager top-k breaks it by index).
+            rank = (z > zy).sum(-1)
+            stats = [(rank < 1) & valid, (rank < 4) & valid, (rank < 8) & valid]
+            top1 = z.argmax(-1, keepdim=True)
+        else:
+            top8 = z.topk(min(8, v), dim=-1).indices
+            hit = top8 == y
+            stats = [hit[..., 0] & valid, hit[..., :4].any(-1) & valid, hit.any(-1) & valid]
+            top1 = top8[..., :1]
+            del top8, hit
         lse = torch.logsumexp(z, dim=-1, keepdim=True)
-        label_logp = (z.gather(-1, y) - lse).squeeze(-1)
+        label_logp = (zy - lse).squeeze(-1)
         weight = _weights(label_logp.exp(), valid, spec)
         term, alpha = -label_logp, torch.zeros_like(label_logp)
         argmax_alpha = alpha
@@ -239,6 +276,7 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torc
                 dz.addcmul_(p_d, c_kl[..., None])
             if c_kl is not None:
                 dz.sub_(p_t.mul_(c_kl[..., None]))
+            dz = dz.to(logits.dtype).view(-1, v)
     return num, weight.sum(), stats, dz
 
 
@@ -289,11 +327,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 del z
             target_logits = (head(target_hidden[lo:hi].reshape((hi - lo) * k, -1)).view(hi - lo, k, -1)
                              if target_hidden is not None else None)
-            part, w, st, dz = _chunk_loss_and_grad(logits, labels[lo:hi], valid[lo:hi], spec, target_logits,
-                                                   need_grad)
+            part, w, st, dz = _chunk_loss_and_grad(logits.detach(), labels[lo:hi], valid[lo:hi], spec,
+                                                   target_logits, need_grad, pad_to=chunk)
             del target_logits
             if need_grad:
-                grads = torch.autograd.grad(logits, inputs, dz.to(logits.dtype))
+                grads = torch.autograd.grad(logits, inputs, dz)
                 grad[lo:hi] = grads[0]
                 if biased:
                     grad_e[lo:hi] = grads[1]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_ds.components.acceptance import accepted_runs
+from dflash_ds.components.fusion import set_fuse_mode
 from dflash_ds.components.objective import TargetStates, drafter_objective
 from dflash_ds.components.schedules import lr_at
 from dflash_ds.config import Config
@@ -231,6 +232,7 @@ def build_drafter_engine(cfg: Config, arch: DrafterArch, dtype: torch.dtype, dev
     drafter = load_drafter(cfg, arch).to(dtype)  # an export may be bf16 (a bf16 target's init)
     drafter.activation_checkpointing = ac
     drafter.mask_backend = cfg.model.attention_backend
+    set_fuse_mode(cfg.train.fuse)
     module = DrafterTrainModule(drafter, embed, head)
     module.checkpointing_reason = why
     ds = load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16, accumulation=accumulation,

@@ -57,8 +57,9 @@ def reserved_memory_bytes(device: torch.device) -> int | None:
 
 
 def compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process so far (flex_attention's: a bounded number,
-    see models/block_mask.py; a count that grows every window means recompiles)."""
+    """Graphs torch.compile has compiled in this process so far (flex_attention's and train.fuse's: bounded
+    numbers, see models/block_mask.py and components/fusion.py; a count that grows every window means
+    recompiles)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])

@@ -63,9 +63,9 @@ def test_kl_logits_are_the_targets_prediction_of_the_label(tiny_target, tmp_path
         seen["anchors"].append(out)
         return out
 
-    def spy_chunk(logits, chunk_labels, valid, spec, target_logits, need_grad):
+    def spy_chunk(logits, chunk_labels, valid, spec, target_logits, need_grad, **kwargs):
         seen["chunks"].append((chunk_labels.clone(), valid.clone(), target_logits.clone()))
-        return real_chunk(logits, chunk_labels, valid, spec, target_logits, need_grad)
+        return real_chunk(logits, chunk_labels, valid, spec, target_logits, need_grad, **kwargs)
 
     monkeypatch.setattr(objective, "sample_anchors", spy_anchors)
     monkeypatch.setattr(loss_mod, "_chunk_loss_and_grad", spy_chunk)
