@@ -189,10 +189,11 @@ class TrainConfig:
     """Explicit DeepSpeed JSON (overrides zero_stage)."""
     dtype: str = "auto"
     """Compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
-    fuse: str = "auto"
+    fuse: bool | None = None
     """Compile the drafter step's elementwise work with torch.compile (the loss's per-chunk passes over the
-    [chunk x block x vocabulary] logits, DFlash2's convolutions; components/fusion.py): auto (on CUDA; eager on
-    CPU), on (on CPU too), off (eager everywhere). Each compiled function adds 1-2 graphs (seconds to compile)."""
+    [chunk x block x vocabulary] logits, the layers' norms, RoPE and SwiGLU, a kind's own such parts;
+    components/fusion.py): null = on CUDA, eager on CPU; true = on CPU too; false = eager everywhere. Each
+    compiled function adds 1-2 graphs (seconds each to compile)."""
     target_attention: str = "auto"
     """Attention kernels of the frozen target's forward: auto (transformers' choice, sdpa on most models), sdpa,
     eager, flash_attention_2 / flash_attention_3 (pip install flash-attn), flex_attention. Logged at start-up."""

@@ -36,6 +36,7 @@ from dflash_ds.models.drafter_arch import (  # noqa: F401 - re-exported: the dra
     CONFIG_NAME, FULL, SAFETENSORS_NAME, SLIDING, DrafterArch, default_target_layer_ids, read_drafter_arch,
 )
 from dflash_ds.models.kinds import kind_spec
+from dflash_ds.models.layer_ops import rms_norm, rope, swiglu
 
 
 class BlockDraft(NamedTuple):
@@ -59,20 +60,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, L, D]; cos/sin [B, L, D]."""
-    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+        return rms_norm(x, self.weight, self.eps)  # models/layer_ops.py: compiled on CUDA (train.fuse)
 
 
 class DrafterAttention(nn.Module):
@@ -92,17 +80,16 @@ class DrafterAttention(nn.Module):
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of context features [B, S, H] -> two [B, kv_heads, S, D] (cacheable)."""
         b, s, _ = ctx.shape
-        k = self.k_norm(self.k_proj(ctx).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        k = rope(self.k_norm(self.k_proj(ctx).view(b, s, self.num_kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(ctx).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return _rope(k, cos, sin), v
+        return k.transpose(1, 2), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
                 ctx_v: torch.Tensor, mask: Any) -> torch.Tensor:
         b, q_len, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        q = rope(self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)), cos, sin).transpose(1, 2)
+        k = rope(self.k_norm(self.k_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)), cos, sin).transpose(1, 2)
         v = self.v_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         k = torch.cat([ctx_k, k], dim=2)
         v = torch.cat([ctx_v, v], dim=2)
         if mask is not None and not isinstance(mask, torch.Tensor):  # a flex_attention BlockMask
@@ -123,7 +110,7 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DrafterLayer(nn.Module):

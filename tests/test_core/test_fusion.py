@@ -21,6 +21,7 @@ from dflash_ds.config import load_config
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.dflash2 import grouped_conv
 from dflash_ds.models.presets import PRESETS
+from dflash_ds.runtime.memory import compiled_graphs
 
 V, K, H = 1003, 15, 48  # an odd vocabulary: no size a kernel could round to
 
@@ -38,7 +39,9 @@ class Counting:
 
 @pytest.fixture
 def fuse(monkeypatch):
-    """Set FUSION's fields for one test; dynamo's caches empty before and after."""
+    """Set FUSION's fields for one test (its mode too: restored after it); dynamo's caches empty before and after."""
+    monkeypatch.setattr(fusion.FUSION, "mode", fusion.FUSION.mode)
+
     def apply(**fields):
         for name, value in fields.items():
             monkeypatch.setattr(fusion.FUSION, name, value)
@@ -117,7 +120,7 @@ def test_every_knob_traces_as_one_graph_within_the_bound(fuse):
     torch._dynamo.reset()
     fuse(recompile_limit=1)
     loss_run("on", 8, 4)
-    with torch.no_grad(), pytest.raises(DFlashError, match="train.fuse off"):
+    with torch.no_grad(), pytest.raises(DFlashError, match="train.fuse false"):
         loss_run("on", 8, 4)  # a second graph
 
 
@@ -131,13 +134,16 @@ def test_mode_decides_where_it_compiles(fuse):
     with pytest.raises(ValueError, match="auto"):
         fusion.set_fuse_mode("yes")
     with pytest.raises(DFlashError, match="train.fuse"):
-        load_config(None, {"train": {"fuse": "yes"}})
-    assert load_config(None, {"train": {"fuse": "off"}}).train.fuse == "off"
+        load_config(None, ["--train.fuse", "sometimes"])
+    for text, mode in (("false", "off"), ("true", "on"), ("null", "auto")):  # the trainer's set_fuse_mode
+        fusion.set_fuse_mode(load_config(None, [f"--train.fuse={text}"]).train.fuse)
+        assert fusion.FUSION.mode == mode
 
 
 def test_compiled_grouped_conv_and_dflash2_step_equal_eager(fuse):
     """DFlash2's convolution compiled by inductor: forward and all three gradients, then a whole DFlash2 micro-step
-    with activation checkpointing (the GPU default: the compiled convolution runs again in the recompute)."""
+    with activation checkpointing (the GPU default: the layers' compiled ops run again in the recompute): its
+    loss and every parameter's gradient, and the graphs it compiled."""
     fuse(backend="inductor")
     g = torch.Generator().manual_seed(0)
     base = torch.randn(3, 64, generator=g).requires_grad_(True)
@@ -157,8 +163,10 @@ def test_compiled_grouped_conv_and_dflash2_step_equal_eager(fuse):
     step = mm.StepShape(batch=2, seq_len=128, anchors_per_row=6, chunk_blocks=4, kl=False, dtype_bytes=4,
                         checkpointing=True, dense_mask=True, cuda=False)
     results = {}
+    torch._dynamo.reset()
     for mode in ("off", "on"):
         fusion.FUSION.mode = mode
+        graphs = compiled_graphs()
         module, states, loss_cfg = micro_step.micro_step_inputs(
             cfg, shape, step, seed=0, num_anchors=6, max_anchors=0, chunk_blocks=4, kl_weight=0.0,
             mask_backend="dense", device=torch.device("cpu"), dtype=torch.float32)
@@ -167,6 +175,10 @@ def test_compiled_grouped_conv_and_dflash2_step_equal_eager(fuse):
         terms.loss.backward()
         results[mode] = (terms.loss.detach(), {n: p.grad for n, p in module.drafter.named_parameters()
                                                if p.grad is not None})
+        # eager: none; compiled: the loss core, the convolution, SwiGLU, RoPE (1 head of 128 for queries and
+        # keys) and RMSNorm 3 times (over head_dim = 128, over H = 64, and over H on layer 0's input, the block
+        # embeddings, which need no gradient), the recompute reusing each
+        assert compiled_graphs() - graphs == {"off": 0, "on": 7}[mode]
     (l_on, g_on), (l_off, g_off) = results["on"], results["off"]
     assert torch.allclose(l_on, l_off, rtol=1e-5)
     assert g_on.keys() == g_off.keys() and any("conv" in n for n in g_on)
