@@ -198,11 +198,12 @@ class _LineWriter:
 
 def progress_bar(total: int, rank: int) -> Any:
     """A tqdm bar on stderr: rows done of `total`, rows/s, elapsed and ETA. On a terminal it redraws every
-    second; elsewhere (a log) it writes a line every 30 s, and always one at the start and one at the end."""
+    second; elsewhere (a log) it writes a line every 30 s, and always one at the start and one at the end.
+    With nothing to do (`total` 0: every row already done) it writes nothing: the closing summary says so."""
     from tqdm import tqdm
 
     tty = sys.stderr.isatty()
-    return tqdm(total=total, desc=f"regenerate[rank {rank}]", unit=" rows", file=sys.stderr if tty else
+    return tqdm(total=total, disable=total == 0, desc=f"regenerate[rank {rank}]", unit=" rows", file=sys.stderr if tty else
                 _LineWriter(sys.stderr), mininterval=1.0 if tty else 30.0, dynamic_ncols=tty, ascii=not tty,
                 # miniters=1: redraw on time alone (tqdm's adaptive miniters lets its monitor thread write a
                 # stale extra line 10 s after a batch)

@@ -19,6 +19,7 @@ from dflash_ds.components import fusion
 from dflash_ds.components.loss import chunked_dflash_loss
 from dflash_ds.config import load_config
 from dflash_ds.errors import DFlashError
+from dflash_ds.models import layer_ops
 from dflash_ds.models.dflash2 import grouped_conv
 from dflash_ds.models.presets import PRESETS
 from dflash_ds.runtime.memory import compiled_graphs
@@ -189,7 +190,8 @@ def test_compiled_grouped_conv_and_dflash2_step_equal_eager(fuse):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_on_cuda_equals_eager(fuse):
     """On a GPU (launch/gpu_check.sh): train.fuse auto compiles Triton kernels for CUDA tensors; in bf16 at a
-    vocabulary of 151,936 the compiled loss and DFlash2 convolution match eager within bf16's rounding."""
+    vocabulary of 151,936 the compiled loss, DFlash2's convolution and the layer ops match eager within bf16's
+    rounding."""
     fuse(backend="inductor")
     g = torch.Generator(device="cuda").manual_seed(0)
     n, k, h, v = 70, 15, 256, 151936  # chunk 64: a full chunk and a padded one of 6 blocks
@@ -223,3 +225,15 @@ def test_fused_on_cuda_equals_eager(fuse):
         fusion.FUSION.mode = mode
         ys[mode] = grouped_conv(x, delta, base.to(torch.bfloat16), 16).float()
     assert torch.allclose(ys["auto"], ys["off"], rtol=2e-2, atol=2e-2)
+    # the layer ops at the Qwen3-8B preset's widths (H 4,096; 32 / 8 heads of 128; MLP 12,288), bf16
+    rows, w = 8 * 160, torch.randn(4096, generator=g, device="cuda").to(torch.bfloat16)
+    x = torch.randn(2, rows // 2, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    q = torch.randn(2, rows // 2, 32, 128, generator=g, device="cuda").to(torch.bfloat16)
+    cos, sin = (torch.rand(2, rows // 2, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    gate, up = (torch.randn(rows, 12288, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    ops = {}
+    for mode in ("off", "auto"):
+        fusion.FUSION.mode = mode
+        ops[mode] = [layer_ops.rms_norm(x, w, 1e-6), layer_ops.rope(q, cos, sin), layer_ops.swiglu(gate, up)]
+    for a, b in zip(ops["auto"], ops["off"]):
+        assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_ds.data.prepare import prepare
+from dflash_ds.data.regen_io import end_bar_at_done, progress_bar
 from dflash_ds.data.regenerate import regenerate
 from proc_utils import run_bounded
 
@@ -92,6 +93,10 @@ def test_resume_skips_done_rows_and_repairs_torn_line(tiny_target: Path, data: P
     assert out.read_text() == full.read_text()
     third = regenerate(tiny_target, data, out, batch_size=2, max_new_tokens=NEW, rank=0, world=1)
     assert third["written"] == 0 and third["skipped_done"] == 4
+    assert "0 written, 4 already done" in capsys.readouterr().out
+    with progress_bar(0, 0) as bar:  # nothing at all left to do: no bar (it drew "0/0 rows" twice), the summary
+        end_bar_at_done(bar)
+    assert capsys.readouterr().err == ""
 
 
 def test_output_feeds_prepare(tiny_target: Path, data: Path, tmp_path: Path) -> None:
