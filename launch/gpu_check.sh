@@ -5,6 +5,7 @@
 #   FULL=1 OUT=gpu_check_out bash launch/gpu_check.sh     # BUDGET_S=470 (default): steps stop or skip past it
 #   STEPS=gpu_tests,bench_widths bash launch/gpu_check.sh # only those steps (a rerun on a warm machine)
 #   DEVICE=cpu bash launch/gpu_check.sh                   # the script itself on a CPU box (CUDA-only parts skipped)
+#   FUSE=both STEPS=bench_memory bash launch/gpu_check.sh # each bench row fused, then eager (train.fuse)
 #
 # A bare machine (torch with CUDA, no deepspeed/datasets): the wheelhouse `.whl/` (../shared/gpu/wheelhouse.sh
 # .whl, carried with the checkout) is installed into $SITE first, offline. HF_HUB_OFFLINE=1 (compute nodes often
@@ -15,10 +16,11 @@
 #  0. install (when needed; ~20 s), preflight (seconds; the script stops at once if it fails: C compiler,
 #     Python.h, /dev/shm, CUDA, device count, NCCL), gpu_info (nvidia-smi, torch / CUDA, free memory);
 #  1. bench_memory (230 s): `bench memory` at the Qwen3-8B preset's full width (5 layers, 16,384 tokens,
-#     2,048 anchors, chunk 64, bf16, flex_attention) for dflash, dflash2 and dspark, checkpointing on and off,
-#     each fused (train.fuse: the loss's passes and DFlash2's convolutions compiled) and eager, on the same build:
-#     step time, MFU / HFU, each kind against DFlash, peak against the formula; the profile's top kernels of the
-#     fused step ($OUT/profile.txt, .dflash2, .dspark);
+#     2,048 anchors, chunk 64, bf16, flex_attention) for dflash, dflash2 and dspark, checkpointing on and off on
+#     the same build, fused (train.fuse's default on CUDA: the loss's passes, the layers' norms, RoPE and SwiGLU,
+#     DFlash2's convolutions compiled; ~80 s more of cold compiles): step time, MFU / HFU, each kind against
+#     DFlash, peak against the formula; the profile's top kernels ($OUT/profile.txt, .dflash2, .dspark). The
+#     eager twin of each row: FUSE=both (twice the rows; a call of its own: FUSE=both STEPS=bench_memory);
 #  2. real_shape (130 s): `bench real-shape`: a random Qwen3-8B target made on the GPU + the default drafter
 #     in DeepSpeed ZeRO-2, colocated: tokens/s, MFU of each part, peak and reserved memory against plan;
 #  3. warmup (90 s) + colocated (150 s): launch/gpu_colocated.sh (NCCL, bf16, flex_attention, DeepSpeed on
@@ -89,7 +91,7 @@ if [ "$DEVICE" = cuda ]; then
     step gpu_info 20 bash -c "nvidia-smi; $PY -c 'import torch, transformers; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__); \
 print(torch.cuda.get_device_name(0), \"free/total GiB\", [round(x / 2**30, 1) for x in torch.cuda.mem_get_info(0)])'"
     step bench_memory 230 "$PY" -m dflash_ds bench memory --preset qwen3-8b --device cuda --dtype bf16 --widths 4096 \
-        --kind dflash,dflash2,dspark --activation-checkpointing both --fuse both --profile "$OUT/profile.txt" \
+        --kind dflash,dflash2,dspark --activation-checkpointing both --fuse "${FUSE:-auto}" --profile "$OUT/profile.txt" \
         --json "$OUT/bench_memory.json"
     step real_shape 130 "$PY" -m dflash_ds bench real-shape --preset qwen3-8b --json "$OUT/real_shape.json"
     step warmup 90 env OUT="$OUT/colocated" PYTHON="$PY" WARMUP_ONLY=1 bash launch/gpu_colocated.sh

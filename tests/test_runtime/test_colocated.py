@@ -1,8 +1,8 @@
 """Colocated training (--colocate): every rank runs the target and trains the drafter, no bridge.
 
 Compared with the uninterrupted 1 target + 2 drafter reference run of conftest.py (same data,
-seed, ZeRO-2, 20 steps): a 2-rank colocated run trains the same global batches at the same steps
-with the same losses; its step-10 checkpoint resumed under the deepspeed launcher reproduces its
+seed, ZeRO-2, 20 steps): a 2-rank colocated run with the step's elementwise work compiled (train.fuse)
+trains the same global batches at the same steps with the same losses; its step-10 checkpoint resumed under the deepspeed launcher reproduces its
 own second half bit for bit; one colocated rank accumulating the reference's global batch of 2
 trains it too, through a SIGTERM (checkpoint, exit 75) and a resume, and its export evaluates
 losslessly; the reference's own checkpoint resumes colocated, and a killed rank is named.
@@ -35,12 +35,17 @@ def export_weights(out, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(out / "checkpoints" / f"step_{step:08d}" / "export" / "model.safetensors"))
 
 
+# The colocated run and its resume compile the step's elementwise work as a GPU run does (train.fuse true: the
+# loss core and the layer ops through inductor on CPU), against the eager reference run.
+FUSED = ("--train.fuse", "true")
+
+
 @pytest.fixture(scope="module")
 def colocated(setup, tmp_path_factory):
     """torchrun --nproc_per_node 2 ... --colocate: 20 steps, checkpoints at 10 and 20; every tensor handed to
     torch.distributed audited as if the groups were the GPU ones (distributed/audit.py)."""
     out = tmp_path_factory.mktemp("colocated")
-    r = torchrun(2, args_for(setup, out), cwd=out,
+    r = torchrun(2, args_for(setup, out, *FUSED), cwd=out,
                  env={"DFLASH_DIST_AUDIT": str(out / "audit"), "DFLASH_DIST_AUDIT_AS": "nccl"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return out, r.stdout
@@ -59,6 +64,9 @@ def test_two_colocated_ranks_train_the_disaggregated_runs_batches(colocated, ref
     for mine, theirs in zip(read_jsonl(out / "metrics.jsonl"), read_jsonl(ref_out / "metrics.jsonl")):
         assert mine["step"] == theirs["step"] and abs(mine["loss"] - theirs["loss"]) < 1e-4
         assert mine["label_positions"] == theirs["label_positions"]
+    # fused: the compiled graphs (components/fusion.py) were all made in the first window, none after
+    graphs = [r["compiled_graphs"] for r in read_jsonl(out / "metrics.jsonl") if "compiled_graphs" in r]
+    assert graphs and graphs[0] > 0 and set(graphs) == {graphs[0]}, graphs
     # Checkpoints and the export: the same shape and format, the same weights as the disaggregated run's.
     for step in (10, 20):
         state = json.loads((out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
@@ -100,7 +108,7 @@ def test_colocated_resume_under_the_deepspeed_launcher_is_bit_exact(setup, coloc
     hostfile.write_text("localhost slots=2\n")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
            "--node_rank", "0", "--num_nodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           "--module", "dflash_ds.train", *args_for(setup, run, "--resume", "auto")]
+           "--module", "dflash_ds.train", *args_for(setup, run, "--resume", "auto", *FUSED)]
     r = run_bounded(cmd, 360, env=env_for_children(), cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "resuming from" in r.stdout and "step_00000010 at step 10" in r.stdout, r.stdout[-2000:]
