@@ -18,6 +18,7 @@ micro-step); the ZeRO term counts them in the total instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 
 from dflash_ds.bench import memory_model as mm
 from dflash_ds.bench.micro_step import micro_step_inputs, visible_keys, write_profile
-from dflash_ds.components.fusion import set_fuse_mode
+from dflash_ds.components.fusion import FUSION, fuse_on, set_fuse_mode
 from dflash_ds.errors import DFlashError, read_json_file
 from dflash_ds.models.kinds import kind_names
 from dflash_ds.models.presets import PRESETS
@@ -217,7 +218,7 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.St
 
     b, s = steps[0].batch, steps[0].seq_len
     visible, per_row = visible_keys(b, s, shape.block_size, args.num_anchors, args.max_anchors)
-    rows = []
+    rows, mode_before = [], FUSION.mode
     for n, (step, fuse) in enumerate((st, f) for st in steps for f in fuse_modes(args)):
         drafter.activation_checkpointing = step.checkpointing
         set_fuse_mode(fuse)
@@ -248,6 +249,7 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.St
                      "mfu": model_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
                      "hfu": hw_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
                      **({"profile_top": top} if top is not None else {})})
+    set_fuse_mode(mode_before)
     del module, drafter, states
     return rows
 
@@ -313,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
             shape = drafter_shape(cfg, width, args.num_layers, args.block_size, kind)
             profile = "" if not args.profile or width != widths[-1] else (
                 args.profile if kind == kinds[0] else f"{args.profile}.{kind}")
-            settings = [st for st in steps for _ in fuse_modes(args)]
+            settings = [dataclasses.replace(st, fused=fuse_on(f, cuda)) for st in steps for f in fuse_modes(args)]
             for step_c, measured in zip(settings, measure_width(cfg, shape, steps, args, device, dtype, profile)):
                 predicted = mm.micro_step_peak(shape, step_c)
                 terms = mm.micro_step_terms(shape, step_c)

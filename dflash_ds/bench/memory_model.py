@@ -41,7 +41,8 @@ o_proj's input) and the logsumexp; SwiGLU its gate, silu, up and their product):
     c_tok = nkv*d*(4 + 3b)      per context token and layer: its keys (same chain), its K/V rows
 
 less 4*H per block token in layer 0 (its first RMSNorm keeps no fp32 input: the embeddings need
-no gradient). Checked against the saved-tensor graph (to 0.1%) and the exact allocation trace
+no gradient). With the layer ops compiled (StepShape.fused, train.fuse; models/layer_ops.py) every
+"fp32 pre-norm" 4 above is 0 and SwiGLU keeps 3b*I (its silu is recomputed): `per_token_activations`. Checked against the saved-tensor graph (to 0.1%) and the exact allocation trace
 (torch.profiler, profile_memory: every phase's peak to 1-3%) on CPU at widths 256 and 512 in
 fp32 and 256 in bf16, with and without checkpointing, and with KL. The constants below were calibrated once from
 those traces; the rest is counted.
@@ -111,6 +112,10 @@ class StepShape:
     checkpointing: bool = False
     dense_mask: bool = True  # CPU SDPA with a boolean mask; False = flex_attention (no dense tensors)
     cuda: bool = False  # which LM-head constant applies
+    # train.fuse: the layers' RMSNorm, RoPE and SwiGLU compiled (fewer saved tensors). bench memory's rows set it
+    # as they ran; `plan`, the full-width prediction and the trainer's checkpointing choice keep the eager count,
+    # an upper bound of a fused step, until a GPU has measured the fused one
+    fused: bool = False
 
 
 def lm_head_bytes_per_entry(s: StepShape) -> float:
@@ -158,14 +163,22 @@ def _sizes(d: DrafterShape, s: StepShape) -> tuple[int, int, int, int, int]:
     return rows * d.block_size, rows * (d.block_size - 1), s.batch * s.seq_len, rows, q_len
 
 
-def per_token_activations(d: DrafterShape, b: int) -> tuple[int, int]:
-    """(a_tok, c_tok): bytes one draft layer saves per block token and per context token."""
+def per_token_activations(d: DrafterShape, b: int, fused: bool = False) -> tuple[int, int]:
+    """(a_tok, c_tok): bytes one draft layer saves per block token and per context token.
+
+    `fused` (the layer ops compiled, models/layer_ops.py): a compiled RMSNorm keeps its input in the run dtype
+    and a per-row scale instead of an fp32 copy (4 bytes less per normalised value), and SwiGLU recomputes its
+    silu (b bytes less per MLP value); RoPE saves the same. Checked with saved-tensor hooks on CPU (inductor):
+    one layer's saved bytes fell by exactly this count in fp32 and bf16 (1,572,864 B at width 256).
+    """
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    a_tok = 2 * d.hidden * (4 + 2 * b) + (q + kv) * (4 + 3 * b) + 4 * b * d.intermediate + 4 * d.heads
+    f32 = 0 if fused else 4
+    a_tok = 2 * d.hidden * (f32 + 2 * b) + (q + kv) * (f32 + 3 * b) + (3 if fused else 4) * b * d.intermediate \
+        + 4 * d.heads
     saved_h = kind_terms(d).saved_h
     if saved_h:
         a_tok += round(saved_h * d.hidden * b)
-    return a_tok, kv * (4 + 3 * b)
+    return a_tok, kv * (f32 + 3 * b)
 
 
 def micro_step_terms(d: DrafterShape, s: StepShape, param_grads: bool = True) -> dict[str, dict[str, float]]:
@@ -176,9 +189,10 @@ def micro_step_terms(d: DrafterShape, s: StepShape, param_grads: bool = True) ->
     """
     b, h, L = s.dtype_bytes, d.hidden, d.num_layers
     t, p, c, rows, q_len = _sizes(d, s)
-    a_tok, c_tok = per_token_activations(d, b)
+    a_tok, c_tok = per_token_activations(d, b, s.fused)
     mask_entries = s.batch * q_len * (s.seq_len + q_len) if s.dense_mask else 0
-    no_grad_input = t * h * 4  # layer 0's first RMSNorm keeps no fp32 input: the embeddings need no gradient
+    # layer 0's first RMSNorm keeps no fp32 input: the embeddings need no gradient (compiled, it keeps none anyway)
+    no_grad_input = 0 if s.fused else t * h * 4
     held = {
         "rope_tables": 2 * (t + c) * d.head_dim * b,
         "context_projection": c * h * (4 + 2 * b),

@@ -70,6 +70,13 @@ def set_fuse_mode(mode: str | bool | None) -> None:
     FUSION.mode = mode
 
 
+def fuse_on(mode: str | bool | None, cuda: bool) -> bool:
+    """Whether a mode (or train.fuse's value; bench memory's "both" counts as on) compiles on this device: what the
+    memory model assumes of the step (bench/memory_model.StepShape.fused)."""
+    mode = {None: "auto", True: "on", False: "off", "both": "on"}.get(mode, mode)
+    return mode == "on" or (mode == "auto" and cuda)
+
+
 def compiles_for(t: torch.Tensor) -> bool:
     """Whether a fused function given this tensor runs compiled under the current `FUSION.mode`."""
     return FUSION.mode == "on" or (FUSION.mode == "auto" and t.is_cuda)

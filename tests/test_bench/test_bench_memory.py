@@ -215,22 +215,31 @@ def test_dspark_parts_in_psi_and_the_loss() -> None:
 
 def test_each_kind_measures_its_own_step_and_mfu_counts_no_recompute(tiny_target: Path, cli_here) -> None:
     """--kind dflash,dflash2,dspark: one row per kind, each the kind's own module (its parameter count), its step
-    against DFlash's; the FLOPs behind MFU leave the checkpointed recompute out (HFU keeps it)."""
+    against DFlash's; the FLOPs behind MFU leave the checkpointed recompute out (HFU keeps it). --fuse both: each
+    kind compiled (train.fuse, inductor on CPU), then eager, each predicted with its own saved activations."""
     res = cli_here("bench", "memory", "--target", str(tiny_target), "--widths", "128", "--num-layers", "2",
                    "--token-budget", "1024", "--seq-len", "512", "--num-anchors", "16", "--chunk-blocks", "8",
-                   "--steps", "1", "--warmup", "0", "--kind", "dflash,dflash2,dspark", "--json",
+                   "--steps", "1", "--warmup", "0", "--kind", "dflash,dflash2,dspark", "--fuse", "both", "--json",
                    str(tiny_target / "k.json"))
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads((tiny_target / "k.json").read_text())["rows"]
-    assert [r["kind"] for r in rows] == ["dflash", "dflash2", "dspark"]
+    assert [(r["kind"], r["fuse"]) for r in rows] == [(k, f) for k in ("dflash", "dflash2", "dspark")
+                                                      for f in ("on", "off")]
     from dflash_ds.bench.memory import drafter_shape
 
     text = {**TINY_CONFIG, **TINY_CONFIG["text_config"]}
     for r in rows:
         assert r["params"] == mm.drafter_params(drafter_shape(text, 128, 2, 16, r["kind"]))
-    assert rows[0]["step_vs_dflash"] is None and rows[1]["params"] > rows[0]["params"]
-    for r in rows[1:]:
-        assert r["step_vs_dflash"] == pytest.approx(r["step_s"] / rows[0]["step_s"])
+    assert rows[0]["step_vs_dflash"] is None is rows[1]["step_vs_dflash"] and rows[2]["params"] > rows[0]["params"]
+    for r in rows[2:]:  # against DFlash's row of the same fuse mode
+        assert r["step_vs_dflash"] == pytest.approx(r["step_s"] / rows[r["fuse"] == "off"]["step_s"])
+    for on, off in zip(rows[::2], rows[1::2]):  # no checkpointing on CPU: every layer's activations held
+        (a, c), (a_f, c_f) = (mm.per_token_activations(drafter_shape(text, 128, 2, 16, on["kind"]), 4, fused)
+                              for fused in (False, True))
+        t = 2 * on["anchors_per_row"] * 16  # 2 sequences of 512 tokens
+        layer_0 = t * 128 * 4  # eager's layer 0 keeps no fp32 input for its first norm; compiled neither
+        assert off["predicted_peak_bytes"] - on["predicted_peak_bytes"] == \
+            pytest.approx(2 * ((a - a_f) * t + (c - c_f) * 2 * 512) - layer_0)
     bad = cli_here("bench", "memory", "--kind", "dflash,eagle")
     assert bad.returncode != 0 and "--kind 'dflash,eagle'" in bad.stderr
     d = drafter_shape(text, 128, 2, 16)

@@ -21,6 +21,7 @@ from dflash_ds.config import load_config
 from dflash_ds.errors import DFlashError
 from dflash_ds.models import layer_ops
 from dflash_ds.models.dflash2 import grouped_conv
+from dflash_ds.models.drafter import DFlashDrafter, _layer_step
 from dflash_ds.models.presets import PRESETS
 from dflash_ds.runtime.memory import compiled_graphs
 
@@ -237,3 +238,35 @@ def test_fused_on_cuda_equals_eager(fuse):
         ops[mode] = [layer_ops.rms_norm(x, w, 1e-6), layer_ops.rope(q, cos, sin), layer_ops.swiglu(gate, up)]
     for a, b in zip(ops["auto"], ops["off"]):
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_fused_layer_saves_what_the_memory_model_counts(fuse):
+    """Saved-tensor hooks over one draft layer's forward (block tokens and context keys both needing gradients):
+    compiled, it keeps exactly the bytes `memory_model.per_token_activations(fused=True)` takes off eager's."""
+    fuse(backend="inductor")
+    cfg = dict(PRESETS["qwen3-8b"], vocab_size=512)
+    shape = bench_memory.drafter_shape(cfg, 64, 1, 16, "dflash")
+    drafter = DFlashDrafter(micro_step.drafter_arch(cfg, shape, 256))
+    layer, (b, t, s) = drafter.layers[0], (2, 128, 256)  # t = 8 blocks of 16 a row
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(b, t, 64, generator=g).requires_grad_(True)
+    ctx = torch.randn(b, s, 64, generator=g).requires_grad_(True)
+    cos, sin = drafter._cos_sin(x, torch.arange(t).expand(b, t))
+    ccos, csin = drafter._cos_sin(x, torch.arange(s).expand(b, s))
+    mask = torch.ones(b, 1, t, s + t, dtype=torch.bool)
+    known = {p.data_ptr() for p in layer.parameters()} | {a.data_ptr() for a in (x, ctx, cos, sin, ccos, csin, mask)}
+    saved_bytes = {}
+    for mode in ("off", "on"):
+        fusion.FUSION.mode = mode
+        _layer_step(layer, x, cos, sin, ctx, ccos, csin, mask)  # compiles (on)
+        saved: dict[int, int] = {}
+
+        def pack(tensor):
+            saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            _layer_step(layer, x, cos, sin, ctx, ccos, csin, mask)
+        saved_bytes[mode] = sum(v for k, v in saved.items() if k not in known)
+    (a, c), (a_f, c_f) = (mm.per_token_activations(shape, 4, fused) for fused in (False, True))
+    assert saved_bytes["off"] - saved_bytes["on"] == (a - a_f) * b * t + (c - c_f) * b * s > 0
