@@ -28,6 +28,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_ds.bench.curve",
         "held-out tau against training tokens: every checkpoint a run kept, evaluated on the same prompts",
     ),
+    "fuse": (
+        "dflash_ds.bench.fuse",
+        "each function train.fuse compiles (the loss core, the layers' RMSNorm, RoPE and SwiGLU, DFlash2's "
+        "convolution), eager against compiled at a target's real widths",
+    ),
     "kinds": (
         "dflash_ds.bench.kinds",
         "every drafter kind x depth x seed trained on a target's own answers, held-out tau at each step budget "
