@@ -265,7 +265,10 @@ def _chunk_core(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
             c_ce = ((1.0 - lk_w) * (1.0 - kl_w) * weight)[..., None]
             dz = z.sub_(lse).exp_()  # p, in z's buffer (the head's backward does not read its output)
             dz.mul_(c_ce)
-            dz.scatter_add_(-1, y, -c_ce)
+            if torch.compiler.is_compiling():  # the one-hot as a compare: one pointwise kernel, no scatter pass
+                dz.sub_((torch.arange(v, device=dz.device) == y) * c_ce)
+            else:
+                dz.scatter_add_(-1, y, -c_ce)
             if c_alpha is not None:  # coefficient of p_d: c_kl + c_alpha (m - S), m = [p_d < p_t]
                 below = p_d < p_t
                 s = torch.mul(p_d, below, out=scratch).sum(-1)
