@@ -62,24 +62,28 @@ class Fusion:
 FUSION = Fusion()
 
 
+def _mode(value: str | bool | None) -> str:
+    """A mode from itself or train.fuse's value (null: auto, true: on, false: off); bench memory's "both" is on."""
+    return {None: "auto", True: "on", False: "off", "both": "on"}.get(value, value)
+
+
 def set_fuse_mode(mode: str | bool | None) -> None:
-    """Set `FUSION.mode`: a mode, or train.fuse's value (null: auto, true: on, false: off)."""
-    mode = {None: "auto", True: "on", False: "off"}.get(mode, mode)
-    if mode not in FUSE_MODES:
+    """Set `FUSION.mode`: a mode, or train.fuse's value."""
+    if _mode(mode) not in FUSE_MODES or mode == "both":
         raise ValueError(f"fuse mode {mode!r}: must be one of {FUSE_MODES}")
-    FUSION.mode = mode
+    FUSION.mode = _mode(mode)
 
 
 def fuse_on(mode: str | bool | None, cuda: bool) -> bool:
-    """Whether a mode (or train.fuse's value; bench memory's "both" counts as on) compiles on this device: what the
-    memory model assumes of the step (bench/memory_model.StepShape.fused)."""
-    mode = {None: "auto", True: "on", False: "off", "both": "on"}.get(mode, mode)
+    """Whether a mode (or train.fuse's value) compiles on this device: what the memory model assumes of the step
+    (bench/memory_model.StepShape.fused)."""
+    mode = _mode(mode)
     return mode == "on" or (mode == "auto" and cuda)
 
 
 def compiles_for(t: torch.Tensor) -> bool:
     """Whether a fused function given this tensor runs compiled under the current `FUSION.mode`."""
-    return FUSION.mode == "on" or (FUSION.mode == "auto" and t.is_cuda)
+    return fuse_on(FUSION.mode, t.is_cuda)
 
 
 def fused(fn: Callable | None = None, *, dynamic: bool = True) -> Callable:
