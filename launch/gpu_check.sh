@@ -90,7 +90,8 @@ if [ "$DEVICE" = cuda ]; then
     if [ "$failed" -ne 0 ]; then echo "gpu_check: preflight failed (above): not a machine this check can pass on"; exit 1; fi
     step gpu_info 20 bash -c "nvidia-smi; $PY -c 'import torch, transformers; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__); \
 print(torch.cuda.get_device_name(0), \"free/total GiB\", [round(x / 2**30, 1) for x in torch.cuda.mem_get_info(0)])'"
-    step bench_memory 230 "$PY" -m dflash_ds bench memory --preset qwen3-8b --device cuda --dtype bf16 --widths 4096 \
+    BENCH_LIMIT=230; [ "${FUSE:-auto}" = both ] && BENCH_LIMIT=400  # both: twice the rows
+    step bench_memory "$BENCH_LIMIT" "$PY" -m dflash_ds bench memory --preset qwen3-8b --device cuda --dtype bf16 --widths 4096 \
         --kind dflash,dflash2,dspark --activation-checkpointing both --fuse "${FUSE:-auto}" --profile "$OUT/profile.txt" \
         --json "$OUT/bench_memory.json"
     step real_shape 130 "$PY" -m dflash_ds bench real-shape --preset qwen3-8b --json "$OUT/real_shape.json"
