@@ -30,8 +30,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "fuse": (
         "dflash_ds.bench.fuse",
-        "each function train.fuse compiles (the loss core, the layers' RMSNorm, RoPE and SwiGLU, DFlash2's "
-        "convolution), eager against compiled at a target's real widths",
+        "each function train.fuse compiles (the loss core, the layers' RMSNorm, RoPE and SwiGLU, a kind's own "
+        "parts), eager against compiled at a target's real widths",
     ),
     "kinds": (
         "dflash_ds.bench.kinds",

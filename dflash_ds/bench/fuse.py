@@ -12,6 +12,7 @@ hard labels (CE) and with the target's distribution (KL 0.5).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -43,14 +44,10 @@ def cases(cfg: dict[str, Any], rows: int, chunk: int, bs: int, device, dtype) ->
 
     from dflash_ds.components.loss import LossSpec, _chunk_loss_and_grad
     from dflash_ds.models import layer_ops
-    from dflash_ds.models.dflash2 import grouped_conv
-    from dflash_ds.models.kinds import kind_spec
+    from dflash_ds.models.kinds import kind_names, kind_spec
 
     h, heads, d = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg.get("head_dim") or 128)
     mlp, vocab = int(cfg["intermediate_size"]), int(cfg["vocab_size"])
-    opts = kind_spec("dflash2").default_options()
-    taps, groups = opts.conv_kernel_size, h // opts.conv_group_size
-    rows -= rows % bs
 
     def t(*shape, grad=True):
         x = torch.randn(*shape, device=device).to(dtype)
@@ -68,7 +65,7 @@ def cases(cfg: dict[str, Any], rows: int, chunk: int, bs: int, device, dtype) ->
         grads = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         return lambda: torch.autograd.grad(fn(*args).float().sum(), grads), grads
 
-    return {
+    out = {
         f"loss core CE [{chunk} x {bs - 1} x {vocab}]": lambda: loss(False),
         f"loss core KL 0.5 [{chunk} x {bs - 1} x {vocab}]": lambda: loss(True),
         f"RMSNorm [{rows} x {h}]": lambda: layer(layer_ops.rms_norm, t(rows, h), t(h), 1e-6),
@@ -76,9 +73,21 @@ def cases(cfg: dict[str, Any], rows: int, chunk: int, bs: int, device, dtype) ->
         f"RoPE q [{rows} x {heads} x {d}]": lambda: layer(layer_ops.rope, t(1, rows, heads, d), t(1, rows, d, grad=False),
                                                          t(1, rows, d, grad=False)),
         f"SwiGLU [{rows} x {mlp}]": lambda: layer(layer_ops.swiglu, t(rows, mlp), t(rows, mlp)),
-        f"DFlash2 conv [{rows} x {h}, {taps} taps, {groups} groups]": lambda: layer(
-            grouped_conv, t(rows, h), t(rows, taps, groups), t(taps, h), bs),
     }
+    def kind_part(build: Callable, part: str):
+        fn, args = build(t)[part]
+        return layer(fn, *args)
+
+    def meta(*shape, grad=True):
+        return torch.empty(*shape, device="meta")
+
+    for name in kind_names():  # a kind's own fused functions (KindSpec.fused_parts), built when run
+        spec = kind_spec(name)
+        if spec.fused_parts is not None:
+            build = functools.partial(spec.fused_parts, spec.default_options(), h, rows, bs)
+            for part in build(meta):  # the names, from tensors without storage
+                out[f"{name} {part}"] = functools.partial(kind_part, build, part)
+    return out
 
 
 def time_case(make: Callable, repeats: int, sync: Callable) -> dict[str, float]:

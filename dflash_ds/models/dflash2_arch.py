@@ -169,6 +169,16 @@ def warm_start_parts(drafter: Any) -> None:
         drafter.candidate_selector.successor_codebook.zero_()
 
 
+def fused_parts(opts: DFlash2Options, hidden_size: int, rows: int, block_size: int, make: Any) -> dict[str, Any]:
+    """`bench fuse`'s case of the kind: one grouped convolution over `rows` block tokens (models/dflash2.py)."""
+    from dflash_ds.models.dflash2 import grouped_conv
+
+    taps, groups = opts.conv_kernel_size, hidden_size // opts.conv_group_size
+    rows -= rows % block_size
+    x, delta, base = make(rows, hidden_size), make(rows, taps, groups), make(taps, hidden_size)
+    return {f"conv [{rows} x {hidden_size}, {taps} taps, {groups} groups]": (grouped_conv, (x, delta, base, block_size))}
+
+
 SPEC = register(KindSpec(
     name="dflash2", architecture="DFlash2DraftModel",
     summary="grouped convolutions + candidate selector; DFlash2DraftModel export",
@@ -182,4 +192,4 @@ SPEC = register(KindSpec(
            ("loss.selector_gold", "must be swap or drop", lambda v: v in ("swap", "drop")),
            ("loss.selector_warmup_steps", "must be >= 0", lambda v: v >= 0)),
     drafter_module="dflash_ds.models.dflash2", vllm_method="dflash", vllm_v2_only=True,
-    memory=memory_terms, warm_start=warm_start_parts))
+    memory=memory_terms, warm_start=warm_start_parts, fused_parts=fused_parts))

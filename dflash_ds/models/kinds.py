@@ -97,6 +97,9 @@ class KindSpec:
     """vLLM reads a config without `sample_from_anchor` as anchor-as-first (block_size drafts, not block_size - 1)."""
     memory: Callable[[Any, int, int], MemoryTerms] | None = None
     """(options, hidden, vocab) -> its MemoryTerms; None = none."""
+    fused_parts: Callable[[Any, int, int, int, Callable], dict[str, Any]] | None = None
+    """(options, hidden, block tokens, block size, make(*shape, grad=True) -> a random tensor) -> {part: (fn, args)}:
+    its own functions that train.fuse compiles (components/fusion.py), at that shape, for `bench fuse`; None = none."""
     warm_start: Callable[[Any], None] | None = None
     """Sets a drafter of the kind, its backbone copied from a DFlash export, to draft as that export (zero / identity
     parts; models/warm_start.py); None = the kind cannot be warm-started."""
