@@ -73,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-backend", choices=["auto", "dense", "flex"], default="auto",
                         help="block-sparse mask: dense boolean + SDPA, flex_attention, auto (flex on CUDA, dense on CPU)")
     parser.add_argument("--fuse", choices=["auto", "on", "off", "both"], default="auto",
-                        help="train.fuse: compile the loss's per-chunk passes and a kind's own elementwise parts "
-                             "(auto: on CUDA; both: each row measured compiled, then eager, on the same build)")
+                        help="train.fuse: compile the loss's per-chunk passes, the layers' RMSNorm, RoPE and SwiGLU "
+                             "and a kind's own elementwise parts (auto: on CUDA; both: each row measured compiled, "
+                             "then eager, on the same build, each predicted with its own saved activations)")
     parser.add_argument("--widths", default="256,512",
                         help="comma-separated hidden sizes to measure at (heads, kv heads and MLP scaled; vocabulary, "
                              "token budget, anchors and chunk stay full size)")
