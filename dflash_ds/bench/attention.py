@@ -88,8 +88,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     preset = PRESETS[args.preset]
     arch = _arch(preset, bs)
     torch.manual_seed(args.seed)
-    drafter = DFlashDrafter(arch)
-    drafter.init_weights(args.seed)
+    drafter = DFlashDrafter.seeded(arch, args.seed)
     drafter = drafter.to(device=device, dtype=dtype)
     g = torch.Generator().manual_seed(args.seed)
     b = args.batch_size

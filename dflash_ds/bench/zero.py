@@ -174,8 +174,7 @@ def _drafter_module(spec: dict[str, Any]):
         gen = torch.Generator().manual_seed(0)
         embed = nn.Embedding(arch.vocab_size, arch.hidden_size, _weight=torch.randn(arch.vocab_size, arch.hidden_size, generator=gen) * 0.02)
         head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-    drafter = DFlashDrafter(arch)
-    drafter.init_weights(0)
+    drafter = DFlashDrafter.seeded(arch, 0)
     return DrafterTrainModule(drafter, embed, head), arch
 
 

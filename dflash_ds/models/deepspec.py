@@ -77,7 +77,7 @@ def convert_deepspec(src: str | Path, out: str | Path, target: str | Path | None
                 raise DFlashError(f"{f}: a reduced draft vocabulary (d2t) is not supported here")
             if not name.startswith(DROPPED):
                 state[name] = tensor
-    model = DFlashDrafter(arch)
+    model = DFlashDrafter.empty(arch)  # every parameter is loaded below (checked)
     expected = {k for k in model.state_dict() if not k.startswith("rotary_emb.")}
     if expected != state.keys():
         raise DFlashError(f"{src}: tensor names do not match a {arch.kind} drafter of its config (missing "

@@ -35,6 +35,7 @@ from dflash_ds.models.block_mask import (
 from dflash_ds.models.drafter_arch import (  # noqa: F401 - re-exported: the drafter's public names
     CONFIG_NAME, FULL, SAFETENSORS_NAME, SLIDING, DrafterArch, default_target_layer_ids, read_drafter_arch,
 )
+from dflash_ds.models.drafter_cache import DrafterCache  # noqa: F401 - re-exported
 from dflash_ds.models.kinds import kind_spec
 from dflash_ds.models.layer_ops import rms_norm, rope, swiglu
 
@@ -151,33 +152,62 @@ class DFlashDrafter(nn.Module):
         DFlashDrafter._by_kind[cls.kind] = cls
 
     def __new__(cls, arch: DrafterArch | None = None, *args, **kwargs):
-        if cls is DFlashDrafter and arch is not None and arch.kind != cls.kind:
-            module = kind_spec(arch.kind).drafter_module
-            if arch.kind not in DFlashDrafter._by_kind and module:
-                importlib.import_module(module)  # its class registers itself
-            if arch.kind not in DFlashDrafter._by_kind:
-                raise DFlashError(f"no drafter class registered for kind {arch.kind!r}")
-            cls = DFlashDrafter._by_kind[arch.kind]
+        if cls is DFlashDrafter and arch is not None:
+            cls = DFlashDrafter._class_of(arch)
         return super().__new__(cls)
+
+    @staticmethod
+    def _class_of(arch: DrafterArch) -> type["DFlashDrafter"]:
+        if arch.kind == DFlashDrafter.kind:
+            return DFlashDrafter
+        module = kind_spec(arch.kind).drafter_module
+        if arch.kind not in DFlashDrafter._by_kind and module:
+            importlib.import_module(module)  # its class registers itself
+        if arch.kind not in DFlashDrafter._by_kind:
+            raise DFlashError(f"no drafter class registered for kind {arch.kind!r}")
+        return DFlashDrafter._by_kind[arch.kind]
+
+    @classmethod
+    def empty(cls, arch: DrafterArch) -> "DFlashDrafter":
+        """A drafter of `arch` (its kind's class) with every parameter allocated on the CPU, none initialised: for a
+        caller that fills them all next (`seeded`, a state dict). Built on the meta device, so torch's default init
+        is skipped: its kaiming-uniform draws run on one CPU core, 25 s for the Qwen3-8B preset drafter's 1.05 B
+        parameters on this machine, at every start, load and export."""
+        klass = DFlashDrafter._class_of(arch) if cls is DFlashDrafter else cls  # imported outside the meta device
+        with torch.device("meta"):
+            model = klass(arch)
+        model.to_empty(device="cpu")
+        model._make_rope()  # buffers are computed, not loaded: made again
+        return model
+
+    @classmethod
+    def seeded(cls, arch: DrafterArch, seed: int) -> "DFlashDrafter":
+        """A new drafter of `arch` with `init_weights(seed)` (the same numbers as building it and calling that)."""
+        model = cls.empty(arch)
+        model.init_weights(seed)
+        return model
 
     def __init__(self, arch: DrafterArch) -> None:
         super().__init__()
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
         self.arch = arch
         self.layers = nn.ModuleList([self.layer_cls(arch) for _ in range(arch.num_hidden_layers)])
         self.fc = nn.Linear(len(arch.target_layer_ids) * arch.hidden_size, arch.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        # transformers' rotary embedding understands every rope_type a target config may carry.
-        self.rotary_emb = Qwen3RotaryEmbedding(arch.to_hf_config())
-        # fp32 copies of the RoPE frequency buffers, restored after every cast (see `_apply`).
-        self._rope_fp32 = {name: buf.detach().clone().float() for name, buf in self.rotary_emb.named_buffers()}
+        self._make_rope()
         # Training mask (the trainer sets it from model.attention_backend): "auto" = flex_attention
         # BlockMask on GPU, dense boolean + SDPA on CPU; "dense" or "flex" force one.
         self.mask_backend = "auto"
         # Recompute each layer in backward (set by the trainer from model.activation_checkpointing).
         self.activation_checkpointing = False
+
+    def _make_rope(self) -> None:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+        # transformers' rotary embedding understands every rope_type a target config may carry.
+        self.rotary_emb = Qwen3RotaryEmbedding(self.arch.to_hf_config())
+        # fp32 copies of the RoPE frequency buffers, restored after every cast (see `_apply`).
+        self._rope_fp32 = {name: buf.detach().clone().float() for name, buf in self.rotary_emb.named_buffers()}
 
     @property
     def block_size(self) -> int:
@@ -202,6 +232,8 @@ class DFlashDrafter(nn.Module):
             with torch.no_grad():
                 if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                     p.fill_(1.0)
+                elif p.dim() == 2 and p.dtype == torch.float32:  # drawn in place: no temporaries at 1 B parameters
+                    torch.randn(p.shape, generator=gen, out=p.data).mul_(std)
                 elif p.dim() == 2:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
                 else:
@@ -351,7 +383,7 @@ class DFlashDrafter(nn.Module):
 
         path = Path(path)
         arch = read_drafter_arch(path)
-        model = cls(arch)
+        model = cls.empty(arch)  # every parameter is loaded below (checked)
         weights = path / SAFETENSORS_NAME
         if not weights.is_file():
             raise DFlashError(f"drafter folder {path} has no {SAFETENSORS_NAME}")
@@ -364,22 +396,3 @@ class DFlashDrafter(nn.Module):
         model.load_state_dict(state, strict=False)
         return model.to(device)
 
-
-class DrafterCache:
-    """Per-layer keys/values of the context positions already seen (inference only)."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k[0] is None else self.k[0].shape[2]
-
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new context keys/values of one layer and return the whole cached context."""
-        if self.k[layer] is not None:
-            k = torch.cat([self.k[layer], k], dim=2)
-            v = torch.cat([self.v[layer], v], dim=2)
-        self.k[layer], self.v[layer] = k, v
-        return k, v

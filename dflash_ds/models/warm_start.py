@@ -34,8 +34,7 @@ def warm_start(source: DFlashDrafter, kind: str, options: Any = None, seed: int 
     if spec is None:
         raise DFlashError(f"a warm start builds a {' or '.join(can)} drafter, not {kind!r}")
     arch = dataclasses.replace(source.arch, options=options if options is not None else spec.default_options())
-    drafter = DFlashDrafter(arch)
-    drafter.init_weights(seed)
+    drafter = DFlashDrafter.seeded(arch, seed)
     state = {k: v for k, v in source.state_dict().items() if not k.startswith("rotary_emb.")}
     missing = drafter.load_state_dict(state, strict=False)
     if missing.unexpected_keys:  # pragma: no cover - a dflash backbone is a subset of every kind's

@@ -206,9 +206,7 @@ def load_drafter(cfg: Config, arch: DrafterArch) -> DFlashDrafter:
     """The drafter to train: --drafter's export, else a fresh one of the run's shape seeded by train.seed."""
     if cfg.drafter:
         return DFlashDrafter.from_pretrained(cfg.drafter)
-    drafter = DFlashDrafter(arch)
-    drafter.init_weights(cfg.train.seed)
-    return drafter
+    return DFlashDrafter.seeded(arch, cfg.train.seed)
 
 
 def frozen_head(target: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -262,7 +260,7 @@ def export_drafter(engine, arch: DrafterArch, dtype: torch.dtype, folder: Path, 
     engines ignore the key)."""
     state_dict = gathered_drafter_state(engine)
     if state_dict is not None:
-        export = DFlashDrafter(arch)
+        export = DFlashDrafter.empty(arch)  # every parameter comes from the engine's state
         export.load_state_dict(state_dict, strict=False)
         out = export.to(dtype).save_pretrained(folder)
         if notes:

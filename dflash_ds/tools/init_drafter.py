@@ -31,8 +31,7 @@ def init_drafter(target_dir: str | Path, out_dir: str | Path, *, num_layers: int
                                     mask_token_id=mask_token_id, layer_types=layer_types,
                                     sliding_window=sliding_window, options=options, **shape)
     _check_out(Path(out_dir), force)
-    model = DFlashDrafter(arch)
-    model.init_weights(seed)  # drawn in fp32, then cast: the same numbers whatever the dtype
+    model = DFlashDrafter.seeded(arch, seed)  # drawn in fp32, then cast: the same numbers whatever the dtype
     return save_atomically(model.to(target_dtype(target_dir)), Path(out_dir))
 
 
