@@ -74,8 +74,9 @@ def table(summary: dict[str, Any]) -> str:
                    f"{_pct((f['mfu'] or {}).get('drafter'))}; peak {f['peak_bytes'] / 1e9:.2f} GB vs plan "
                    f"{(f['plan_total_bytes'] or 0) / 1e9:.2f} GB")
         elif name == "colocated" and f:
-            fig = (f"{f['tok_per_sec']} tok/s, peak {f['peak_mem_gb']} GB, reserved {f['reserved_mem_gb']} GB, "
-                   f"{f['compiled_graphs']} graphs")
+            tok = f["tok_per_sec"]
+            fig = (f"{tok:,.0f}" if isinstance(tok, (int, float)) else f"{tok}") + (
+                f" tok/s, peak {f['peak_mem_gb']} GB, reserved {f['reserved_mem_gb']} GB, {f['compiled_graphs']} graphs")
         elif name == "gpu_tests" and f:
             fig = str(f["result"])
         elif name == "bench_widths" and f:
