@@ -119,7 +119,7 @@ print(torch.cuda.get_device_name(0), \"free/total GiB\", [round(x / 2**30, 1) fo
     if [ "${FULL:-0}" = 1 ]; then
         GPU_TESTS=(tests/test_core/test_drafter_flex.py tests/test_core/test_flex_compiles.py
                    tests/test_core/test_single_step.py tests/test_bench/test_bench_memory.py
-                   tests/test_core/test_fusion.py)
+                   tests/test_core/test_fusion.py tests/test_models/test_drafter_build.py)
         GPU_LIMIT=180
     else
         GPU_TESTS=(tests/test_core/test_drafter_flex.py) GPU_LIMIT=100

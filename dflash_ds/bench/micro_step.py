@@ -56,8 +56,7 @@ def micro_step_inputs(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.Step
 
     arch = drafter_arch(cfg, shape, step.seq_len)
     torch.manual_seed(seed)
-    drafter = DFlashDrafter.seeded(arch, seed)
-    drafter = drafter.to(device=device, dtype=dtype)
+    drafter = DFlashDrafter.seeded(arch, seed, device).to(dtype)  # drawn on the device
     drafter.activation_checkpointing = step.checkpointing
     drafter.mask_backend = mask_backend
     gen = torch.Generator().manual_seed(seed)

@@ -168,22 +168,24 @@ class DFlashDrafter(nn.Module):
         return DFlashDrafter._by_kind[arch.kind]
 
     @classmethod
-    def empty(cls, arch: DrafterArch) -> "DFlashDrafter":
-        """A drafter of `arch` (its kind's class) with every parameter allocated on the CPU, none initialised: for a
-        caller that fills them all next (`seeded`, a state dict). Built on the meta device, so torch's default init
+    def empty(cls, arch: DrafterArch, device: str | torch.device = "cpu") -> "DFlashDrafter":
+        """A drafter of `arch` (its kind's class) with every parameter allocated on `device`, none initialised: for
+        a caller that fills them all next (`seeded`, a state dict). Built on the meta device, so torch's default init
         is skipped: its kaiming-uniform draws run on one CPU core, 25 s for the Qwen3-8B preset drafter's 1.05 B
         parameters on this machine, at every start, load and export."""
         klass = DFlashDrafter._class_of(arch) if cls is DFlashDrafter else cls  # imported outside the meta device
         with torch.device("meta"):
             model = klass(arch)
-        model.to_empty(device="cpu")
-        model._make_rope()  # buffers are computed, not loaded: made again
+        model.to_empty(device=device)
+        model._make_rope()  # buffers are computed, not loaded: made again (on the CPU, then moved)
+        model.rotary_emb.to(device)
         return model
 
     @classmethod
-    def seeded(cls, arch: DrafterArch, seed: int) -> "DFlashDrafter":
-        """A new drafter of `arch` with `init_weights(seed)` (the same numbers as building it and calling that)."""
-        model = cls.empty(arch)
+    def seeded(cls, arch: DrafterArch, seed: int, device: str | torch.device = "cpu") -> "DFlashDrafter":
+        """A new drafter of `arch` with `init_weights(seed)`: on the CPU the same numbers as building it and calling
+        that; on a GPU drawn there (the benches: no 1 B normal draws on one CPU core), by the GPU's generator."""
+        model = cls.empty(arch, device)
         model.init_weights(seed)
         return model
 
@@ -226,8 +228,8 @@ class DFlashDrafter(nn.Module):
         return self
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
-        """Seeded normal init of the linear weights; norms at one."""
-        gen = torch.Generator().manual_seed(seed)
+        """Seeded normal init of the linear weights; norms at one (drawn by a generator of the weights' device)."""
+        gen = torch.Generator(device=next(self.parameters()).device).manual_seed(seed)
         for name, p in self.named_parameters():
             with torch.no_grad():
                 if name.endswith("norm.weight") or name.endswith("layernorm.weight"):

@@ -58,3 +58,18 @@ def test_a_seeded_build_skips_the_default_init_and_equals_build_then_init(kind, 
     assert "cpu" not in default_inits
     for name, tensor in theirs.items():
         assert torch.equal({**loaded.state_dict(), **dict(loaded.named_buffers())}[name], tensor), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (launch/gpu_check.sh)")
+def test_seeded_on_the_gpu_draws_there(tiny_target):
+    """The benches' build (bench/micro_step.py): parameters allocated and drawn on the GPU, RoPE kept fp32."""
+    arch = drafter_arch_from_target(tiny_target, num_layers=2, block_size=4)
+    drafter = DFlashDrafter.seeded(arch, 5, "cuda").to(torch.bfloat16)
+    params = dict(drafter.named_parameters())
+    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in params.values())
+    fc = params["fc.weight"].float()
+    assert torch.isfinite(fc).all() and abs(fc.std().item() - 0.02) < 0.002
+    assert torch.equal(params["norm.weight"].float(), torch.ones_like(params["norm.weight"].float()))
+    rope = drafter.rotary_emb.inv_freq
+    assert rope.device.type == "cuda" and rope.dtype == torch.float32
+    assert torch.equal(rope.cpu(), DFlashDrafter(arch).rotary_emb.inv_freq)
