@@ -29,6 +29,8 @@
 #     compiled graphs (its tok/s is of a tiny launch-bound model beside steps 4-5: not a speed figure);
 #  4. gpu_tests (FULL=1: 180 s; else 100): the CUDA unit tests (DFLASH_REQUIRE_GPU=1: a skipped one fails);
 #  5. bench_widths (80 s): `bench memory` at widths 256 and 512 (the memory model's small-width error).
+# Steps 1 and 5 also write what is alive at each peak, by the line that allocated it ($OUT/memory_trace.txt,
+# widths_memory_trace.txt: bench/memory_trace.py), to set against the model's terms where they disagree.
 # Outputs: $OUT/*.log, $OUT/*.json, $OUT/summary.json (per step: exit status, seconds, figures) and
 # $OUT/table.md (the table docs/BENCHMARKS.md shows: date, GPU, torch, each figure). A failed step does not
 # stop the others; the script exits non-zero if any failed. Side by side, 3-5 take the longest of them (~240 s
@@ -109,7 +111,7 @@ print(torch.cuda.get_device_name(0), \"free/total GiB\", [round(x / 2**30, 1) fo
     BENCH_LIMIT=230; [ "${FUSE:-auto}" = both ] && BENCH_LIMIT=400  # both: twice the rows
     step bench_memory "$BENCH_LIMIT" "$PY" -m dflash_ds bench memory --preset qwen3-8b --device cuda --dtype bf16 --widths 4096 \
         --kind dflash,dflash2,dspark --activation-checkpointing both --fuse "${FUSE:-auto}" --profile "$OUT/profile.txt" \
-        --json "$OUT/bench_memory.json"
+        --memory-trace "$OUT/memory_trace.txt" --json "$OUT/bench_memory.json"
     step real_shape 130 "$PY" -m dflash_ds bench real-shape --preset qwen3-8b --json "$OUT/real_shape.json"
     colocated_chain() {
         step warmup 90 env OUT="$OUT/colocated" PYTHON="$PY" WARMUP_ONLY=1 bash launch/gpu_colocated.sh
@@ -127,7 +129,7 @@ print(torch.cuda.get_device_name(0), \"free/total GiB\", [round(x / 2**30, 1) fo
     side step gpu_tests "$GPU_LIMIT" env DFLASH_REQUIRE_GPU=1 "$PY" -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}" \
         -k "cuda or gpu"
     side step bench_widths 80 "$PY" -m dflash_ds bench memory --preset qwen3-8b --device cuda --dtype bf16 \
-        --widths 256,512 --json "$OUT/bench_widths.json"
+        --widths 256,512 --memory-trace "$OUT/widths_memory_trace.txt" --json "$OUT/bench_widths.json"
     join warmup colocated gpu_tests bench_widths
 else
     skip gpu_info "DEVICE=$DEVICE: no CUDA"

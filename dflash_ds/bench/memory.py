@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_ds.bench import memory_model as mm
+from dflash_ds.bench import memory_trace
+from dflash_ds.bench.memory_report import print_result
 from dflash_ds.bench.micro_step import micro_step_inputs, visible_keys, write_profile
 from dflash_ds.components.fusion import FUSION, fuse_on, set_fuse_mode
 from dflash_ds.errors import DFlashError, read_json_file
@@ -91,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="profile one more micro-step of the last width of each kind (torch.profiler): the top "
                              "kernels by device time (CPU time on CPU) to FILE (FILE.KIND for a second kind) and a "
                              "Chrome trace beside it")
+    parser.add_argument("--memory-trace", default="", metavar="FILE",
+                        help="CUDA: one more micro-step of each width and kind (its first setting) with the allocator's "
+                             "history recorded: what is alive at its peak, by the dflash_ds line that allocated it, "
+                             "appended to FILE (bench/memory_trace.py: to set against the model's terms)")
 
 
 # ---------------------------------------------------------------- shapes
@@ -241,6 +247,7 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.St
                 times.append(dt)
                 peaks.append(peak_memory_bytes(device) - base)
         top = write_profile(one_step, device, profile) if profile and n == 0 else None
+        trace = memory_trace.trace_step(one_step, device) if args.memory_trace and n == 0 else None
         step_s = sorted(times)[len(times) // 2]
         model_flops = mm.micro_step_flops(shape, step, visible, recompute=False)
         hw_flops = mm.micro_step_flops(shape, step, visible)
@@ -249,7 +256,8 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.St
                      "anchors": anchors_used, "anchors_per_row": per_row, "tflop": model_flops / 1e12,
                      "mfu": model_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
                      "hfu": hw_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
-                     **({"profile_top": top} if top is not None else {})})
+                     **({"profile_top": top} if top is not None else {}),
+                     **({"memory_trace": trace} if trace is not None else {})})
     set_fuse_mode(mode_before)
     del module, drafter, states
     return rows
@@ -296,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
         raise DFlashError("bench memory: --device cuda but torch sees no CUDA GPU")
     device = torch.device(device_name)
     cuda = device.type == "cuda"
+    if args.memory_trace and not cuda:
+        raise DFlashError("bench memory: --memory-trace records the CUDA allocator's history: it needs --device cuda")
     if args.mask_backend == "flex" and not cuda:
         raise DFlashError("bench memory: flex_attention has no backward on CPU; use --mask-backend dense")
     dtype_name = args.dtype or ("bf16" if cuda else "fp32")
@@ -310,6 +320,9 @@ def run(args: argparse.Namespace) -> int:
     if args.full and full_h not in widths:
         widths.append(full_h)
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
+    if args.memory_trace:
+        Path(args.memory_trace).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.memory_trace).write_text("")  # this run's sections only
     rows = []
     for kind in kinds:
         for width in widths:
@@ -323,6 +336,11 @@ def run(args: argparse.Namespace) -> int:
                 base = next((r for r in rows if r["kind"] == "dflash" and r["width"] == width
                              and r["activation_checkpointing"] == step_c.checkpointing
                              and r["fuse"] == measured["fuse"]), None)
+                if "memory_trace" in measured:
+                    with open(args.memory_trace, "a") as f:
+                        f.write(memory_trace.format_trace(f"{kind}, width {width}, checkpointing "
+                                                          f"{step_c.checkpointing}, fuse {measured['fuse']}: "
+                                                          f"predicted {predicted / 1e9:.3f} GB", measured["memory_trace"]))
                 rows.append({"width": width, "heads": shape.heads, "kv_heads": shape.kv_heads,
                              "head_dim": shape.head_dim, "intermediate": shape.intermediate,
                              "params": mm.drafter_params(shape), **measured, "predicted_peak_bytes": predicted,
@@ -341,47 +359,9 @@ def run(args: argparse.Namespace) -> int:
               "cpu_allocations_mmapped": mmap_all,
               "lm_head_bytes_per_entry": mm.lm_head_bytes_per_entry(step),
               "rows": rows, "full_width": full_width_prediction(cfg, args)}
-    _print(result)
+    print_result(result)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
-
-def _gb(n: float) -> str:
-    return f"{n / mm.GB:,.2f}"
-
-
-def _print(res: dict[str, Any]) -> None:
-    from dflash_ds.bench.table import print_table
-
-    mfu = res["device"] != "cpu"
-    rows = [[r.get("kind", "dflash"), "on" if r.get("activation_checkpointing") else "off", r.get("fuse", "off"),
-             str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
-             str(r["intermediate"]), f"{r['params'] / 1e6:,.1f}", str(r["anchors"]), _gb(r["measured_peak_bytes"]),
-             _gb(r["predicted_peak_bytes"]), f"{r['error_pct']:+.1f}", r["predicted_phase"], f"{r['step_s']:.3f}",
-             "-" if r.get("step_vs_dflash") is None else f"{r['step_vs_dflash']:.2f}x", f"{r['tokens_per_s']:,.0f}"]
-            + ([f"{100 * r['mfu']:.1f}", f"{100 * r['hfu']:.1f}"] if mfu else []) for r in res["rows"]]
-    print_table(
-        f"bench memory: {res['target']}, {res['num_layers']}-layer drafter, {res['device']} {res['dtype']}, "
-        f"mask {res['mask']}; "
-        f"{res['batch']} x {res['seq_len']} tokens, anchors {res['num_anchors']}/seq capped at {res['max_anchors']}, "
-        f"chunk {res['chunk_blocks']} blocks, KL {res['kl_weight']:g}",
-        ["kind", "ckpt", "fuse", "width", "heads", "MLP", "params M", "anchors", "measured GB", "predicted GB", "error %", "peak phase",
-         "step s", "vs dflash", "tokens/s"] + (["MFU %", "HFU %"] if mfu else []), rows,
-        f"one micro-step (objective + backward); measured = {res['peak_kind']} minus before the step"
-        + (", allocations >= 64 KiB mmapped; " if res["cpu_allocations_mmapped"] else "; ") +
-        f"LM-head chunk at {res['lm_head_bytes_per_entry']:g} B per (position x vocab entry)"
-        + (f"; MFU: the DFlash drafter's model FLOPs (fwd + 2x bwd of the layers, fc, the head's fwd + input "
-           f"gradient) / {mm.H200_BF16_FLOPS / 1e12:.0f} TFLOP/s; HFU adds the checkpointed layers' recompute"
-           if mfu else ""))
-    f = res["full_width"]
-    print(f"\npredicted per {f.get('kind', 'dflash')} drafter rank at full width H={f['hidden']} ({f['params'] / 1e9:.2f}B drafter params, "
-          f"{f['anchors_per_row']} anchors/seq): bf16, flex_attention, checkpointing on, ZeRO-{f['settings']['zero_stage']} "
-          f"over {f['settings']['num_drafters']} drafter rank(s); peak phase: {f['peak_phase']}")
-    terms = [[k, _gb(v)] for k, v in f["micro_step_terms"].items()]
-    terms += [["= micro-step", _gb(f["micro_step_bytes"])]] + [[k, _gb(v)] for k, v in f["static_terms"].items()]
-    terms += [["= total", _gb(f["total_bytes"])]]
-    print_table("", ["term", "GB"], terms,
-                f"total {'<=' if f['within_budget'] else '>'} {f['budget_gb']:g} GB per drafter rank "
-                f"(80 GB GPU: {80 - f['total_bytes'] / mm.GB:.1f} GB left)")

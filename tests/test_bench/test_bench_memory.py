@@ -173,12 +173,18 @@ def test_bench_memory_cuda_without_gpu_is_an_error(tiny_target: Path, cli_here) 
 def test_bench_memory_on_cuda_flex_bf16(tiny_target: Path, tmp_path: Path) -> None:
     out = tmp_path / "memory.json"
     proc = run_cli("--target", str(tiny_target), *TINY_STEP, "--widths", "128", "--device", "cuda",
-                   "--json", str(out))  # one width: one flex_attention compile
+                   "--json", str(out), "--memory-trace", str(tmp_path / "trace.txt"))  # one width: one flex compile
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert (res["dtype"], res["mask"], res["activation_checkpointing"]) == ("bf16", "flex", True)
     for row in res["rows"]:
         assert row["measured_peak_bytes"] > 0 and row["mfu"] is not None and row["mfu"] > 0
+    # what is alive at the peak (bench/memory_trace.py): the step's own blocks, ours found by their line
+    trace = res["rows"][0]["memory_trace"]
+    assert trace["traced_peak_bytes"] >= trace["measured_peak_bytes"] > 0 and not trace["truncated"]
+    assert 0 < sum(g["bytes"] for g in trace["groups"]) <= trace["traced_peak_bytes"]
+    assert any(g["site"].startswith(("models/", "components/")) for g in trace["groups"]), trace["groups"]
+    assert (tmp_path / "trace.txt").read_text().startswith("== dflash, width 128, checkpointing True")
 
 
 def test_dspark_parts_in_psi_and_the_loss() -> None:
