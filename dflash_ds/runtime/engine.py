@@ -198,7 +198,9 @@ def gathered_drafter_state(engine) -> dict[str, torch.Tensor] | None:
     with ctx:
         if dist.get_rank() != 0:
             return None
-        return {k: v.detach().float().cpu().clone() for k, v in drafter.state_dict().items()
+        # copied to the host in the training dtype, widened there: `.float()` first made an fp32 copy on the GPU
+        # at every save (4.2 GB for the Qwen3-8B preset's drafter, 7.4 GB at Qwen3.6-27B's, beside the step's peak)
+        return {k: v.detach().to("cpu", copy=True).float() for k, v in drafter.state_dict().items()
                 if not k.startswith("rotary_emb.")}
 
 
