@@ -88,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed micro-steps per width (the median is reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed micro-steps first (flex_attention compiles here)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
-    parser.add_argument("--json", default="", metavar="FILE", help="also write the result as JSON to FILE")
+    parser.add_argument("--json", default="", metavar="FILE", help="also write the result as JSON to FILE (rewritten as each width ends, "
+                        "with \"partial\": true until the last: a run cut short keeps the rows it measured)")
     parser.add_argument("--profile", default="", metavar="FILE",
                         help="profile one more micro-step of the last width of each kind (torch.profiler): the top "
                              "kernels by device time (CPU time on CPU) to FILE (FILE.KIND for a second kind) and a "
@@ -140,6 +141,15 @@ def step_shape(args: argparse.Namespace, dtype_bytes: int, checkpointing: bool, 
     return mm.StepShape(batch=batch, seq_len=args.seq_len, anchors_per_row=a, chunk_blocks=args.chunk_blocks,
                         kl=args.kl_weight > 0, dtype_bytes=dtype_bytes, checkpointing=checkpointing,
                         dense_mask=dense, cuda=cuda)
+
+
+def _write_json(path: str, result: dict[str, Any]) -> None:
+    """--json's file, replaced whole (a run killed while writing leaves the previous version)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(path)
 
 
 def _check_args(args: argparse.Namespace) -> list[int]:
@@ -323,7 +333,17 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_trace:
         Path(args.memory_trace).parent.mkdir(parents=True, exist_ok=True)
         Path(args.memory_trace).write_text("")  # this run's sections only
-    rows = []
+    rows: list[dict[str, Any]] = []
+    result = {"target": name, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+              "torch": torch.__version__, "dtype": dtype_name, "activation_checkpointing": ckpt,
+              "mask": "dense" if dense else "flex", "num_layers": args.num_layers, "block_size": args.block_size,
+              "token_budget": args.token_budget, "seq_len": args.seq_len, "batch": step.batch,
+              "num_anchors": args.num_anchors, "max_anchors": args.max_anchors, "chunk_blocks": args.chunk_blocks,
+              "kl_weight": args.kl_weight, "steps": args.steps,
+              "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS (VmHWM)",
+              "cpu_allocations_mmapped": mmap_all,
+              "lm_head_bytes_per_entry": mm.lm_head_bytes_per_entry(step),
+              "rows": rows, "full_width": full_width_prediction(cfg, args), "partial": True}
     for kind in kinds:
         for width in widths:
             shape = drafter_shape(cfg, width, args.num_layers, args.block_size, kind)
@@ -337,10 +357,9 @@ def run(args: argparse.Namespace) -> int:
                              and r["activation_checkpointing"] == step_c.checkpointing
                              and r["fuse"] == measured["fuse"]), None)
                 if "memory_trace" in measured:
-                    with open(args.memory_trace, "a") as f:
-                        f.write(memory_trace.format_trace(f"{kind}, width {width}, checkpointing "
-                                                          f"{step_c.checkpointing}, fuse {measured['fuse']}: "
-                                                          f"predicted {predicted / 1e9:.3f} GB", measured["memory_trace"]))
+                    memory_trace.append(args.memory_trace, f"{kind}, width {width}, checkpointing "
+                                        f"{step_c.checkpointing}, fuse {measured['fuse']}: predicted "
+                                        f"{predicted / 1e9:.3f} GB", measured["memory_trace"])
                 rows.append({"width": width, "heads": shape.heads, "kv_heads": shape.kv_heads,
                              "head_dim": shape.head_dim, "intermediate": shape.intermediate,
                              "params": mm.drafter_params(shape), **measured, "predicted_peak_bytes": predicted,
@@ -349,19 +368,9 @@ def run(args: argparse.Namespace) -> int:
                              "step_vs_dflash": measured["step_s"] / base["step_s"] if base else None,
                              "predicted_phase": max(mm.PHASES, key=lambda ph: sum(terms[ph].values())),
                              "terms": terms})
-    result = {"target": name, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-              "torch": torch.__version__, "dtype": dtype_name, "activation_checkpointing": ckpt,
-              "mask": "dense" if dense else "flex", "num_layers": args.num_layers, "block_size": args.block_size,
-              "token_budget": args.token_budget, "seq_len": args.seq_len, "batch": step.batch,
-              "num_anchors": args.num_anchors, "max_anchors": args.max_anchors, "chunk_blocks": args.chunk_blocks,
-              "kl_weight": args.kl_weight, "steps": args.steps,
-              "peak_kind": "cuda max_memory_allocated" if cuda else "peak RSS (VmHWM)",
-              "cpu_allocations_mmapped": mmap_all,
-              "lm_head_bytes_per_entry": mm.lm_head_bytes_per_entry(step),
-              "rows": rows, "full_width": full_width_prediction(cfg, args)}
+            _write_json(args.json, result)  # each width as it ends: a run stopped by a deadline keeps its rows
+    result["partial"] = False
     print_result(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    _write_json(args.json, result)
     return 0
 

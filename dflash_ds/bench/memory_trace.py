@@ -89,6 +89,12 @@ def trace_step(one_step: Callable[[], Any], device, max_entries: int = 400_000) 
             "events": len(events), "truncated": len(events) >= max_entries, "groups": group_blocks(blocks)}
 
 
+def append(path: str, title: str, trace: dict[str, Any]) -> None:
+    """Append `trace`'s section to the file at `path`."""
+    with open(path, "a") as f:
+        f.write(format_trace(title, trace))
+
+
 def format_trace(title: str, trace: dict[str, Any]) -> str:
     """A text section: the peak, then each group's GB, blocks and commonest sizes."""
     lines = [f"== {title}: traced peak {trace['traced_peak_bytes'] / 1e9:.3f} GB above the step's start "

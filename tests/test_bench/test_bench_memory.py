@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,10 +38,20 @@ def tiny_target(tmp_path: Path) -> Path:
 
 def test_bench_memory_measures_and_predicts_each_width(tiny_target: Path, tmp_path: Path) -> None:
     out = tmp_path / "res" / "memory.json"
-    proc = run_cli("--target", str(tiny_target), *TINY_STEP, "--json", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "measured GB" in proc.stdout and "= total" in proc.stdout
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "dflash_ds", "bench", "memory", "--target", str(tiny_target), *TINY_STEP,
+           "--json", str(out)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as run:
+        while not out.exists() and run.poll() is None:  # the first version: written as width 128 ended
+            time.sleep(0.02)
+        first = json.loads(out.read_text())
+        stdout, stderr = run.communicate(timeout=240)
+    assert run.returncode == 0, stderr[-3000:]
+    # a run cut short after its first width would have left that width's rows (written whole, then replaced)
+    assert first["partial"] is True and [r["width"] for r in first["rows"]] == [128], first["rows"]
+    assert "measured GB" in stdout and "= total" in stdout
     res = json.loads(out.read_text())
+    assert res["partial"] is False and not Path(f"{out}.tmp").exists()
     assert (res["device"], res["dtype"], res["mask"], res["activation_checkpointing"]) == ("cpu", "fp32", "dense", False)
     assert res["batch"] == 2 and [r["width"] for r in res["rows"]] == [128, 256]
     for row in res["rows"]:
