@@ -42,9 +42,14 @@ class DrafterConfig(KindSection, section="model"):
     target_layer_ids: list[int] | None = None
     """Target decoder layers whose outputs feed the drafter; None uses the default rule."""
     activation_checkpointing: bool | None = None
-    """Recompute each draft layer in backward instead of keeping its activations (a fourth more layer FLOPs, a
-    fourth of the step memory); null = off on CPU, and on a GPU off when its free memory holds the step without
-    it (bench memory's formula, runtime/checkpointing.py), on otherwise."""
+    """Recompute draft layers in backward instead of keeping their activations (a fourth more FLOPs and about a
+    fifth of the memory of each layer recomputed); null = off on CPU, and on a GPU off when its free memory holds
+    the step without it, else on for the fewest layers that let it fit (bench memory's formula,
+    runtime/checkpointing.py)."""
+    checkpoint_layers: int | None = None
+    """With activation checkpointing on: how many draft layers are recomputed, the first ones (the last layers'
+    activations are released first in backward); null = all when model.activation_checkpointing is true, the
+    fewest that fit when it is null."""
     layer_types: list[str] | None = None
     """Per draft layer "full_attention" or "sliding_attention" (causal, windowed); null/empty = all full."""
     sliding_window: int | None = None

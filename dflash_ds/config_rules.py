@@ -30,6 +30,7 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     *((f"model.{name}", "must be >= 1 (or null: the target's)", lambda v: v is None or v >= 1)
       for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")),
     ("model.attention_backend", "must be auto, dense or flex", lambda v: v in ("auto", "dense", "flex")),
+    ("model.checkpoint_layers", "must be >= 1 (or null: all, or the fewest that fit)", lambda v: v is None or v >= 1),
     ("loss.gamma", "must be > 0", lambda v: v > 0),
     ("loss.num_anchors", "must be >= 1", lambda v: v >= 1),
     ("loss.max_anchors_per_batch", "must be >= 0 (0 = no cap)", lambda v: v >= 0),
@@ -160,7 +161,14 @@ def _validate_validation(cfg: Config) -> None:
 
 
 def _validate_layer_types(m: DrafterConfig) -> None:
-    """model.layer_types: one entry per draft layer; sliding layers need model.sliding_window."""
+    """model.layer_types: one entry per draft layer; sliding layers need model.sliding_window. (And
+    model.checkpoint_layers: at most the draft layers, never with checkpointing off.)"""
+    if m.checkpoint_layers is not None and m.checkpoint_layers > m.num_layers:
+        raise DFlashError(f"config: model.checkpoint_layers = {m.checkpoint_layers} must be <= model.num_layers = "
+                          f"{m.num_layers} (the draft layers it recomputes)")
+    if m.checkpoint_layers is not None and m.activation_checkpointing is False:
+        raise DFlashError(f"config: model.checkpoint_layers = {m.checkpoint_layers} recomputes layers, but "
+                          "model.activation_checkpointing = false: set it true (or null), or drop checkpoint_layers")
     if not m.layer_types:
         return
     if len(m.layer_types) != m.num_layers:

@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="recompute each draft layer in backward (auto: on with CUDA, off on CPU; training decides by "
                              "the free memory, runtime/checkpointing.py; "
                              "both: each row measured on, then off, on the same build)")
+    parser.add_argument("--checkpoint-layers", type=int, default=None, metavar="K",
+                        help="with checkpointing on: recompute only the first K draft layers (model.checkpoint_layers; "
+                             "default: all); each layer kept costs its activations and saves a fourth of its FLOPs")
     parser.add_argument("--mask-backend", choices=["auto", "dense", "flex"], default="auto",
                         help="block-sparse mask: dense boolean + SDPA, flex_attention, auto (flex on CUDA, dense on CPU)")
     parser.add_argument("--fuse", choices=["auto", "on", "off", "both"], default="auto",
@@ -134,13 +137,14 @@ def drafter_shape(cfg: dict[str, Any], width: int, num_layers: int, block_size: 
 
 
 def step_shape(args: argparse.Namespace, dtype_bytes: int, checkpointing: bool, dense: bool,
-               cuda: bool) -> mm.StepShape:
-    """The micro-batch of the run: token-budget // seq-len full-length sequences."""
+               cuda: bool, checkpoint_layers: int | None = None) -> mm.StepShape:
+    """The micro-batch of the run: token-budget // seq-len full-length sequences (with checkpointing, the first
+    `checkpoint_layers` layers recomputed; None: all)."""
     batch = args.token_budget // args.seq_len
     a = mm.anchors_per_row(batch, args.seq_len, args.block_size, args.num_anchors, args.max_anchors)
     return mm.StepShape(batch=batch, seq_len=args.seq_len, anchors_per_row=a, chunk_blocks=args.chunk_blocks,
                         kl=args.kl_weight > 0, dtype_bytes=dtype_bytes, checkpointing=checkpointing,
-                        dense_mask=dense, cuda=cuda)
+                        checkpoint_layers=checkpoint_layers if checkpointing else None, dense_mask=dense, cuda=cuda)
 
 
 def _write_json(path: str, result: dict[str, Any]) -> None:
@@ -237,7 +241,7 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.St
     visible, per_row = visible_keys(b, s, shape.block_size, args.num_anchors, args.max_anchors)
     rows, mode_before = [], FUSION.mode
     for n, (step, fuse) in enumerate((st, f) for st in steps for f in fuse_modes(args)):
-        drafter.activation_checkpointing = step.checkpointing
+        drafter.activation_checkpointing, drafter.checkpoint_layers = step.checkpointing, step.checkpoint_layers
         set_fuse_mode(fuse)
         peaks, times, anchors_used = [], [], 0
         for i in range(args.warmup + args.steps):
@@ -262,6 +266,7 @@ def measure_width(cfg: dict[str, Any], shape: mm.DrafterShape, steps: list[mm.St
         model_flops = mm.micro_step_flops(shape, step, visible, recompute=False)
         hw_flops = mm.micro_step_flops(shape, step, visible)
         rows.append({"kind": shape.kind, "activation_checkpointing": step.checkpointing, "fuse": fuse,
+                     "recomputed_layers": mm.recomputed_layers(shape, step),
                      "measured_peak_bytes": max(peaks), "step_s": step_s, "tokens_per_s": b * s / step_s,
                      "anchors": anchors_used, "anchors_per_row": per_row, "tflop": model_flops / 1e12,
                      "mfu": model_flops / step_s / mm.H200_BF16_FLOPS if cuda else None,
@@ -324,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     ckpts = {"on": [True], "off": [False], "auto": [cuda], "both": [True, False]}[args.activation_checkpointing]
     ckpt = ckpts[0]
     dense = args.mask_backend == "dense" or (args.mask_backend == "auto" and not cuda)
-    steps = [step_shape(args, 2 if dtype_name == "bf16" else 4, c, dense, cuda) for c in ckpts]
+    steps = [step_shape(args, 2 if dtype_name == "bf16" else 4, c, dense, cuda, args.checkpoint_layers) for c in ckpts]
     step = steps[0]
     full_h = int(cfg["hidden_size"])
     if args.full and full_h not in widths:

@@ -110,12 +110,20 @@ class StepShape:
     kl: bool = False
     dtype_bytes: int = 4
     checkpointing: bool = False
+    checkpoint_layers: int | None = None  # with checkpointing: the first k layers recomputed (None: all)
     dense_mask: bool = True  # CPU SDPA with a boolean mask; False = flex_attention (no dense tensors)
     cuda: bool = False  # which LM-head constant applies
     # train.fuse: the layers' RMSNorm, RoPE and SwiGLU compiled (fewer saved tensors). bench memory's rows set it
     # as they ran; `plan`, the full-width prediction and the trainer's checkpointing choice keep the eager count,
     # an upper bound of a fused step, until a GPU has measured the fused one
     fused: bool = False
+
+
+def recomputed_layers(d: DrafterShape, s: StepShape) -> int:
+    """k: the draft layers the step recomputes in backward (the first k; 0 without checkpointing)."""
+    if not s.checkpointing:
+        return 0
+    return d.num_layers if s.checkpoint_layers is None else max(0, min(d.num_layers, s.checkpoint_layers))
 
 
 def lm_head_bytes_per_entry(s: StepShape) -> float:
@@ -187,32 +195,32 @@ def micro_step_terms(d: DrafterShape, s: StepShape, param_grads: bool = True) ->
     `param_grads=False` leaves the drafter's parameter gradients out of the backward phase (the
     ZeRO model-state term counts them in a real run).
     """
-    b, h, L = s.dtype_bytes, d.hidden, d.num_layers
+    b, h, L, k = s.dtype_bytes, d.hidden, d.num_layers, recomputed_layers(d, s)
     t, p, c, rows, q_len = _sizes(d, s)
     a_tok, c_tok = per_token_activations(d, b, s.fused)
     mask_entries = s.batch * q_len * (s.seq_len + q_len) if s.dense_mask else 0
     # layer 0's first RMSNorm keeps no fp32 input: the embeddings need no gradient (compiled, it keeps none anyway)
-    no_grad_input = 0 if s.fused else t * h * 4
+    no_grad_input = 0 if s.fused or k else t * h * 4
     held = {
         "rope_tables": 2 * (t + c) * d.head_dim * b,
         "context_projection": c * h * (4 + 2 * b),
-        # dense: the float copy of the boolean mask that SDPA makes and saves in every layer; with
-        # checkpointing, the boolean mask itself (a checkpoint input), each layer's copy only on recompute.
-        "attention_mask": mask_entries * (1 if s.checkpointing else L * b),
+        # dense: the float copy of the boolean mask that SDPA makes and saves in every layer kept; with
+        # checkpointing, the boolean mask itself (a checkpoint input), a recomputed layer's copy only on recompute.
+        "attention_mask": mask_entries * ((L - k) * b + (1 if k else 0)),
     }
     if not s.dense_mask:
         held["flex_block_mask"] = flex_block_mask_bytes(s.batch, q_len, s.seq_len + q_len)
     # The block embeddings live as long as the objective, or through backward as layer 0's checkpoint input.
     embeddings = {"block_embeddings": t * h * b}
-    if s.checkpointing:
+    if k:  # the first k layers keep their inputs (layer 0's: the embeddings), the others their activations
         held.update(embeddings)
-        held["layer_inputs"] = (L - 1) * t * h * b
-    else:
-        held["layer_activations"] = L * t * a_tok - no_grad_input
-        held["context_kv"] = L * c * c_tok
+        held["layer_inputs"] = (k - 1) * t * h * b
+    if k < L:
+        held["layer_activations"] = (L - k) * t * a_tok - no_grad_input
+        held["context_kv"] = (L - k) * c * c_tok
     chunk = min(s.chunk_blocks, rows) * (d.block_size - 1) * d.vocab
     loss = {
-        **({} if s.checkpointing else embeddings),
+        **({} if k else embeddings),
         "final_norm": t * h * (4 + 2 * b),
         "head_input": p * h * b,
         "hidden_grad": p * h * b,
@@ -225,8 +233,8 @@ def micro_step_terms(d: DrafterShape, s: StepShape, param_grads: bool = True) ->
         loss[extra.loss_name] = (extra.loss_chunk_copies * chunk * b + extra.loss_fixed_bytes
                                  + p * extra.loss_position_values * b)
     # The end of forward, before the loss: without checkpointing the boolean mask is still alive.
-    forward = {**({} if s.checkpointing else embeddings), "final_norm": loss["final_norm"],
-               **({"attention_mask_bool": mask_entries} if mask_entries and not s.checkpointing else {})}
+    forward = {**({} if k else embeddings), "final_norm": loss["final_norm"],
+               **({"attention_mask_bool": mask_entries} if mask_entries and not k else {})}
     backward = _backward_phase(d, s, param_grads, a_tok, c_tok, mask_entries)
     return {"held": held, "forward": forward, "loss": loss, "backward": backward}
 
@@ -244,13 +252,15 @@ def flex_block_mask_bytes(batch: int, q_len: int, kv_len: int, tile: int = 128) 
 
 def _backward_phase(d: DrafterShape, s: StepShape, param_grads: bool, a_tok: int, c_tok: int,
                     mask_entries: int) -> dict[str, float]:
-    """The worst draft layer's backward: layers l..L-1 have given back what they saved, l..L-1 have grads."""
-    b, h, L = s.dtype_bytes, d.hidden, d.num_layers
+    """The worst draft layer's backward: layers after l have given back what they saved, l..L-1 have grads."""
+    b, h, L, k = s.dtype_bytes, d.hidden, d.num_layers, recomputed_layers(d, s)
     t, _, c, _, _ = _sizes(d, s)
     grad_layer = layer_params(d) * b if param_grads else 0
     best: dict[str, float] = {}
-    for layer in (0, L - 1):  # every term is linear in l: the worst layer is an end
+    # every term is linear in l within the recomputed layers (l < k) and within the kept ones: the worst is an end
+    for layer in sorted({0, k - 1, k, L - 1} & set(range(L))):
         later = L - 1 - layer  # layers whose backward is done
+        later_kept = min(later, L - k)  # of them, layers that kept their activations (the last L - k)
         terms = {
             # + the gradient of the projected context, summed over the layers
             "grads_in_flight": t * b * (MLP_GRAD_I * d.intermediate + GRAD_H * h) + c * h * b,
@@ -260,11 +270,12 @@ def _backward_phase(d: DrafterShape, s: StepShape, param_grads: bool, a_tok: int
         if param_grads and extra.head_params:  # the kind's parts outside the layers: the loss's backward makes them
             terms[extra.grads_name] = extra.head_params * b
 
-        if s.checkpointing:
-            terms["layer_inputs_released"] = -later * t * h * b
+        if later - later_kept:  # recomputed layers after l: their inputs
+            terms["layer_inputs_released"] = -(later - later_kept) * t * h * b
+        if later_kept or not k:
+            terms["layer_activations_released"] = -later_kept * (t * a_tok + c * c_tok + mask_entries * b)
+        if layer < k:
             terms["recomputed_layer"] = t * a_tok + c * c_tok + mask_entries * b
-        else:
-            terms["layer_activations_released"] = -later * (t * a_tok + c * c_tok + mask_entries * b)
         if not best or sum(terms.values()) > sum(best.values()):
             best = terms
     return best
@@ -333,7 +344,7 @@ def micro_step_flops(d: DrafterShape, s: StepShape, visible_keys: float, recompu
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
     per_block_token = 2 * (h * q + 2 * h * kv + q * h + 3 * h * d.intermediate)
     layer_fwd = t * per_block_token + c * 2 * (2 * h * kv) + visible_keys * 4 * q
-    layers = d.num_layers * layer_fwd * (4 if s.checkpointing and recompute else 3)
+    layers = layer_fwd * (3 * d.num_layers + (recomputed_layers(d, s) if recompute else 0))
     fc = 2 * c * d.num_read * h * h * 2  # forward + weight gradient (the context needs none)
     head = 2 * p * h * d.vocab * 2
     return float(layers + fc + head + p * kind_terms(d).flops_per_position)

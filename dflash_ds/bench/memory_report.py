@@ -16,7 +16,12 @@ def print_result(res: dict[str, Any]) -> None:
     from dflash_ds.bench.table import print_table
 
     mfu = res["device"] != "cpu"
-    rows = [[r.get("kind", "dflash"), "on" if r.get("activation_checkpointing") else "off", r.get("fuse", "off"),
+    def ckpt(r: dict[str, Any]) -> str:  # on (every layer), off, or k/L (the first k recomputed)
+        k = r.get("recomputed_layers")
+        on = "on" if k in (None, res["num_layers"]) else f"{k}/{res['num_layers']}"
+        return on if r.get("activation_checkpointing") else "off"
+
+    rows = [[r.get("kind", "dflash"), ckpt(r), r.get("fuse", "off"),
              str(r["width"]), f"{r['heads']}/{r['kv_heads']}x{r['head_dim']}",
              str(r["intermediate"]), f"{r['params'] / 1e6:,.1f}", str(r["anchors"]), _gb(r["measured_peak_bytes"]),
              _gb(r["predicted_peak_bytes"]), f"{r['error_pct']:+.1f}", r["predicted_phase"], f"{r['step_s']:.3f}",

@@ -57,7 +57,7 @@ def micro_step_inputs(cfg: dict[str, Any], shape: mm.DrafterShape, step: mm.Step
     arch = drafter_arch(cfg, shape, step.seq_len)
     torch.manual_seed(seed)
     drafter = DFlashDrafter.seeded(arch, seed, device).to(dtype)  # drawn on the device
-    drafter.activation_checkpointing = step.checkpointing
+    drafter.activation_checkpointing, drafter.checkpoint_layers = step.checkpointing, step.checkpoint_layers
     drafter.mask_backend = mask_backend
     gen = torch.Generator().manual_seed(seed)
     # the V x H matrices drawn on the device: 2 x 622 M normal samples at Qwen3-8B take seconds on one CPU core

@@ -183,8 +183,8 @@ def run(args: argparse.Namespace) -> int:
     _init_single_rank(cuda)
     try:
         engine = build_drafter_engine(run_cfg, arch, dtype, device, target=target)
-        ckpt = engine.module.drafter.activation_checkpointing
-        step = bench_memory.step_shape(step_args, 2 if cuda else 4, ckpt, not cuda, cuda)
+        ckpt, recomputed = engine.module.drafter.activation_checkpointing, engine.module.drafter.checkpoint_layers
+        step = bench_memory.step_shape(step_args, 2 if cuda else 4, ckpt, not cuda, cuda, recomputed)
         result = _measure(args, cfg, target, engine, run_cfg, dtype, device)
     finally:
         import torch.distributed as dist
@@ -201,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     result.update(
         preset=args.preset, stand_in=args.preset != "qwen3-8b", device=torch.cuda.get_device_name(device) if cuda
         else "cpu", torch=torch.__version__, dtype="bf16" if cuda else "fp32", shape=cfg, kind=args.kind,
-        activation_checkpointing=ckpt, checkpointing_reason=engine.module.checkpointing_reason,
+        activation_checkpointing=ckpt, checkpoint_layers=recomputed,
+        checkpointing_reason=engine.module.checkpointing_reason,
         target_params=sum(p.numel() for p in target.parameters()),
         target_build_s=build_s, drafter_params=mm.drafter_params(shape), tokens=b * s,
         target_tflop=t_flops / 1e12, drafter_tflop=d_flops / 1e12,

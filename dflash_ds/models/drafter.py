@@ -169,10 +169,9 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def empty(cls, arch: DrafterArch, device: str | torch.device = "cpu") -> "DFlashDrafter":
-        """A drafter of `arch` (its kind's class) with every parameter allocated on `device`, none initialised: for
-        a caller that fills them all next (`seeded`, a state dict). Built on the meta device, so torch's default init
-        is skipped: its kaiming-uniform draws run on one CPU core, 25 s for the Qwen3-8B preset drafter's 1.05 B
-        parameters on this machine, at every start, load and export."""
+        """A drafter of `arch` (its kind's class), its parameters allocated on `device` for a caller that fills them
+        all next (`seeded`, a state dict): built on the meta device, torch's default init is skipped (one CPU core's
+        kaiming-uniform draws: 25 s for the Qwen3-8B preset drafter's 1.05 B parameters here, every start and load)."""
         klass = DFlashDrafter._class_of(arch) if cls is DFlashDrafter else cls  # imported outside the meta device
         with torch.device("meta"):
             model = klass(arch)
@@ -200,8 +199,10 @@ class DFlashDrafter(nn.Module):
         # Training mask (the trainer sets it from model.attention_backend): "auto" = flex_attention
         # BlockMask on GPU, dense boolean + SDPA on CPU; "dense" or "flex" force one.
         self.mask_backend = "auto"
-        # Recompute each layer in backward (set by the trainer from model.activation_checkpointing).
+        # Recompute the first `checkpoint_layers` layers (None: all) in backward when `activation_checkpointing`
+        # (the trainer sets both: model.activation_checkpointing, model.checkpoint_layers; runtime/checkpointing.py).
         self.activation_checkpointing = False
+        self.checkpoint_layers: int | None = None
 
     def _make_rope(self) -> None:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
@@ -216,10 +217,10 @@ class DFlashDrafter(nn.Module):
         return self.arch.block_size
 
     def _apply(self, fn, recurse: bool = True):
-        # `.to(torch.bfloat16)` (the trainer, DeepSpeed's bf16 cast, eval, bench) casts every floating
-        # buffer, the RoPE frequencies too: in bf16 they are 0.37% off, a phase error of 0.59 rad at
-        # position 512 and 2.4 rad at 2047. SGLang and vLLM rotate with fp32 frequencies, so training
-        # must too: after any cast the buffers are the fp32 originals again, on the buffers' device.
+        # `.to(torch.bfloat16)` (the trainer, DeepSpeed's bf16 cast, eval, bench) casts every floating buffer, the
+        # RoPE frequencies too: in bf16 they are 0.37% off, a phase error of 0.59 rad at position 512 and 2.4 rad at
+        # 2047. SGLang and vLLM rotate with fp32 frequencies, so training must too: after any cast the buffers are
+        # the fp32 originals again, on the buffers' device.
         super()._apply(fn, recurse)
         for name, original in self._rope_fp32.items():
             buf = getattr(self.rotary_emb, name)
@@ -252,11 +253,10 @@ class DFlashDrafter(nn.Module):
         cos, sin = self._cos_sin(x, pos)
         ccos, csin = self._cos_sin(x, ctx_pos)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        for layer, kind in zip(self.layers, self.arch.layer_types):
+        n = len(self.layers) if self.checkpoint_layers is None else self.checkpoint_layers
+        for i, (layer, kind) in enumerate(zip(self.layers, self.arch.layer_types)):
             mask = masks[kind]
-            if recompute:
-                # Only the layer's input is kept; its activations (and the context keys/values)
-                # are recomputed in backward.
+            if recompute and i < n:  # only its input is kept; its activations and context K/V recomputed
                 x = torch.utils.checkpoint.checkpoint(_layer_step, layer, x, cos, sin, ctx, ccos, csin, mask,
                                                       use_reentrant=False)
             else:

@@ -227,14 +227,14 @@ def build_drafter_engine(cfg: Config, arch: DrafterArch, dtype: torch.dtype, dev
     (runtime/checkpointing.py); `engine.module.checkpointing_reason` says which and why.
     """
     # decided first: the free memory is read before this rank's frozen head and drafter reach the device
-    ac, why = choose_checkpointing(cfg, arch, device, colocated=target is not None, num_drafters=num_drafters)
+    ckpt = choose_checkpointing(cfg, arch, device, colocated=target is not None, num_drafters=num_drafters)
     embed, head = frozen_head(target) if target is not None else load_target_head(cfg.target, dtype=dtype)
     drafter = load_drafter(cfg, arch).to(dtype)  # an export may be bf16 (a bf16 target's init)
-    drafter.activation_checkpointing = ac
+    drafter.activation_checkpointing, drafter.checkpoint_layers = ckpt.on, ckpt.layers
     drafter.mask_backend = cfg.model.attention_backend
     set_fuse_mode(cfg.train.fuse)
     module = DrafterTrainModule(drafter, embed, head)
-    module.checkpointing_reason = why
+    module.checkpointing_reason = ckpt.why
     ds = load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16, accumulation=accumulation,
                         load_universal=universal)
     return build_engine(module, cfg, ds)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,26 @@ def test_bench_memory_measures_and_predicts_each_width(tiny_target: Path, tmp_pa
     full = res["full_width"]
     assert full["hidden"] == 512 and full["settings"]["mask"] == "flex"
     assert full["total_bytes"] == pytest.approx(full["micro_step_bytes"] + sum(full["static_terms"].values()))
+
+
+def test_the_first_k_layers_recomputed_measure_as_predicted(tiny_target: Path, cli_here) -> None:
+    """--checkpoint-layers K (model.checkpoint_layers): the first K layers recomputed, the rest keeping their
+    activations; the measured peak meets the formula as the full settings do, and lies between them."""
+    out = tiny_target / "k.json"
+    res = cli_here("bench", "memory", "--target", str(tiny_target), *TINY_STEP, "--widths", "256",
+                   "--activation-checkpointing", "on", "--checkpoint-layers", "1", "--json", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert " 1/2 " in res.stdout, res.stdout  # the table's checkpointing column: 1 layer of 2
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["activation_checkpointing"] and row["recomputed_layers"] == 1 and abs(row["error_pct"]) < 10, row
+    from dflash_ds.bench.memory import drafter_shape
+
+    d = drafter_shape({**TINY_CONFIG, **TINY_CONFIG["text_config"]}, 256, 2, 16)
+    s = mm.StepShape(batch=2, seq_len=1024, anchors_per_row=row["anchors_per_row"], chunk_blocks=16, dtype_bytes=4,
+                     checkpointing=True, checkpoint_layers=1, dense_mask=True)
+    assert row["predicted_peak_bytes"] == mm.micro_step_peak(d, s)
+    ends = [mm.micro_step_peak(d, replace(s, checkpointing=c, checkpoint_layers=None)) for c in (True, False)]
+    assert ends[0] < row["predicted_peak_bytes"] < ends[1]
 
 
 def test_lm_head_chunk_term_scales_with_chunk() -> None:
@@ -304,7 +325,7 @@ def test_checkpointing_follows_the_free_memory_unless_configured() -> None:
     from dflash_ds.bench.micro_step import drafter_arch
     from dflash_ds.config import Config
     from dflash_ds.models.presets import PRESETS
-    from dflash_ds.runtime.checkpointing import choose_checkpointing, step_bytes_without_checkpointing
+    from dflash_ds.runtime.checkpointing import choose_checkpointing, step_bytes, step_bytes_without_checkpointing
 
     cfg, preset = Config(), dict(PRESETS["qwen3-8b"])
     arch = drafter_arch(preset, drafter_shape(preset, 4096, 5, 16), 2048)
@@ -317,11 +338,28 @@ def test_checkpointing_follows_the_free_memory_unless_configured() -> None:
     cuda = torch.device("cuda")
     assert choose_checkpointing(cfg, arch, torch.device("cpu"))[0] is False
     assert choose_checkpointing(cfg, arch, cuda, free_bytes=int(need / 0.85) + 1)[0] is False
-    on, why = choose_checkpointing(cfg, arch, cuda, free_bytes=int(need / 0.85) - 1)
-    assert on and "over 85%" in why
+    # short of that: the fewest layers recomputed (the first ones) that let the step fit
+    by_k = [step_bytes(cfg, arch, colocated=False, num_drafters=1, recomputed=k) for k in range(6)]
+    assert by_k[0] == need and all(a > b for a, b in zip(by_k, by_k[1:]))
+    on, layers, why = choose_checkpointing(cfg, arch, cuda, free_bytes=int(need / 0.85) - 1)
+    assert (on, layers) == (True, 1) and "on for 1 of 5 layers" in why and "within 85%" in why
+    assert choose_checkpointing(cfg, arch, cuda, free_bytes=int(by_k[3] / 0.85) + 1)[:2] == (True, 3)
+    assert choose_checkpointing(cfg, arch, cuda, free_bytes=int(by_k[3] / 0.85) - 1)[:2] == (True, 4)
+    on, layers, why = choose_checkpointing(cfg, arch, cuda, free_bytes=int(by_k[5] / 0.85) - 1)  # none fits: all
+    assert (on, layers) == (True, 5) and "over 85%" in why
+    # each layer kept holds its activations and context K/V where a recomputed one holds its input (flex, bf16:
+    # the peak is in the loss phase between the ends)
+    t, c, (a_tok, c_tok) = 8 * 256 * 16, 16384, mm.per_token_activations(d, 2)
+    assert by_k[2] - by_k[3] == pytest.approx(t * a_tok + c * c_tok - t * 4096 * 2)
     colocated = step_bytes_without_checkpointing(cfg, arch, colocated=True, num_drafters=1)
     assert need - colocated == pytest.approx(2 * 151936 * 4096 * 2 + 7 * 16384 * 5 * 4096 * 2)  # head, 7 buffers
     two = step_bytes_without_checkpointing(cfg, arch, colocated=False, num_drafters=2)
     assert need - two == pytest.approx(7 * mm.drafter_params(d))  # ZeRO-2 halves the 14 bytes per parameter
     forced = replace(cfg, model=replace(cfg.model, activation_checkpointing=False))
-    assert choose_checkpointing(forced, arch, cuda, free_bytes=1) == (False, "model.activation_checkpointing = false")
+    assert choose_checkpointing(forced, arch, cuda, free_bytes=1) == (False, None, "model.activation_checkpointing = false")
+    partial = replace(cfg, model=replace(cfg.model, activation_checkpointing=True, checkpoint_layers=2))
+    assert choose_checkpointing(partial, arch, cuda, free_bytes=1) == (
+        True, 2, "model.activation_checkpointing = true, model.checkpoint_layers = 2 of 5")
+    auto2 = replace(cfg, model=replace(cfg.model, checkpoint_layers=2))
+    assert choose_checkpointing(auto2, arch, cuda, free_bytes=1)[:2] == (True, 2)  # needed: the configured count
+    assert choose_checkpointing(auto2, arch, cuda, free_bytes=int(need / 0.85) + 1)[:2] == (False, None)

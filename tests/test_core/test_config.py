@@ -85,6 +85,11 @@ def test_bad_file_errors(tmp_path):
     ({"model": {"num_layers": 1, "layer_types": ["local_attention"]}},
      "model.layer_types = ['local_attention'] entries must be full_attention or sliding_attention"),
     ({"model": {"sliding_window": 0}}, "model.sliding_window = 0 must be >= 1"),
+    ({"model": {"checkpoint_layers": 0}}, "model.checkpoint_layers = 0 must be >= 1"),
+    ({"model": {"num_layers": 3, "checkpoint_layers": 4}},
+     "model.checkpoint_layers = 4 must be <= model.num_layers = 3"),
+    ({"model": {"checkpoint_layers": 2, "activation_checkpointing": False}},
+     "model.checkpoint_layers = 2 recomputes layers, but model.activation_checkpointing = false"),
 ])
 def test_layer_type_errors_name_the_field(overrides, message):
     with pytest.raises(DFlashError) as err:

@@ -216,21 +216,29 @@ def test_from_pretrained_rejects_mismatched_tensors(tmp_path):
         DFlashDrafter.from_pretrained(tmp_path)
 
 
-def test_activation_checkpointing_same_output_and_gradients():
-    """Recomputing each layer in backward changes memory, not the numbers."""
+def test_activation_checkpointing_same_output_and_gradients(monkeypatch):
+    """Recomputing layers in backward (all of them, or the first `checkpoint_layers`) changes memory, not the
+    numbers; exactly the layers asked for are checkpointed."""
+    import torch.utils.checkpoint as tuc
+
+    calls, original = [], tuc.checkpoint
+    monkeypatch.setattr(tuc, "checkpoint", lambda fn, layer, *a, **k: calls.append(layer) or original(fn, layer, *a, **k))
     results = []
-    for recompute in (False, True):
-        d = make_drafter(seed=3).train()
-        d.activation_checkpointing = recompute
+    for recompute, layers in ((False, None), (True, None), (True, 1)):
+        d = make_drafter(seed=3, layers=3).train()
+        d.activation_checkpointing, d.checkpoint_layers = recompute, layers
+        calls.clear()
         ctx, emb, anchors = inputs()
         ctx.requires_grad_(True)
         out = d.forward_train(ctx, emb, anchors)
+        assert calls == list(d.layers)[: (3 if layers is None else layers) if recompute else 0]
         (out.square().sum()).backward()
         results.append((out.detach(), ctx.grad.clone(), {n: p.grad.clone() for n, p in d.named_parameters()}))
-    (o1, c1, g1), (o2, c2, g2) = results
-    assert torch.equal(o1, o2)
-    assert torch.allclose(c1, c2, atol=1e-6)
-    assert g1.keys() == g2.keys() and all(torch.allclose(g1[n], g2[n], atol=1e-6) for n in g1)
+    (o1, c1, g1) = results[0]
+    for o2, c2, g2 in results[1:]:
+        assert torch.equal(o1, o2)
+        assert torch.allclose(c1, c2, atol=1e-6)
+        assert g1.keys() == g2.keys() and all(torch.allclose(g1[n], g2[n], atol=1e-6) for n in g1)
 
 
 def test_export_in_the_weights_dtype(tmp_path):

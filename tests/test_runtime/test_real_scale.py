@@ -98,16 +98,19 @@ def test_real_vocabulary_fits_with_chunks_and_anchor_budget(tiny_target_factory,
 
 def test_binding_anchor_budget_resumes_bit_exactly(setup, tmp_path):
     """With max_anchors_per_batch binding on every batch, a staged run equals an uninterrupted one
-    (ZeRO-3, activation checkpointing on: the frozen head never enters ZeRO's partitioning). One colocated
-    rank: under ZeRO-3 too, the head it shares with its loaded target stays whole."""
+    (ZeRO-3, activation checkpointing on for the first layer of two, the second keeping its activations: the
+    frozen head never enters ZeRO's partitioning). One colocated rank: under ZeRO-3 too, the head it shares with
+    its loaded target stays whole."""
     target, data = setup
     extra = ["--loss.max_anchors_per_batch", "40", "--max-steps", "6", "--train.save_interval", "3",
-             "--train.log_interval", "3", "--model.activation_checkpointing", "true", "--zero-stage", "3",
-             "--colocate"]
+             "--train.log_interval", "3", "--model.activation_checkpointing", "true", "--model.checkpoint_layers", "1",
+             "--zero-stage", "3", "--colocate"]
     full, staged = tmp_path / "full", tmp_path / "staged"
     r = torchrun(1, [*COMMON, *extra, "--target", str(target), "--data", str(data), "--output-dir", str(full)],
                  cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "activation checkpointing model.activation_checkpointing = true, model.checkpoint_layers = 1 of 2" in \
+        r.stdout + r.stderr, r.stdout[-3000:]
     for stop_at in ("3", "0"):
         r = torchrun(1, [*COMMON, *extra, "--target", str(target), "--data", str(data), "--output-dir", str(staged),
                          "--train.stop_at", stop_at], cwd=tmp_path)
