@@ -69,12 +69,13 @@ def test_bench_memory_measures_and_predicts_each_width(tiny_target: Path, tmp_pa
     assert full["total_bytes"] == pytest.approx(full["micro_step_bytes"] + sum(full["static_terms"].values()))
 
 
-def test_the_first_k_layers_recomputed_measure_as_predicted(tiny_target: Path, cli_here) -> None:
+def test_the_first_k_layers_recomputed_measure_as_predicted(tiny_target: Path) -> None:
     """--checkpoint-layers K (model.checkpoint_layers): the first K layers recomputed, the rest keeping their
-    activations; the measured peak meets the formula as the full settings do, and lies between them."""
+    activations; the measured peak meets the formula as the full settings do, and lies between them. (A process
+    of its own: the peak resident set of this one holds every earlier test's heap.)"""
     out = tiny_target / "k.json"
-    res = cli_here("bench", "memory", "--target", str(tiny_target), *TINY_STEP, "--widths", "256",
-                   "--activation-checkpointing", "on", "--checkpoint-layers", "1", "--json", str(out))
+    res = run_cli("--target", str(tiny_target), *TINY_STEP, "--widths", "256", "--activation-checkpointing", "on",
+                  "--checkpoint-layers", "1", "--json", str(out))
     assert res.returncode == 0, res.stderr[-2000:]
     assert " 1/2 " in res.stdout, res.stdout  # the table's checkpointing column: 1 layer of 2
     (row,) = json.loads(out.read_text())["rows"]
