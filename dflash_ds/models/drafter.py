@@ -176,8 +176,7 @@ class DFlashDrafter(nn.Module):
         with torch.device("meta"):
             model = klass(arch)
         model.to_empty(device=device)
-        model._make_rope()  # buffers are computed, not loaded: made again (on the CPU, then moved)
-        model.rotary_emb.to(device)
+        model._make_rope(device)  # buffers are computed, not loaded: made again (on the CPU, then moved)
         return model
 
     @classmethod
@@ -196,19 +195,20 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self._make_rope()
-        # Training mask (the trainer sets it from model.attention_backend): "auto" = flex_attention
-        # BlockMask on GPU, dense boolean + SDPA on CPU; "dense" or "flex" force one.
+        # training mask (model.attention_backend): auto = flex BlockMask on GPU, dense + SDPA on CPU; dense/flex force it
         self.mask_backend = "auto"
         # Recompute the first `checkpoint_layers` layers (None: all) in backward when `activation_checkpointing`
         # (the trainer sets both: model.activation_checkpointing, model.checkpoint_layers; runtime/checkpointing.py).
         self.activation_checkpointing = False
         self.checkpoint_layers: int | None = None
 
-    def _make_rope(self) -> None:
+    def _make_rope(self, device: str | torch.device = "cpu") -> None:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-        # transformers' rotary embedding understands every rope_type a target config may carry.
-        self.rotary_emb = Qwen3RotaryEmbedding(self.arch.to_hf_config())
+        # transformers' rotary embedding understands every rope_type a target config may carry (on the CPU, even
+        # inside `empty`'s meta device: a rope_type's init may read its tensors' values).
+        with torch.device("cpu"):
+            self.rotary_emb = Qwen3RotaryEmbedding(self.arch.to_hf_config()).to(device)
         # fp32 copies of the RoPE frequency buffers, restored after every cast (see `_apply`).
         self._rope_fp32 = {name: buf.detach().clone().float() for name, buf in self.rotary_emb.named_buffers()}
 
