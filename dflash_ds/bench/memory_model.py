@@ -21,7 +21,8 @@ The micro-step's peak is `held + max(forward, loss, backward)`:
 - held: what forward leaves for backward: RoPE tables, the projected context, the dense mask's
   float copy in every layer (CPU SDPA saves it; flex_attention has none, only its BlockMask's small tile
   tables: `flex_block_mask_bytes`), and each layer's saved
-  activations or, with activation checkpointing, only each layer's input (and the boolean mask);
+  activations or, with activation checkpointing, only each layer's input (and the boolean mask); with only the
+  first k layers recomputed (StepShape.checkpoint_layers), those their inputs and the others their activations;
 - forward (its end): the block embeddings, the final norm, the boolean mask (no checkpointing);
 - loss (inside the chunked LM head + loss): the block embeddings, the final norm's saved tensors
   and output, the [N, K, H] head input and its stored gradient, one chunk's [c, K, V] tensors;
