@@ -28,7 +28,8 @@
 #     CUDA, checkpoint, resume equal to an uninterrupted run, export, eval): tokens/s, peak and reserved memory,
 #     compiled graphs (its tok/s is of a tiny launch-bound model beside steps 4-5: not a speed figure);
 #  4. gpu_tests (FULL=1: 180 s; else 100): the CUDA unit tests (DFLASH_REQUIRE_GPU=1: a skipped one fails);
-#  5. bench_widths (80 s): `bench memory` at widths 256 and 512 (the memory model's small-width error).
+#  5. bench_widths (110 s): `bench memory` at widths 256 and 512, checkpointing on and off (the memory model's
+#     small-width error in both regimes).
 # Steps 1 and 5 also write what is alive at each peak, by the line that allocated it ($OUT/memory_trace.txt,
 # widths_memory_trace.txt: bench/memory_trace.py), to set against the model's terms where they disagree.
 # Outputs: $OUT/*.log, $OUT/*.json, $OUT/summary.json (per step: exit status, seconds, figures) and
@@ -128,8 +129,9 @@ print(torch.cuda.get_device_name(0), \"free/total GiB\", [round(x / 2**30, 1) fo
     fi
     side step gpu_tests "$GPU_LIMIT" env DFLASH_REQUIRE_GPU=1 "$PY" -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}" \
         -k "cuda or gpu"
-    side step bench_widths 80 "$PY" -m dflash_ds bench memory --preset qwen3-8b --device cuda --dtype bf16 \
-        --widths 256,512 --memory-trace "$OUT/widths_memory_trace.txt" --json "$OUT/bench_widths.json"
+    side step bench_widths 110 "$PY" -m dflash_ds bench memory --preset qwen3-8b --device cuda --dtype bf16 \
+        --widths 256,512 --activation-checkpointing both --memory-trace "$OUT/widths_memory_trace.txt" \
+        --json "$OUT/bench_widths.json"
     join warmup colocated gpu_tests bench_widths
 else
     skip gpu_info "DEVICE=$DEVICE: no CUDA"

@@ -34,6 +34,7 @@ def figures(out: Path, steps: dict[str, dict[str, Any]]) -> None:
     widths = _json(out / "bench_widths.json")
     if widths and "bench_widths" in steps:
         steps["bench_widths"]["figures"] = [{"width": r["width"], "measured_peak_gb": r["measured_peak_bytes"] / 1e9,
+                                             "activation_checkpointing": r.get("activation_checkpointing"),
                                              "predicted_peak_gb": r["predicted_peak_bytes"] / 1e9,
                                              "error_pct": r["error_pct"]} for r in widths.get("rows", [])]
     real = _json(out / "real_shape.json")
@@ -80,8 +81,9 @@ def table(summary: dict[str, Any]) -> str:
         elif name == "gpu_tests" and f:
             fig = str(f["result"])
         elif name == "bench_widths" and f:
-            fig = "; ".join(f"width {r['width']}: {r['measured_peak_gb']:.2f} GB vs {r['predicted_peak_gb']:.2f} "
-                            f"({r['error_pct']:+.1f}%)" for r in f)
+            fig = "; ".join(f"width {r['width']} ckpt {'on' if r.get('activation_checkpointing') else 'off'}: "
+                            f"{r['measured_peak_gb']:.2f} GB vs {r['predicted_peak_gb']:.2f} ({r['error_pct']:+.1f}%)"
+                            for r in f)
         status = s.get("skipped") or s.get("exit")
         lines.append(f"| {name} | {status} | {s.get('seconds', '-')} | {fig} |")
     bench = (steps.get("bench_memory") or {}).get("figures")
