@@ -85,7 +85,12 @@ def drafter_memory(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: 
     terms = {k: v for k, v in static.items() if k not in ("payload_buffers", "frozen_embed_head")}
     terms["captured_batch"] = static["payload_buffers"]
     terms[f"micro_step_peak_{phase}"] = sum(micro["held"].values()) + sum(micro[phase].values())
+    # the same drafter with its first k layers recomputed, k = 0..L (the trainer recomputes the fewest that fit)
+    fixed = sum(v for k, v in terms.items() if not k.startswith("micro_step_peak"))
+    by_recomputed = [fixed + mm.micro_step_peak(shape, replace(step, checkpointing=k > 0, checkpoint_layers=k),
+                                                param_grads=False) for k in range(shape.num_layers + 1)]
     return {"bytes": sum(terms.values()), "terms": terms, "params": mm.drafter_params(shape),
+            "bytes_by_recomputed_layers": by_recomputed,
             "source": f"memory model: bf16, checkpointing, token budget {args.token_budget:,}, ZeRO-{args.zero_stage} "
                       f"over {ranks} rank(s), KL {'on' if kl else 'off'}",
             "shape": {"hidden": shape.hidden, "intermediate": shape.intermediate, "heads": shape.heads,
@@ -101,7 +106,21 @@ def colocated_memory(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden
     total = None if target is None or drafter["bytes"] is None else target + drafter["bytes"] + headroom
     return {"target_bytes": target, "target_source": target_source, "drafter_bytes": drafter["bytes"],
             "drafter": drafter, "headroom_bytes": headroom, "gpu_bytes": limit, "total_bytes": total,
-            "fits": None if total is None else total <= limit}
+            "fits": None if total is None else total <= limit, "recompute": recompute_choice(drafter, target, limit)}
+
+
+def recompute_choice(drafter: dict[str, Any], target: float | None, limit: float) -> dict[str, Any] | None:
+    """The draft layers a colocated rank will recompute: the trainer's rule (runtime/checkpointing.py) with the
+    GPU's memory less the target's weights as its free memory: none when the step fits 85% of it without, else
+    the fewest that do (all when none does)."""
+    from dflash_ds.runtime.checkpointing import USABLE_SHARE
+
+    by_k = drafter.get("bytes_by_recomputed_layers")
+    if target is None or not by_k:
+        return None
+    usable = USABLE_SHARE * (limit - target)
+    k = next((k for k, need in enumerate(by_k) if need <= usable), len(by_k) - 1)
+    return {"layers": k, "of": len(by_k) - 1, "bytes": by_k[k], "usable_bytes": usable}
 
 
 def colocated_option(args: argparse.Namespace, a: float | None, b: float | None, measured: float | None,
@@ -208,6 +227,12 @@ def colocated_lines(p: dict[str, Any]) -> list[str]:
         lines.append(f"    total                      {_num(mem['target_bytes'], '.2f')} + {_num(d['bytes'], '.2f')} + "
                      f"{_num(mem['headroom_bytes'], '.2f')} = {_num(mem['total_bytes'], '.2f')} GB {sign} "
                      f"{_num(mem['gpu_bytes'], ',.0f')} GB: {verdict}")
+    rc = mem.get("recompute")
+    if rc:
+        which = "none" if not rc["layers"] else f"{rc['layers']} of {rc['of']}"
+        fits = "within" if rc["bytes"] <= rc["usable_bytes"] else "over"
+        lines.append(f"    layers recomputed          {which} (drafter {_num(rc['bytes'], '.2f')} GB then, {fits} 85% of "
+                     f"the {_num(rc['usable_bytes'] / 0.85, '.2f')} GB beside the target; above: all recomputed)")
     return lines
 
 

@@ -156,6 +156,15 @@ def test_one_gpu_is_colocated_only(capsys) -> None:
     assert p["colocated"]["memory"]["drafter_bytes"] == pytest.approx(
         hand["model_states"] + hand["captured"] + hand["micro"])
     assert p["choice"] == {"mode": "colocated", "reason": "the only mode with 1 GPU per node"}
+    # the layers the trainer will recompute beside the target: its rule on the 80 - 16.4 GB left, each layer kept
+    # costing its activations (all recomputed: the drafter bytes above; none: every layer's activations kept)
+    rc, by_k = p["colocated"]["memory"]["recompute"], p["colocated"]["memory"]["drafter"]["bytes_by_recomputed_layers"]
+    assert by_k[5] == pytest.approx(p["colocated"]["memory"]["drafter_bytes"]) and by_k == sorted(by_k, reverse=True)
+    assert rc["usable_bytes"] == pytest.approx(0.85 * (80e9 - 16.4e9))
+    assert rc["layers"] == next(k for k, need in enumerate(by_k) if need <= rc["usable_bytes"]) == 1
+    assert main(["plan", "--gpus", "1", "--target-params-b", "8.2"]) == 0
+    assert "layers recomputed          1 of 5 (drafter 53.86 GB then, within 85% of the 63.60 GB" in \
+        capsys.readouterr().out
     assert main(["plan", "--gpus", "1"]) == 0  # no rates, no target size: said, not an error
     assert "disaggregated: impossible" in capsys.readouterr().out
 
