@@ -166,6 +166,9 @@ def _check_args(args: argparse.Namespace) -> list[int]:
         raise DFlashError("bench memory: --max-anchors and --warmup must be >= 0")
     if args.token_budget < args.seq_len:
         raise DFlashError(f"bench memory: --token-budget {args.token_budget} is less than one --seq-len {args.seq_len}")
+    if args.checkpoint_layers is not None and not 1 <= args.checkpoint_layers <= args.num_layers:
+        raise DFlashError(f"bench memory: --checkpoint-layers {args.checkpoint_layers} must be 1..--num-layers "
+                          f"({args.num_layers})")
     if args.seq_len <= args.block_size:
         raise DFlashError(f"bench memory: --seq-len {args.seq_len} must exceed --block-size {args.block_size}")
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]

@@ -113,13 +113,13 @@ def recompute_choice(drafter: dict[str, Any], target: float | None, limit: float
     """The draft layers a colocated rank will recompute: the trainer's rule (runtime/checkpointing.py) with the
     GPU's memory less the target's weights as its free memory: none when the step fits 85% of it without, else
     the fewest that do (all when none does)."""
-    from dflash_ds.runtime.checkpointing import USABLE_SHARE
+    from dflash_ds.runtime.checkpointing import USABLE_SHARE, fewest_recomputed
 
     by_k = drafter.get("bytes_by_recomputed_layers")
     if target is None or not by_k:
         return None
     usable = USABLE_SHARE * (limit - target)
-    k = next((k for k, need in enumerate(by_k) if need <= usable), len(by_k) - 1)
+    k = fewest_recomputed(by_k, usable)
     return {"layers": k, "of": len(by_k) - 1, "bytes": by_k[k], "usable_bytes": usable}
 
 

@@ -38,6 +38,12 @@ class Checkpointing(NamedTuple):
     why: str
 
 
+def fewest_recomputed(needs: list[float], usable: float) -> int:
+    """The rule: with needs[k] the bytes of the step recomputing its first k layers (k = 0..L), the fewest k whose
+    need fits `usable`, or L when none does."""
+    return next((k for k, need in enumerate(needs) if need <= usable), len(needs) - 1)
+
+
 def step_bytes(cfg: Any, arch: Any, *, colocated: bool, num_drafters: int, recomputed: int = 0) -> float:
     """What the rank still has to allocate when the step recomputes its first `recomputed` layers (bench memory's
     formula; 0: every layer's activations kept)."""
@@ -86,16 +92,15 @@ def choose_checkpointing(cfg: Any, arch: Any, device: torch.device, *, colocated
     usable = USABLE_SHARE * free_bytes
     where = f"{USABLE_SHARE:.0%} of the {free_bytes / 1e9:.1f} GB free (model.activation_checkpointing: null)"
 
-    def need(k: int) -> float:
-        return step_bytes(cfg, arch, colocated=colocated, num_drafters=num_drafters, recomputed=k)
-
-    if need(0) <= usable:
-        return Checkpointing(False, None, f"off: the step without it needs {need(0) / 1e9:.1f} GB by bench memory's "
+    needs = [step_bytes(cfg, arch, colocated=colocated, num_drafters=num_drafters, recomputed=k)
+             for k in range(total + 1)]
+    k = fewest_recomputed(needs, usable)
+    if k == 0:
+        return Checkpointing(False, None, f"off: the step without it needs {needs[0] / 1e9:.1f} GB by bench memory's "
                                           f"formula, within {where}")
     if layers is not None:
         return Checkpointing(True, layers, f"on, model.checkpoint_layers = {layers} of {total}: the step without it "
-                                           f"needs {need(0) / 1e9:.1f} GB, over {where}")
-    k = next((k for k in range(1, total + 1) if need(k) <= usable), total)
-    return Checkpointing(True, k, f"on for {k} of {total} layers: the step needs {need(k) / 1e9:.1f} GB by bench "
-                                  f"memory's formula recomputing {k} ({need(0) / 1e9:.1f} GB recomputing none), "
-                                  f"{'within' if need(k) <= usable else 'over'} {where}")
+                                           f"needs {needs[0] / 1e9:.1f} GB, over {where}")
+    return Checkpointing(True, k, f"on for {k} of {total} layers: the step needs {needs[k] / 1e9:.1f} GB by bench "
+                                  f"memory's formula recomputing {k} ({needs[0] / 1e9:.1f} GB recomputing none), "
+                                  f"{'within' if needs[k] <= usable else 'over'} {where}")

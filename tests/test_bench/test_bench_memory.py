@@ -88,6 +88,8 @@ def test_the_first_k_layers_recomputed_measure_as_predicted(tiny_target: Path) -
     assert row["predicted_peak_bytes"] == mm.micro_step_peak(d, s)
     ends = [mm.micro_step_peak(d, replace(s, checkpointing=c, checkpoint_layers=None)) for c in (True, False)]
     assert ends[0] < row["predicted_peak_bytes"] < ends[1]
+    bad = run_cli("--target", str(tiny_target), *TINY_STEP, "--checkpoint-layers", "3")  # TINY_STEP: 2 layers
+    assert bad.returncode == 2 and "--checkpoint-layers 3 must be 1..--num-layers (2)" in bad.stderr, bad.stderr
 
 
 def test_lm_head_chunk_term_scales_with_chunk() -> None:
