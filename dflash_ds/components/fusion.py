@@ -6,7 +6,7 @@ more passes over every chunk's [c, K, V] logits (cast to fp32, top-8, logsumexp,
 scatter, cast back): at chunk 64, K 15 and V 151,936 one fp32 pass moves 0.58 GB each way, and a micro-step of
 2,048 blocks has 32 chunks, so ~7 GB a chunk and ~0.2 TB a micro-step at ~4 TB/s is ~55 ms of memory traffic
 where the fused passes need two reads of the bf16 logits and one write of their gradient (~0.9 GB a chunk).
-DFlash2's grouped convolutions are ten full-size passes a layer, forward and backward (1.35x DFlash's step).
+DFlash2's grouped convolutions were ten full-size passes a layer, forward and backward (1.35x DFlash's step).
 
 The layers' RMSNorm, RoPE and SwiGLU are a few kernels each (models/layer_ops.py has the arithmetic).
 
@@ -26,7 +26,8 @@ Bounded compiles. A fused function is compiled with static shapes or with one sy
 So 1 graph per (function, static sizes, static arguments, grad mode); a static size that changes (an RMSNorm
 over H, then over head_dim) compiles a static graph of its own (automatic dynamic shapes are off for fused
 functions). A run of the Qwen3-8B preset compiles the loss core once (twice with evaluation), the RMSNorm 3
-times (head_dim; H; H over layer 0's input, which needs no gradient), RoPE twice (query and key/value heads), SwiGLU once, DFlash2's convolution once; evaluation
+times (head_dim; H; H over layer 0's input, which needs no gradient), RoPE twice (query and key/value heads), SwiGLU once, DFlash2's convolution once forward and once backward
+(models/grouped_conv.py); evaluation
 without gradients doubles each. Duck shaping is off while compiling (as for flex_attention,
 models/block_mask.py): two sizes equal at the first compile would share a symbol. Past
 `FUSION.recompile_limit` graphs of one function dynamo would run it eagerly, silently: that is an error instead.

@@ -17,44 +17,12 @@ is its DFlash backbone's until training moves it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dflash_ds.components.fusion import fused
 from dflash_ds.models.dflash2_selector import CandidateSelector, unary_candidates, walk
 from dflash_ds.models.drafter import BlockDraft, DFlashDrafter, DrafterLayer
 from dflash_ds.models.drafter_arch import DrafterArch
-
-
-def grouped_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The block-local grouped dynamic convolution; compiled on CUDA (components/fusion.py: eager, its passes
-    made DFlash2's H200 step 1.35x DFlash's).
-
-    x [..., L, H] with L a multiple of block_size (blocks contiguous); delta [..., L, taps, groups];
-    base [taps, H]. Taps reading before a block's first position read zero.
-    """
-    h, (taps, groups) = x.shape[-1], delta.shape[-2:]
-    out = _conv_rows(x.reshape(-1, h), delta.reshape(-1, taps, groups), base, block_size)
-    return out.view(x.shape)
-
-
-@fused
-def _conv_rows(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`grouped_conv` on rows: x [R, H], delta [R, taps, groups], R a multiple of block_size."""
-    h = x.shape[-1]
-    taps, groups = delta.shape[-2], delta.shape[-1]
-    xb = x.reshape(-1, block_size, groups, h // groups)
-    base = base.view(taps, groups, h // groups)
-    delta = delta.reshape(-1, block_size, taps, groups, 1)
-    # base * x + delta * x, never (base + delta) * x: the sum would be a full [..., taps, H] tensor that
-    # autograd keeps; this way each tap keeps only its (shifted) input and the group-wide deltas.
-    # addcmul: each product lands in the running sum in one kernel (5 full-size passes for 2 taps, not 8)
-    out = torch.addcmul(xb * base[0], xb, delta[..., 0, :, :])
-    for t in range(1, min(taps, block_size)):
-        # Shift by t along the in-block position; the first t positions of each block read zero.
-        shifted = F.pad(xb[..., :-t, :, :], (0, 0, 0, 0, t, 0))
-        out = torch.addcmul(torch.addcmul(out, shifted, base[t]), shifted, delta[..., t, :, :])
-    return out.view(-1, h)
+from dflash_ds.models.grouped_conv import grouped_conv
 
 
 class GroupedDynamicConv(nn.Module):

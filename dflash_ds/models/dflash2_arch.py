@@ -25,10 +25,13 @@ from typing import Any
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.kinds import KindSpec, MemoryTerms, register
 
-# H-wide values one layer's two grouped convolutions save per block token (docs/MEMORY.md), measured from
-# autograd's saved tensors (saved_tensors_hooks, one DFlash2 layer against the same DFlash layer, fp32, H 128):
-# each conv's output, the sublayer's output, the shifted input of every tap past the first and the group-wide deltas.
-DFLASH2_SAVED_H = 10.5
+def saved_h(opts: "DFlash2Options") -> float:
+    """H-wide values one DFlash2 layer saves per block token beyond a DFlash layer's (docs/MEMORY.md): per sublayer
+    the convolved input its projections keep and the sublayer's output the second convolution keeps (models/
+    grouped_conv.py keeps its input and deltas only), and the kernel projection's 2 x taps x groups deltas:
+    4 + 4 taps / group = 4.125 at the defaults. Measured with saved-tensor hooks (tests/test_core/test_fusion.py);
+    autograd's own backward of the eager convolution kept 8.125."""
+    return 4 + 4 * opts.conv_kernel_size / opts.conv_group_size
 
 
 @dataclass
@@ -153,7 +156,7 @@ def memory_terms(opts: DFlash2Options, hidden_size: int, vocab_size: int) -> Mem
     chunks run without grad after the DFlash loss's chunks are freed, below that moment)."""
     return MemoryTerms(layer_params=conv_params(hidden_size, 1, opts),
                        head_params=selector_params(hidden_size, vocab_size, opts), grads_name="selector_grads",
-                       saved_h=DFLASH2_SAVED_H, loss_name="selector_edges",
+                       saved_h=saved_h(opts), loss_name="selector_edges",
                        loss_position_values=opts.selector_top_k * opts.selector_rank)
 
 

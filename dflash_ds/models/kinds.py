@@ -46,7 +46,7 @@ class MemoryTerms:
     grads_name: str = ""
     """The name of those gradients' term in bench memory's backward phase."""
     saved_h: float = 0.0
-    """H-wide values of the run dtype each draft layer saves per block token (DFlash2: 10.5)."""
+    """H-wide values of the run dtype each draft layer saves per block token (DFlash2: 4.125 at its defaults)."""
     loss_name: str = ""
     """The name of the kind's term in bench memory's loss phase."""
     loss_chunk_copies: float = 0.0

@@ -177,10 +177,10 @@ def test_compiled_grouped_conv_and_dflash2_step_equal_eager(fuse):
         terms.loss.backward()
         results[mode] = (terms.loss.detach(), {n: p.grad for n, p in module.drafter.named_parameters()
                                                if p.grad is not None})
-        # eager: none; compiled: the loss core, the convolution, SwiGLU, RoPE (1 head of 128 for queries and
+        # eager: none; compiled: the loss core, the convolution's forward and its backward, SwiGLU, RoPE (1 head of 128 for queries and
         # keys) and RMSNorm 3 times (over head_dim = 128, over H = 64, and over H on layer 0's input, the block
         # embeddings, which need no gradient), the recompute reusing each
-        assert compiled_graphs() - graphs == {"off": 0, "on": 7}[mode]
+        assert compiled_graphs() - graphs == {"off": 0, "on": 8}[mode]
     (l_on, g_on), (l_off, g_off) = results["on"], results["off"]
     assert torch.allclose(l_on, l_off, rtol=1e-5)
     assert g_on.keys() == g_off.keys() and any("conv" in n for n in g_on)
@@ -240,6 +240,29 @@ def test_fused_on_cuda_equals_eager(fuse):
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
+def _saved_bytes(layer, b: int, t: int, s: int, width: int, drafter) -> int:
+    """Bytes of the storages autograd keeps for one layer's backward (saved-tensor hooks; parameters and inputs
+    not counted): block tokens [b, t] and context keys [b, s] both needing gradients."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(b, t, width, generator=g).requires_grad_(True)
+    ctx = torch.randn(b, s, width, generator=g).requires_grad_(True)
+    cos, sin = drafter._cos_sin(x, torch.arange(t).expand(b, t))
+    ccos, csin = drafter._cos_sin(x, torch.arange(s).expand(b, s))
+    mask = torch.ones(b, 1, t, s + t, dtype=torch.bool)
+    known = {a.untyped_storage().data_ptr() for a in (*layer.parameters(), x, ctx, cos, sin, ccos, csin, mask)}
+    _layer_step(layer, x, cos, sin, ctx, ccos, csin, mask)  # compiles (fused)
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _layer_step(layer, x, cos, sin, ctx, ccos, csin, mask)
+    return sum(v for k, v in saved.items() if k not in known)
+
+
 def test_a_fused_layer_saves_what_the_memory_model_counts(fuse):
     """Saved-tensor hooks over one draft layer's forward (block tokens and context keys both needing gradients):
     compiled, it keeps exactly the bytes `memory_model.per_token_activations(fused=True)` takes off eager's."""
@@ -247,26 +270,32 @@ def test_a_fused_layer_saves_what_the_memory_model_counts(fuse):
     cfg = dict(PRESETS["qwen3-8b"], vocab_size=512)
     shape = bench_memory.drafter_shape(cfg, 64, 1, 16, "dflash")
     drafter = DFlashDrafter(micro_step.drafter_arch(cfg, shape, 256))
-    layer, (b, t, s) = drafter.layers[0], (2, 128, 256)  # t = 8 blocks of 16 a row
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(b, t, 64, generator=g).requires_grad_(True)
-    ctx = torch.randn(b, s, 64, generator=g).requires_grad_(True)
-    cos, sin = drafter._cos_sin(x, torch.arange(t).expand(b, t))
-    ccos, csin = drafter._cos_sin(x, torch.arange(s).expand(b, s))
-    mask = torch.ones(b, 1, t, s + t, dtype=torch.bool)
-    known = {p.data_ptr() for p in layer.parameters()} | {a.data_ptr() for a in (x, ctx, cos, sin, ccos, csin, mask)}
+    b, t, s = 2, 128, 256  # t = 8 blocks of 16 a row
     saved_bytes = {}
     for mode in ("off", "on"):
         fusion.FUSION.mode = mode
-        _layer_step(layer, x, cos, sin, ctx, ccos, csin, mask)  # compiles (on)
-        saved: dict[int, int] = {}
-
-        def pack(tensor):
-            saved[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            _layer_step(layer, x, cos, sin, ctx, ccos, csin, mask)
-        saved_bytes[mode] = sum(v for k, v in saved.items() if k not in known)
+        saved_bytes[mode] = _saved_bytes(drafter.layers[0], b, t, s, 64, drafter)
     (a, c), (a_f, c_f) = (mm.per_token_activations(shape, 4, fused) for fused in (False, True))
     assert saved_bytes["off"] - saved_bytes["on"] == (a - a_f) * b * t + (c - c_f) * b * s > 0
+
+
+@pytest.mark.parametrize("taps,group", [(2, 64), (3, 32)])
+def test_a_dflash2_layer_saves_what_the_memory_model_counts(taps, group):
+    """A DFlash2 layer keeps 4 + 4 taps / group H-wide values per block token more than the same DFlash layer
+    (models/dflash2_arch.saved_h: 4.125 at the defaults; autograd's backward of the convolution kept 8.125)."""
+    from dataclasses import replace
+
+    from dflash_ds.models.dflash2_arch import DFlash2Options
+
+    cfg, width, (b, t, s) = dict(PRESETS["qwen3-8b"], vocab_size=512), 256, (2, 128, 256)
+    opts = DFlash2Options(conv_kernel_size=taps, conv_group_size=group)
+    saved = {}
+    for kind in ("dflash", "dflash2"):
+        shape = bench_memory.drafter_shape(cfg, width, 1, 16, kind)
+        shape = replace(shape, options=opts) if kind == "dflash2" else shape
+        drafter = DFlashDrafter(micro_step.drafter_arch(cfg, shape, s))
+        saved[kind] = (_saved_bytes(drafter.layers[0], b, t, s, width, drafter), shape)
+    added = saved["dflash2"][0] - saved["dflash"][0]
+    assert added == (4 + 4 * taps / group) * width * 4 * b * t
+    per_token = [mm.per_token_activations(shape, 4)[0] for _, shape in saved.values()]
+    assert (per_token[1] - per_token[0]) * b * t == added
