@@ -129,7 +129,7 @@ def _build_engine(ctx: RoleContext, cfg: Config, data: BatchStream, resume: Resu
         target = load_run_target(cfg, dtype, ctx.device, ctx.global_rank)
     engine = build_drafter_engine(cfg, arch, dtype, ctx.device, data.accumulation,
                                   universal=resume.mode == "universal", target=target,
-                                  num_drafters=layout.num_drafters)
+                                  num_drafters=layout.num_drafters, resuming=resume.path is not None)
     if leader:
         print(f"[dflash-ds] activation checkpointing {engine.module.checkpointing_reason}", flush=True)
     if target is not None and leader:

@@ -204,8 +204,13 @@ def gathered_drafter_state(engine) -> dict[str, torch.Tensor] | None:
                 if not k.startswith("rotary_emb.")}
 
 
-def load_drafter(cfg: Config, arch: DrafterArch) -> DFlashDrafter:
-    """The drafter to train: --drafter's export, else a fresh one of the run's shape seeded by train.seed."""
+def load_drafter(cfg: Config, arch: DrafterArch, resuming: bool = False) -> DFlashDrafter:
+    """The drafter to train: --drafter's export, else a fresh one of the run's shape seeded by train.seed; when
+    `resuming`, one left unfilled (`DFlashDrafter.empty`): the checkpoint's load fills every parameter (DeepSpeed's
+    `load_module_strict`, or the universal folder's values), and drawing 1-2 B seeded values first cost 6-10 s of
+    one CPU core at the Qwen3-8B / Qwen3.6-27B presets, at every restart."""
+    if resuming:
+        return DFlashDrafter.empty(arch)
     if cfg.drafter:
         return DFlashDrafter.from_pretrained(cfg.drafter)
     return DFlashDrafter.seeded(arch, cfg.train.seed)
@@ -219,17 +224,18 @@ def frozen_head(target: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 def build_drafter_engine(cfg: Config, arch: DrafterArch, dtype: torch.dtype, device: torch.device,
                          accumulation: int = 1, universal: bool = False, target: nn.Module | None = None,
-                         num_drafters: int = 1):
+                         num_drafters: int = 1, resuming: bool = False):
     """The DeepSpeed engine over the drafter, with the target's frozen embedding and LM head.
 
     Those two are read from the target's safetensors, or shared with the loaded target (colocated). Activation
     checkpointing: the config's, else off where the GPU's free memory holds the step without it
-    (runtime/checkpointing.py); `engine.module.checkpointing_reason` says which and why.
+    (runtime/checkpointing.py); `engine.module.checkpointing_reason` says which and why. `resuming`: the drafter
+    is left unfilled for the checkpoint's load (`load_drafter`).
     """
     # decided first: the free memory is read before this rank's frozen head and drafter reach the device
     ckpt = choose_checkpointing(cfg, arch, device, colocated=target is not None, num_drafters=num_drafters)
     embed, head = frozen_head(target) if target is not None else load_target_head(cfg.target, dtype=dtype)
-    drafter = load_drafter(cfg, arch).to(dtype)  # an export may be bf16 (a bf16 target's init)
+    drafter = load_drafter(cfg, arch, resuming).to(dtype)  # an export may be bf16 (a bf16 target's init)
     drafter.activation_checkpointing, drafter.checkpoint_layers = ckpt.on, ckpt.layers
     drafter.mask_backend = cfg.model.attention_backend
     set_fuse_mode(cfg.train.fuse)
