@@ -177,8 +177,8 @@ def test_compiled_grouped_conv_and_dflash2_step_equal_eager(fuse):
         terms.loss.backward()
         results[mode] = (terms.loss.detach(), {n: p.grad for n, p in module.drafter.named_parameters()
                                                if p.grad is not None})
-        # eager: none; compiled: the loss core, the convolution's forward and its backward, SwiGLU, RoPE (1 head of 128 for queries and
-        # keys) and RMSNorm 3 times (over head_dim = 128, over H = 64, and over H on layer 0's input, the block
+        # eager: none; compiled: the loss core, the convolution's forward and its backward, SwiGLU, RoPE (1 head
+        # of 128 for queries and keys) and RMSNorm 3 times (over head_dim = 128, over H = 64, and over H on layer 0's input, the block
         # embeddings, which need no gradient), the recompute reusing each
         assert compiled_graphs() - graphs == {"off": 0, "on": 8}[mode]
     (l_on, g_on), (l_off, g_off) = results["on"], results["off"]
