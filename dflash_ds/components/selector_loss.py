@@ -79,35 +79,41 @@ def selector_loss(hidden: torch.Tensor, head, selector, labels: torch.Tensor, va
     prev = torch.cat([anchor_ids.view(n, 1), labels[:, :-1]], dim=1)
     safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
     h_sel = hidden.detach() if detach else hidden
-    tables = selector()  # once: the chunks make no module call (ZeRO-3: their count differs across ranks)
-    num = hidden.new_zeros((), dtype=torch.float32)
-    stats = {k: torch.zeros((), device=hidden.device) for k in SELECTOR_SUMS}
+    with torch.no_grad():
+        if candidates is not None:
+            ids, values, gold, found = gold_into_top_k(*candidates, safe_labels)
+        else:
+            ids, values, gold, found = _head_candidates(hidden, head, safe_labels, top_k, chunk_blocks)
+        unary = soft_cap(values * output_multiplier, softcap)
+    # One pass over every position: what it keeps for backward is K x rank values a position (30,720 x 8 x 64 x 2 B
+    # = 31 MB at the Qwen3-8B preset's micro-step); by chunks it was ~20 small kernels each and a [V, rank] zero and
+    # sum of each codebook's gradient per chunk (32 of them a micro-step). tables: one module call (ZeRO-3).
+    pairs = selector.pair_scores(h_sel, prev.unsqueeze(-1), ids, selector()).squeeze(-2)
+    scores = unary + pairs
+    ce = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view(n, length)
+    kept = valid & found if gold_rule == "drop" else valid
+    w = weights * kept.float()
+    with torch.no_grad():
+        stats = {"selector_loss_sum": (ce.detach() * w).sum(), "selector_weight_sum": w.sum(),
+                 "selector_correct": ((scores.argmax(-1) == gold) & valid).sum().float(),
+                 "unary_correct_k": ((unary.argmax(-1) == gold) & found & valid).sum().float(),
+                 "candidate_hits": (found & valid).sum().float(), "selector_positions": valid.sum().float()}
+    return (ce * w).sum() / stats["selector_weight_sum"].clamp(min=1e-12), stats
+
+
+def _head_candidates(hidden: torch.Tensor, head, labels: torch.Tensor, top_k: int, chunk_blocks: int
+                     ) -> tuple[torch.Tensor, ...]:
+    """`candidates_with_gold` of the head's logits, `chunk_blocks` blocks at a time (the vocabulary logits are the
+    large part: chunk x L x V), concatenated."""
+    n, length, _ = hidden.shape
+    parts = []
     for lo in range(0, n, chunk_blocks):
         hi = min(n, lo + chunk_blocks)
-        with torch.no_grad():
-            if candidates is not None:
-                ids, values, gold, found = gold_into_top_k(*(t[lo:hi] for t in candidates), safe_labels[lo:hi])
-            else:
-                # one [c*L, H] GEMM, not a batched one over a strided view (components/loss.py says why)
-                logits = head(hidden[lo:hi].detach().reshape((hi - lo) * length, -1)).view(hi - lo, length, -1).float()
-                ids, values, gold, found = candidates_with_gold(logits, safe_labels[lo:hi], top_k)
-                del logits
-            unary = soft_cap(values * output_multiplier, softcap)
-        pairs = selector.pair_scores(h_sel[lo:hi], prev[lo:hi].unsqueeze(-1), ids, tables).squeeze(-2)
-        scores = unary + pairs
-        ce = F.cross_entropy(scores.flatten(0, 1), gold.flatten(), reduction="none").view(hi - lo, length)
-        kept = valid[lo:hi] & found if gold_rule == "drop" else valid[lo:hi]
-        w = weights * kept.float()
-        num = num + (ce * w).sum()
-        with torch.no_grad():
-            v = valid[lo:hi]
-            stats["selector_loss_sum"] += (ce.detach() * w).sum()
-            stats["selector_weight_sum"] += w.sum()
-            stats["selector_correct"] += ((scores.argmax(-1) == gold) & v).sum()
-            stats["unary_correct_k"] += ((unary.argmax(-1) == gold) & found & v).sum()
-            stats["candidate_hits"] += (found & v).sum()
-            stats["selector_positions"] += v.sum()
-    return num / stats["selector_weight_sum"].clamp(min=1e-12), stats
+        # one [c*L, H] GEMM, not a batched one over a strided view (components/loss.py says why)
+        logits = head(hidden[lo:hi].detach().reshape((hi - lo) * length, -1)).view(hi - lo, length, -1).float()
+        parts.append(candidates_with_gold(logits, labels[lo:hi], top_k))
+        del logits
+    return tuple(torch.cat(p) for p in zip(*parts))
 
 
 def selector_metrics(sums: dict[str, float]) -> dict[str, float]:
