@@ -45,17 +45,17 @@ class _GroupedConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, delta, base, block_size):
-        # base is a side of the base kernel (a view at an offset: a compiled graph per side); taps x H values
-        base = base.clone()
         ctx.save_for_backward(x, delta, base)
         ctx.block_size = block_size
-        return _conv_rows(x, delta, base, block_size)
+        # base is a side of the base kernel, a view at an offset (a compiled graph would guard on it: one graph per
+        # side): the compiled functions get a copy, taps x H values
+        return _conv_rows(x, delta, base.clone(), block_size)
 
     @staticmethod
     def backward(ctx, grad):
         x, delta, base = ctx.saved_tensors
         need_x, need_delta, need_base = ctx.needs_input_grad[:3]
-        gx, gd, gb = _conv_grad_rows(grad.contiguous(), x, delta, base, ctx.block_size, need_x,
+        gx, gd, gb = _conv_grad_rows(grad.contiguous(), x, delta, base.clone(), ctx.block_size, need_x,
                                      need_delta or need_base)
         return gx if need_x else None, gd if need_delta else None, gb if need_base else None, None
 

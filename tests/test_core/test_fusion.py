@@ -282,14 +282,17 @@ def test_a_fused_layer_saves_what_the_memory_model_counts(fuse):
     assert saved_bytes["off"] - saved_bytes["on"] == (a - a_f) * b * t + (c - c_f) * b * s > 0
 
 
-@pytest.mark.parametrize("taps,group", [(2, 64), (3, 32)])
-def test_a_dflash2_layer_saves_what_the_memory_model_counts(taps, group):
+@pytest.mark.parametrize("taps,group,mode", [(2, 64, "on"), (3, 32, "off")])
+def test_a_dflash2_layer_saves_what_the_memory_model_counts(fuse, taps, group, mode):
     """A DFlash2 layer keeps 4 + 4 taps / group H-wide values per block token more than the same DFlash layer
-    (models/dflash2_arch.saved_h: 4.125 at the defaults; autograd's backward of the convolution kept 8.125)."""
+    (models/dflash2_arch.saved_h: 4.125 at the defaults; autograd's backward of the convolution kept 8.125),
+    compiled (the defaults) and eager."""
     from dataclasses import replace
 
     from dflash_ds.models.dflash2_arch import DFlash2Options
 
+    fuse(backend="inductor")
+    fusion.FUSION.mode = mode
     cfg, width, (b, t, s) = dict(PRESETS["qwen3-8b"], vocab_size=512), 256, (2, 128, 256)
     opts = DFlash2Options(conv_kernel_size=taps, conv_group_size=group)
     saved = {}
