@@ -199,6 +199,11 @@ class TrainConfig:
     [chunk x block x vocabulary] logits, the layers' norms, RoPE and SwiGLU, a kind's own such parts;
     components/fusion.py): null = on CUDA, eager on CPU; true = on CPU too; false = eager everywhere. Each
     compiled function adds 1-2 graphs (seconds each to compile)."""
+    compile_cache: bool = True
+    """Keep what torch compiles (flex_attention, the fused functions: minutes of compiling on a GPU) in
+    <output_dir>/compile_cache, written by the leader after each checkpoint and loaded by every training rank at
+    start: a restart on another node, or after /tmp was wiped, compiles nothing again (runtime/compile_cache.py).
+    A few MB; false leaves only torch's per-machine cache."""
     target_attention: str = "auto"
     """Attention kernels of the frozen target's forward: auto (transformers' choice, sdpa on most models), sdpa,
     eager, flash_attention_2 / flash_attention_3 (pip install flash-attn), flex_attention. Logged at start-up."""

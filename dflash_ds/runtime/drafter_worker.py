@@ -25,7 +25,7 @@ from dflash_ds.distributed.wire import send_start
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter_arch import DrafterArch
 from dflash_ds.runtime import checkpoint as ckpt
-from dflash_ds.runtime import faults
+from dflash_ds.runtime import compile_cache, faults
 from dflash_ds.runtime.engine import build_drafter_engine, check_shared_head, export_drafter
 from dflash_ds.runtime.evaluate import validate
 from dflash_ds.runtime.job import last_step, load_run_target
@@ -47,6 +47,11 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watc
     resume = agree_on_resume(ctx, cfg, resume, arch, leader)
     data = replace(data, global_batch=resume.global_batch)  # the leader's word; the caller's stream is left as it is
     faults.before_build()
+    if cfg.train.compile_cache:  # before anything compiles: flex_attention, the fused functions
+        files, artifacts = compile_cache.load(out)
+        if leader and files:
+            print(f"[dflash-ds] compile cache: {artifacts} compiled artifact(s) loaded from "
+                  f"{compile_cache.folder(out)}", flush=True)
     engine, target = _build_engine(ctx, cfg, data, resume, arch, dtype)
     start_step, cursor = _restore(engine, resume)
     if leader:
@@ -74,6 +79,8 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watc
         if (done % cfg.train.save_interval == 0 and consecutive_bad == 0) or done == stop or result.stopping \
                 or new_best:
             _save(engine, cfg, out, arch, dtype, data, done, result.cursor, figures, best, new_best)
+            if leader and cfg.train.compile_cache:
+                compile_cache.save(out)
         if result.stopping:
             _finish(source, log)
             if leader:

@@ -96,14 +96,19 @@ def test_colocated_tensors_suit_the_gpu_groups(colocated):
 
 
 def test_colocated_resume_under_the_deepspeed_launcher_is_bit_exact(setup, colocated, tmp_path):
-    """The step-10 checkpoint, resumed by `deepspeed --hostfile` on 2 colocated ranks: steps 10-19 and the
-    step-20 export equal the uninterrupted colocated run's exactly."""
+    """The step-10 checkpoint, resumed by `deepspeed --hostfile` on 2 colocated ranks with the first run's compile
+    cache: steps 10-19 and the step-20 export equal the uninterrupted colocated run's exactly."""
     out, _ = colocated
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
     ckpts.mkdir(parents=True)
     shutil.copytree(out / "checkpoints" / "step_00000010", ckpts / "step_00000010")
     (ckpts / "latest").write_text("step_00000010\n")
+    # what the first run compiled (train.compile_cache; runtime/compile_cache.py), loaded by both ranks at start
+    index = json.loads((out / "compile_cache" / "index.json").read_text())
+    keys = {k for ks in index.values() for k in ks}
+    assert any(k.startswith("inductor/") for k in keys) and len(keys) >= 7, index  # the fused graphs, fwd + bwd
+    shutil.copytree(out / "compile_cache", run / "compile_cache")
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
@@ -112,6 +117,7 @@ def test_colocated_resume_under_the_deepspeed_launcher_is_bit_exact(setup, coloc
     r = run_bounded(cmd, 360, env=env_for_children(), cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "resuming from" in r.stdout and "step_00000010 at step 10" in r.stdout, r.stdout[-2000:]
+    assert f"compile cache: {len(keys)} compiled artifact(s) loaded" in r.stdout, r.stdout[-2000:]
     got, want = per_batch(run), per_batch(out)
     assert sorted(got) == [b for b in sorted(want) if want[b]["step"] >= 10]
     for b, rec in got.items():
