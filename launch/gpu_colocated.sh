@@ -6,8 +6,9 @@
 #
 # A Qwen3-family target of 12 layers, hidden 512 (make-tiny-target --family qwen3 --layers 12
 # --hidden 512), 256 prepared conversations; 1 rank: 10 steps stopped by train.stop_at (checkpoint),
-# resumed to 20; the resumed steps must equal an uninterrupted 20-step run's (bf16 on CUDA: within
-# 1e-3, printed); the export is evaluated (lossless at temperature 0). Prints peak memory and tok/s.
+# resumed to 20 with an empty inductor cache (as on another node: the run's compile_cache/ is what it has); the
+# resumed steps must equal an uninterrupted 20-step run's (bf16 on CUDA: within 1e-3, printed); the export is
+# evaluated (lossless at temperature 0). Prints peak memory, tok/s and each run's seconds.
 # WARMUP_ONLY=1: build the target and data, run 2 steps (compiling the run's flex graphs into the cache) and
 # stop; KEEP_DATA=1: reuse the target and data already in $OUT (gpu_check.sh runs both, in that order).
 set -euo pipefail
@@ -42,9 +43,13 @@ if [ "${WARMUP_ONLY:-0}" = 1 ]; then
     rm -rf "$OUT/warmup" && run --output-dir "$OUT/warmup" --max-steps 2
     exit 0
 fi
-run --output-dir "$OUT/full"
-run --output-dir "$OUT/split" --train.stop_at 10
-run --output-dir "$OUT/split" --resume auto
+timed() { local what=$1 t0=$SECONDS; shift; "$@"; echo "[gpu_colocated] $what: $(( SECONDS - t0 )) s"; }
+timed "uninterrupted 20 steps" run --output-dir "$OUT/full"
+timed "10 steps, stopped" run --output-dir "$OUT/split" --train.stop_at 10
+# The resume as on another node: an empty per-machine compile cache, the run's own (train.compile_cache) loaded
+rm -rf "$OUT/fresh_inductor"
+TORCHINDUCTOR_CACHE_DIR="$OUT/fresh_inductor" timed "resumed to 20, empty inductor cache" \
+    run --output-dir "$OUT/split" --resume auto
 "$PY" - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path

@@ -47,6 +47,13 @@ def figures(out: Path, steps: dict[str, dict[str, Any]]) -> None:
         last = json.loads(metrics.read_text().splitlines()[-1])
         steps["colocated"]["figures"] = {k: last.get(k) for k in ("tok_per_sec", "peak_mem_gb", "reserved_mem_gb",
                                                                     "compiled_graphs", "step_time_s", "loss")}
+        log = out / "colocated.log"
+        lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+        # each run's seconds (launch/gpu_colocated.sh), the resume's from an empty inductor cache and the run's own
+        steps["colocated"]["figures"]["runs_s"] = {
+            line.split("] ", 1)[1].rsplit(": ", 1)[0]: int(line.rsplit(": ", 1)[1].split()[0])
+            for line in lines if line.startswith("[gpu_colocated] ") and line.endswith(" s")}
+        steps["colocated"]["figures"]["compile_cache_loaded"] = any("compile cache: " in line for line in lines)
     tests = out / "gpu_tests.log"
     if tests.is_file() and "gpu_tests" in steps:
         tail = [line for line in tests.read_text().splitlines() if " passed" in line or " failed" in line]
@@ -78,6 +85,10 @@ def table(summary: dict[str, Any]) -> str:
             tok = f["tok_per_sec"]
             fig = (f"{tok:,.0f}" if isinstance(tok, (int, float)) else f"{tok}") + (
                 f" tok/s, peak {f['peak_mem_gb']} GB, reserved {f['reserved_mem_gb']} GB, {f['compiled_graphs']} graphs")
+            runs = f.get("runs_s") or {}
+            if runs:
+                fig += "; " + ", ".join(f"{what} {sec} s" for what, sec in runs.items()) + (
+                    " (compile cache loaded)" if f.get("compile_cache_loaded") else "")
         elif name == "gpu_tests" and f:
             fig = str(f["result"])
         elif name == "bench_widths" and f:
