@@ -1,7 +1,8 @@
 """One process of tests/test_runtime/test_compile_cache.py: load the run's compile cache (train.compile_cache), run
 one fused function compiled (an RMSNorm over [rows x 96], forward only), save the cache; print what happened as JSON.
 
-argv: OUT (the run folder), ROWS. The inductor cache folder is the caller's (TORCHINDUCTOR_CACHE_DIR)."""
+argv: OUT (the run folder), ROWS. The inductor cache folder and thread count are the caller's (TORCHINDUCTOR_CACHE_DIR,
+OMP_NUM_THREADS)."""
 
 import json
 import sys
