@@ -55,9 +55,9 @@ class _GroupedConv(torch.autograd.Function):
     def backward(ctx, grad):
         x, delta, base = ctx.saved_tensors
         need_x, need_delta, need_base = ctx.needs_input_grad[:3]
-        gx, gd, gb = _conv_grad_rows(grad.contiguous(), x, delta, base.clone(), ctx.block_size, need_x,
-                                     need_delta or need_base)
-        return gx if need_x else None, gd if need_delta else None, gb if need_base else None, None
+        gx, gdelta, gbase = _conv_grad_rows(grad.contiguous(), x, delta, base.clone(), ctx.block_size, need_x,
+                                            need_delta or need_base)
+        return gx if need_x else None, gdelta if need_delta else None, gbase if need_base else None, None
 
 
 def _views(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int):
@@ -87,21 +87,21 @@ def _conv_grad_rows(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, base:
     """(grad x [R, H], grad delta [R, taps, groups], grad base [taps, H]) of `_conv_rows` (module docstring); a
     gradient not asked for is None."""
     xb, d, bk = _views(x, delta, base, block_size)
-    gb = g.view(xb.shape)
+    gblk = g.view(xb.shape)
     taps = bk.shape[0]
     gx = gd = gbase = None
     if need_x:
-        gx = torch.addcmul(gb * bk[0], gb, d[:, :, 0])
+        gx = torch.addcmul(gblk * bk[0], gblk, d[:, :, 0])
         for t in range(1, min(taps, block_size)):
             head = gx[:, :-t]  # x at i - t feeds out at i
-            head.addcmul_(gb[:, t:], bk[t])
-            head.addcmul_(gb[:, t:], d[:, t:, t])
+            head.addcmul_(gblk[:, t:], bk[t])
+            head.addcmul_(gblk[:, t:], d[:, t:, t])
         gx = gx.view(x.shape)
     if need_coef:
         gd = torch.zeros(delta.shape, dtype=delta.dtype, device=delta.device).view(d.shape[:-1])
         gbase = torch.zeros(base.shape, dtype=base.dtype, device=base.device).view(bk.shape)
         for t in range(min(taps, block_size)):
-            p = gb[:, t:] * xb[:, :xb.shape[1] - t]  # g[i] * x[i - t]: shared by both gradients
+            p = gblk[:, t:] * xb[:, :xb.shape[1] - t]  # g[i] * x[i - t]: shared by both gradients
             gd[:, t:, t] = p.sum(-1)
             gbase[t] = p.sum((0, 1))
         gd, gbase = gd.view(delta.shape), gbase.view(base.shape)
