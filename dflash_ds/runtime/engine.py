@@ -207,8 +207,8 @@ def gathered_drafter_state(engine) -> dict[str, torch.Tensor] | None:
 def load_drafter(cfg: Config, arch: DrafterArch, resuming: bool = False) -> DFlashDrafter:
     """The drafter to train: --drafter's export, else a fresh one of the run's shape seeded by train.seed; when
     `resuming`, one left unfilled (`DFlashDrafter.empty`): the checkpoint's load fills every parameter (DeepSpeed's
-    `load_module_strict`, or the universal folder's values), and drawing 1-2 B seeded values first cost 6-10 s of
-    one CPU core at the Qwen3-8B / Qwen3.6-27B presets, at every restart."""
+    `load_module_strict`, or the universal folder's values); drawing the Qwen3-8B preset's 1.05 B seeded values
+    first took 23-33 s on one CPU core of a 2-core VM (docs/BENCHMARKS.md), at every restart of every rank."""
     if resuming:
         return DFlashDrafter.empty(arch)
     if cfg.drafter:
