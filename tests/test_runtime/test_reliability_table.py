@@ -36,6 +36,9 @@ ROWS = {
         "test_reliability_table.py::test_sigint_to_torchrun_then_resume_zero0_on_one_drafter"],
     "restart on another number of target GPUs": [
         "test_reshard.py::test_resume_on_another_drafter_count"],  # its zero2 case: 1 target -> 2
+    "restart on other nodes, or after /tmp was wiped": [
+        "test_compile_cache.py::test_a_fresh_machine_loads_the_runs_compiled_graphs",
+        "test_colocated.py::test_colocated_resume_under_the_deepspeed_launcher_is_bit_exact"],
     "SIGTERM/SIGINT to any rank or to torchrun": [
         "test_reliability_table.py::test_sigterm_to_the_target_rank_checkpoints_the_step_and_every_rank_exits_75",
         "test_reliability_table.py::test_sigterm_to_a_drafter_then_resume_resharded_from_zero1",
