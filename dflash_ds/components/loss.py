@@ -263,7 +263,10 @@ def _chunk_core(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
         dz = None
         if need_grad:
             c_ce = ((1.0 - lk_w) * (1.0 - kl_w) * weight)[..., None]
-            dz = z.sub_(lse).exp_()  # p, in z's buffer (the head's backward does not read its output)
+            # p, eager: in z's buffer (the head's backward does not read its output). Compiled, the graph writes a
+            # buffer of its own either way: mutating an fp32 input there only adds its write-back and makes
+            # autograd rebuild the logits' gradient through an as_strided zero-fill and copy (two more passes)
+            dz = (z - lse).exp() if torch.compiler.is_compiling() else z.sub_(lse).exp_()
             dz.mul_(c_ce)
             if torch.compiler.is_compiling():  # the one-hot as a compare: one pointwise kernel, no scatter pass
                 dz.sub_((torch.arange(v, device=dz.device) == y) * c_ce)
@@ -314,15 +317,18 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 # block), and a 3-D input that cannot be viewed as 2-D makes matmul broadcast the V x H head into a
                 # batched GEMM of c skinny [K, H] products, reading the whole head once per block (docs/DESIGN.md §9:
                 # 47% of an H200 step). reshape copies the chunk (c*K*H) only when it must.
-                logits = head(inputs[0].reshape(-1, inputs[0].shape[-1]))
+                flat = head(inputs[0].reshape(-1, inputs[0].shape[-1]))
                 if biased:
                     inputs += [bias_embed[lo:hi].detach().requires_grad_(need_grad),
                                bias_w.detach().requires_grad_(need_grad)]
-                    logits = logits + inputs[1].reshape(-1, inputs[1].shape[-1]) @ inputs[2].to(inputs[1].dtype)
-                logits = logits.view(hi - lo, k, -1)
+                    flat = flat + inputs[1].reshape(-1, inputs[1].shape[-1]) @ inputs[2].to(inputs[1].dtype)
+            # The gradient is taken at `flat`, never at this view of it: the loss core may overwrite the fp32 logits
+            # in place (eager), and a view whose buffer changed gets its gradient through an as_strided backward, a
+            # zero-fill and a copy of the whole [c*K, V] chunk (~10% of the chunk's CPU time).
+            logits = flat.detach().view(hi - lo, k, -1)
             if top_k:
                 with torch.no_grad():
-                    z = logits.detach().float()
+                    z = logits.float()
                     values, ids = z.topk(top_k, dim=-1)
                     gold = z.gather(-1, labels[lo:hi].clamp(min=0, max=z.shape[-1] - 1)[..., None]).squeeze(-1)
                 for acc, t in zip(cands, (ids, values, gold)):
@@ -330,11 +336,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 del z
             target_logits = (head(target_hidden[lo:hi].reshape((hi - lo) * k, -1)).view(hi - lo, k, -1)
                              if target_hidden is not None else None)
-            part, w, st, dz = _chunk_loss_and_grad(logits.detach(), labels[lo:hi], valid[lo:hi], spec,
-                                                   target_logits, need_grad, pad_to=chunk)
+            part, w, st, dz = _chunk_loss_and_grad(logits, labels[lo:hi], valid[lo:hi], spec, target_logits,
+                                                   need_grad, pad_to=chunk)
             del target_logits
             if need_grad:
-                grads = torch.autograd.grad(logits, inputs, dz)
+                grads = torch.autograd.grad(flat, inputs, dz.view(flat.shape))
                 grad[lo:hi] = grads[0]
                 if biased:
                     grad_e[lo:hi] = grads[1]
@@ -343,7 +349,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             weight_sum += w
             for acc, t in zip(stats, st):
                 acc.append(t)
-            del inputs, logits, dz
+            del inputs, flat, logits, dz
         ctx.save_for_backward(grad, grad_e, grad_w)
         outs = (weight_sum, *(torch.cat(acc) for acc in stats), *(torch.cat(acc) for acc in cands if acc))
         ctx.mark_non_differentiable(*outs)
@@ -367,7 +373,8 @@ def chunked_dflash_loss(hidden: torch.Tensor, head, labels: torch.Tensor, valid:
     distribution (KL, LK, target labels; its logits are computed chunk by chunk too). `logit_bias` (e [N, K, r],
     w [r, V]): a low-rank bias e @ w added to the drafter's logits (DSpark's Markov head), never held whole;
     both get gradients. `top_k` > 0 also returns each position's top-k of the logits and its label's logit
-    (`LossTerms.candidates`), taken from the chunk's logits. `knobs`: the other `LossSpec` fields. Peak memory is O(chunk_blocks x K x V) instead of O(N x K x V): about
+    (`LossTerms.candidates`), taken from the chunk's logits. `knobs`: the other `LossSpec` fields.
+    Peak memory is O(chunk_blocks x K x V) instead of O(N x K x V): about
     8 bytes per (label position x vocabulary entry) of a chunk for CE, 16 with the target's
     distribution, 17 with LK (fp32 buffers; plus the heads' own outputs in the run dtype).
     """
