@@ -321,7 +321,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 if biased:
                     inputs += [bias_embed[lo:hi].detach().requires_grad_(need_grad),
                                bias_w.detach().requires_grad_(need_grad)]
-                    flat = flat + inputs[1].reshape(-1, inputs[1].shape[-1]) @ inputs[2].to(inputs[1].dtype)
+                    # added in the head's output buffer by the bias GEMM itself (beta = 1): no second [c*K, V] buffer
+                    # for e @ w, none for the sum, no pass to add them
+                    flat = flat.addmm_(inputs[1].reshape(-1, inputs[1].shape[-1]).to(flat.dtype),
+                                       inputs[2].to(flat.dtype))
             # The gradient is taken at `flat`, never at this view of it: the loss core may overwrite the fp32 logits
             # in place (eager), and a view whose buffer changed gets its gradient through an as_strided backward, a
             # zero-fill and a copy of the whole [c*K, V] chunk (~10% of the chunk's CPU time).
