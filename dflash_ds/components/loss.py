@@ -170,12 +170,16 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
 
 
 def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, spec: LossSpec,
-                         target_logits: torch.Tensor | None, need_grad: bool, pad_to: int = 0):
+                         target_logits: torch.Tensor | None, need_grad: bool, pad_to: int = 0,
+                         top8: torch.Tensor | None = None):
     """`_loss_parts` of one chunk plus d(numerator)/d(logits) (in the logits' dtype, [c, K, V]): `_chunk_core` on
     the chunk's c x K rows. Where the core runs compiled (static shapes, components/fusion.py) a chunk of fewer
-    than `pad_to` blocks is padded to it with invalid positions (their weight is 0: nothing changes)."""
+    than `pad_to` blocks is padded to it with invalid positions (their weight is 0: nothing changes). `top8`
+    ([c, K, min(8, V)] ids, largest first): the logits' top-8 when the caller already has it (eager: the core
+    then runs no top-k of its own; compiled, it counts the label's rank and ignores it)."""
     c, k = labels.shape
-    pad = max(pad_to - c, 0) if compiles_for(logits) else 0
+    compiled = compiles_for(logits)
+    pad = max(pad_to - c, 0) if compiled else 0
 
     def rows(t: torch.Tensor | None, fill=0) -> torch.Tensor | None:
         if t is None:
@@ -184,7 +188,7 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torc
         return torch.cat([t, t.new_full((pad * k, *t.shape[1:]), fill)]) if pad else t
 
     num, weight_sum, stats, dz = _chunk_core(rows(logits), rows(labels, -100), rows(valid, False), k, spec,
-                                             rows(target_logits), need_grad)
+                                             rows(target_logits), need_grad, None if compiled else top8)
     if pad:
         stats, dz = [s[:c] for s in stats], None if dz is None else dz[: c * k]
     return num, weight_sum, stats, None if dz is None else dz.view(c, k, -1)
@@ -192,7 +196,7 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torc
 
 @fused(dynamic=False)
 def _chunk_core(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, k: int, spec: LossSpec,
-                target_logits: torch.Tensor | None, need_grad: bool):
+                target_logits: torch.Tensor | None, need_grad: bool, top8: torch.Tensor | None = None):
     """`_loss_parts` of c blocks of k positions (logits [c*k, V], labels and valid [c*k], target_logits [c*k, V])
     plus d(numerator)/d(logits) [c*k, V] in the logits' dtype, by hand, with few [c, k, V] buffers; compiled on
     CUDA (components/fusion.py: the passes below fuse into a few kernels). `logits` is detached: its buffer may
@@ -225,7 +229,7 @@ def _chunk_core(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
             stats = [(rank < 1) & valid, (rank < 4) & valid, (rank < 8) & valid]
             top1 = z.argmax(-1, keepdim=True)
         else:
-            top8 = z.topk(min(8, v), dim=-1).indices
+            top8 = z.topk(min(8, v), dim=-1).indices if top8 is None else top8.view(-1, k, top8.shape[-1])
             hit = top8 == y
             stats = [hit[..., 0] & valid, hit[..., :4].any(-1) & valid, hit.any(-1) & valid]
             top1 = top8[..., :1]
@@ -264,8 +268,7 @@ def _chunk_core(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
         if need_grad:
             c_ce = ((1.0 - lk_w) * (1.0 - kl_w) * weight)[..., None]
             # p, eager: in z's buffer (the head's backward does not read its output). Compiled, the graph writes a
-            # buffer of its own either way: mutating an fp32 input there only adds its write-back and makes
-            # autograd rebuild the logits' gradient through an as_strided zero-fill and copy (two more passes)
+            # buffer of its own anyway: mutating an fp32 input there only adds a write-back of it
             dz = (z - lse).exp() if torch.compiler.is_compiling() else z.sub_(lse).exp_()
             dz.mul_(c_ce)
             if torch.compiler.is_compiling():  # the one-hot as a compare: one pointwise kernel, no scatter pass
@@ -321,14 +324,13 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 if biased:
                     inputs += [bias_embed[lo:hi].detach().requires_grad_(need_grad),
                                bias_w.detach().requires_grad_(need_grad)]
-                    # added in the head's output buffer by the bias GEMM itself (beta = 1): no second [c*K, V] buffer
-                    # for e @ w, none for the sum, no pass to add them
+                    # into the head's output by the bias GEMM itself (beta 1): no [c*K, V] buffer for e @ w or the sum
                     flat = flat.addmm_(inputs[1].reshape(-1, inputs[1].shape[-1]).to(flat.dtype),
                                        inputs[2].to(flat.dtype))
-            # The gradient is taken at `flat`, never at this view of it: the loss core may overwrite the fp32 logits
-            # in place (eager), and a view whose buffer changed gets its gradient through an as_strided backward, a
-            # zero-fill and a copy of the whole [c*K, V] chunk (~10% of the chunk's CPU time).
+            # The gradient is taken at `flat`, not at this view: the eager core overwrites fp32 logits in place, and a
+            # changed view's gradient runs an as_strided backward (a zero-fill and a copy of the [c*K, V] chunk).
             logits = flat.detach().view(hi - lo, k, -1)
+            top8 = None
             if top_k:
                 with torch.no_grad():
                     z = logits.float()
@@ -337,10 +339,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 for acc, t in zip(cands, (ids, values, gold)):
                     acc.append(t)
                 del z
+                if top_k >= min(8, logits.shape[-1]):  # the metrics' top-8 are its first 8: no second top-k pass
+                    top8 = ids[..., : min(8, logits.shape[-1])]
             target_logits = (head(target_hidden[lo:hi].reshape((hi - lo) * k, -1)).view(hi - lo, k, -1)
                              if target_hidden is not None else None)
             part, w, st, dz = _chunk_loss_and_grad(logits, labels[lo:hi], valid[lo:hi], spec, target_logits,
-                                                   need_grad, pad_to=chunk)
+                                                   need_grad, pad_to=chunk, top8=top8)
             del target_logits
             if need_grad:
                 grads = torch.autograd.grad(flat, inputs, dz.view(flat.shape))

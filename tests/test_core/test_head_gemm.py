@@ -23,9 +23,9 @@ from dflash_ds.models.presets import PRESETS
 BATCHED = ("aten::bmm", "aten::baddbmm")
 
 
-def batched_gemms_with(vocab: int, kind: str) -> tuple[list[tuple[str, list]], int, list[tuple[str, list]]]:
+def batched_gemms_with(vocab: int, kind: str) -> tuple[list[tuple[str, list]], int, list[tuple[str, list]], int]:
     """(batched GEMMs that have an operand with the vocabulary dimension, GEMMs with it, fills and copies of
-    a buffer of blocks' logits) in one micro-step."""
+    a buffer of blocks' logits, top-k passes over the vocabulary) in one micro-step."""
     cfg = dict(PRESETS["qwen3-8b"])  # the real vocabulary (151,936); a narrow drafter keeps it quick
     shape = bench_memory.drafter_shape(cfg, 64, 2, 16, kind)
     step = mm.StepShape(batch=2, seq_len=128, anchors_per_row=6, chunk_blocks=4, kl=True, dtype_bytes=4,
@@ -36,7 +36,7 @@ def batched_gemms_with(vocab: int, kind: str) -> tuple[list[tuple[str, list]], i
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         terms, _ = module(states, loss_cfg, 0, 0.0, 0)
         terms.loss.backward()
-    bad, gemms, moves = [], 0, []
+    bad, gemms, moves, topks = [], 0, [], 0
     for e in prof.events():
         shapes = [s for s in (e.input_shapes or []) if isinstance(s, list)]
         if e.name in ("aten::fill_", "aten::zero_", "aten::copy_") and shapes and shapes[0] \
@@ -44,18 +44,21 @@ def batched_gemms_with(vocab: int, kind: str) -> tuple[list[tuple[str, list]], i
             moves.append((e.name, shapes))
         if not any(vocab in s for s in shapes):
             continue
+        topks += e.name == "aten::topk"
         if e.name in BATCHED:
             bad.append((e.name, shapes))
         elif e.name in ("aten::mm", "aten::addmm"):
             gemms += 1
-    return bad, gemms, moves
+    return bad, gemms, moves, topks
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
 def test_no_batched_gemm_over_the_vocabulary(kind):
     """Head forward, its input gradient, the target's logits (KL on) and DSpark's Markov bias: 2-D GEMMs only."""
     vocab = PRESETS["qwen3-8b"]["vocab_size"]
-    bad, gemms, moves = batched_gemms_with(vocab, kind)
+    bad, gemms, moves, topks = batched_gemms_with(vocab, kind)
     assert not bad, f"{kind}: batched GEMMs over the vocabulary (the head read once per block): {bad[:3]}"
     assert not moves, f"{kind}: fills or copies of logits-sized buffers (an as_strided backward?): {moves[:3]}"
+    # one top-k a chunk: DFlash2's candidates (top 8) are also the metrics' top-8 (eager; compiled counts ranks)
+    assert topks == 3, f"{kind}: {topks} top-k passes over the vocabulary in 3 chunks"
     assert gemms >= 3 * 3  # 3 chunks of 12 blocks / 4: drafter logits, their input gradient, the target's logits
