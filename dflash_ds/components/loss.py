@@ -332,13 +332,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             logits = flat.detach().view(hi - lo, k, -1)
             top8 = None
             if top_k:
-                with torch.no_grad():
-                    z = logits.float()
-                    values, ids = z.topk(top_k, dim=-1)
-                    gold = z.gather(-1, labels[lo:hi].clamp(min=0, max=z.shape[-1] - 1)[..., None]).squeeze(-1)
-                for acc, t in zip(cands, (ids, values, gold)):
+                with torch.no_grad():  # in the run dtype (exact in fp32 after): no fp32 copy of the chunk
+                    values, ids = logits.topk(top_k, dim=-1)
+                    gold = logits.gather(-1, labels[lo:hi].clamp(min=0, max=logits.shape[-1] - 1)[..., None])
+                for acc, t in zip(cands, (ids, values.float(), gold.squeeze(-1).float())):
                     acc.append(t)
-                del z
                 if top_k >= min(8, logits.shape[-1]):  # the metrics' top-8 are its first 8: no second top-k pass
                     top8 = ids[..., : min(8, logits.shape[-1])]
             target_logits = (head(target_hidden[lo:hi].reshape((hi - lo) * k, -1)).view(hi - lo, k, -1)
