@@ -337,8 +337,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     gold = logits.gather(-1, labels[lo:hi].clamp(min=0, max=logits.shape[-1] - 1)[..., None])
                 for acc, t in zip(cands, (ids, values.float(), gold.squeeze(-1).float())):
                     acc.append(t)
-                if top_k >= min(8, logits.shape[-1]):  # the metrics' top-8 are its first 8: no second top-k pass
-                    top8 = ids[..., : min(8, logits.shape[-1])]
+                n8 = min(8, logits.shape[-1])
+                top8 = ids[..., :n8] if top_k >= n8 else None  # the metrics' top-8: no second top-k pass
             target_logits = (head(target_hidden[lo:hi].reshape((hi - lo) * k, -1)).view(hi - lo, k, -1)
                              if target_hidden is not None else None)
             part, w, st, dz = _chunk_loss_and_grad(logits, labels[lo:hi], valid[lo:hi], spec, target_logits,
