@@ -3,17 +3,23 @@
 Each subcommand lives in its own module exposing `add_arguments(parser)` and
 `run(args) -> int`; this file only wires names to modules so that importing the
 CLI stays cheap (torch/transformers load only for the command that runs).
+
+Every command runs with CLI_UMASK added to the caller's umask, as the ranks run with train.umask: what a
+command writes (report's plots, eval's --json and server logs, prepared data, exports) is not readable by
+other users of the machine under a shell's usual umask (022) either.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from dflash_ds.bench.cli import BENCHMARKS
 from dflash_ds.errors import DFlashError
 
+CLI_UMASK = 0o027  # the group may read, others nothing: train.umask's default; added, so a stricter 077 stays
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny-target": ("dflash_ds.tiny.cli", "write a small seeded target model (Qwen3, or --family NAME) + tokenizer (HF format)"),
@@ -46,11 +52,15 @@ def main(argv: list[str] | None = None) -> int:
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
     args = parser.parse_args(argv)
+    caller_umask = os.umask(CLI_UMASK)  # the only way to read it is to set it: then set the caller's plus ours
+    os.umask(caller_umask | CLI_UMASK)
     try:
         return int(args._run(args) or 0)
     except DFlashError as exc:
         print(f"dflash-ds {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    finally:
+        os.umask(caller_umask)  # a caller in this process (a test, a script calling main) gets its own back
 
 
 def entry() -> None:

@@ -236,7 +236,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def vllm_log_dir(args: argparse.Namespace) -> Path | None:
     """Where eval --engine vllm keeps its servers' logs: --vllm-log, else beside --json (JSON_STEM.vllm/), else
-    nowhere (temporary files, removed after a clean run: vllm_server.VLLMServer)."""
+    nowhere: VLLMServer's own files in the current folder, removed after a clean run, kept on a failure."""
     if args.vllm_log:
         return Path(args.vllm_log)
     return Path(args.json).with_suffix(".vllm") if args.json else None

@@ -16,7 +16,11 @@ set replaces the files it covers. Sizes: a few MB (CPU: the graphs' C++ source; 
 compiles that source after a hit, so the saving there is the tracing and lowering only).
 
 A file that cannot be read or loaded (another torch, a torn copy) is skipped with one warning: compiling again is
-the worst case, never a failed start.
+the worst case, never a failed start. So is a file another user could have written: torch's loader puts the bytes
+into the compile caches as they are (pickles, Python source that inductor imports), so whoever can write a
+loaded file runs code on every rank. Loaded are regular files in this folder owned by this process's user and
+not writable by group or others, checked on the opened file (fstat: a name swapped after a check changes
+nothing); save writes them so (0o644 less the umask), whatever train.umask says.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -45,8 +50,33 @@ def _read_index(where: Path) -> dict[str, list[str]]:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_bytes(data)
+    tmp.unlink(missing_ok=True)  # a leftover (or planted link) of that name: O_EXCL makes a file of our own
+    # 0o644, not the default 0o666: under a group-writable umask (002) the file would fail load's own check
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
+
+
+class _Untrusted(Exception):
+    """A cache file this process must not hand to torch's loader."""
+
+
+def _read_trusted(path: Path) -> bytes:
+    """The file's bytes if it is a regular file of this user that group and others cannot write; else _Untrusted
+    saying why."""
+    # O_NONBLOCK: a FIFO under a listed name would block the open (the rank's start) for good; a regular file
+    # reads as usual.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)  # what was opened, not what the name points at now
+        if not stat.S_ISREG(st.st_mode):
+            raise _Untrusted("not a regular file")
+        if st.st_uid != os.geteuid():
+            raise _Untrusted(f"owned by uid {st.st_uid}, not by this user ({os.geteuid()})")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise _Untrusted(f"mode {stat.filemode(st.st_mode)}: group or others may write it")
+        return f.read()
 
 
 def _keys(info) -> list[str]:
@@ -62,8 +92,12 @@ def load(out: Path) -> tuple[int, int]:
     files = artifacts = 0
     for name in sorted(_read_index(where)):
         try:
-            # torch returns None for bytes it cannot read (logging its own traceback), raises for some other faults
-            info, why = torch.compiler.load_cache_artifacts((where / name).read_bytes()), "not torch's artifacts"
+            if Path(name).name != name or name == "..":
+                raise _Untrusted("not a file name in this folder")  # the index cannot point elsewhere
+            # torch returns None for bytes it cannot read (logging its own traceback), raises for other faults
+            info, why = torch.compiler.load_cache_artifacts(_read_trusted(where / name)), "not torch's artifacts"
+        except _Untrusted as exc:
+            info, why = None, f"{exc}: torch's loader would run what it holds"
         except Exception as exc:  # noqa: BLE001 - any failure means compiling again, never a failed start
             info, why = None, f"{type(exc).__name__}: {exc}"
         count = len(_keys(info)) if info is not None else 0

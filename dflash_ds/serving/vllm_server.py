@@ -9,8 +9,10 @@ repository's `.venv-serve` (`make serve-env` creates it). The server runs in a n
 the `with` block (or the process exiting) ends its whole process group, the engine's workers
 included, and so does this process's death, even by SIGKILL: the group's leader is a keeper
 (`keeper.py`) that ends the server once its starter is gone. Its output goes to a log file, whose
-tail is printed when it fails to come up: the caller's (`log_path`, kept), else a temporary file removed once the
-server stops after a clean run and kept (and named) when it failed to start or the `with` block raised.
+tail is printed when it fails to come up: the caller's (`log_path`, kept), else `dflash-vllm-PID-PORT.log` in the
+current folder, removed once the server stops after a clean run and kept (and named) when it failed to start or
+the `with` block raised. Never the system's temporary folder: a log there outlives the run where every user of the
+machine can list it (and, under the usual umask 022, read the prompts and paths it holds).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -104,9 +105,10 @@ class VLLMServer:
         self.python = vllm_python(python)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.keep_log = log_path is not None  # the caller's file stays; a temporary one goes after a clean run
-        self.log_path = Path(log_path) if log_path else \
-            Path(tempfile.gettempdir()) / f"dflash-vllm-{os.getpid()}-{self.port}.log"
+        self.keep_log = log_path is not None  # the caller's file stays; one named here goes after a clean run
+        # A caller without an output folder (eval without --json) gets the folder it runs in, made absolute here:
+        # the name printed on a failure is where the log is, whatever the process's folder is by then.
+        self.log_path = Path(log_path) if log_path else Path.cwd() / f"dflash-vllm-{os.getpid()}-{self.port}.log"
         self.startup_timeout_s = startup_timeout_s
         self.env = {**os.environ, **(env or {})}
         cpu = on_cpu()
@@ -138,9 +140,14 @@ class VLLMServer:
 
     def start(self) -> None:
         """Launch the server and wait until /health answers; on failure, stop it and raise with the log's tail."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         keeper = [sys.executable, "-I", "-S", str(KEEPER), str(os.getpid()), str(KEEPER_GRACE_S), "--"]
-        with open(self.log_path, "wb") as log:
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_path, "wb")
+        except OSError as exc:
+            raise DFlashError(f"vLLM's log {self.log_path}: {exc.strerror}; choose a writable one "
+                              f"(--vllm-log, or run from a writable folder)") from exc
+        with log:
             self.proc = subprocess.Popen([*keeper, *self.cmd], stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
         atexit.register(self.stop)
@@ -176,8 +183,8 @@ class VLLMServer:
             return "(no log)"
 
     def stop(self, grace_s: float = 15.0, keep_log: bool = False) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left after `grace_s`; then remove a temporary log
-        unless `keep_log` (a failure: its log is what says why)."""
+        """SIGTERM the server's process group, SIGKILL what is left after `grace_s`; then remove a log the caller
+        did not name unless `keep_log` (a failure: its log is what says why)."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -213,8 +220,9 @@ def add_server_arguments(parser, *, for_eval: bool = False) -> None:
     parser.add_argument("--vllm-startup-timeout", type=float, default=600.0,
                         help="seconds to wait for the server's /health (default 600; a large target loads for minutes)")
     parser.add_argument("--vllm-log", default=None, help="folder for the servers' logs (default: beside --json, "
-                        "JSON_STEM.vllm/; without --json, temporary files removed after a clean run, kept and named "
-                        "on a failure)" if for_eval else "the server's log file (default: OUT.vllm.log)")
+                        "JSON_STEM.vllm/; without --json, dflash-vllm-PID-PORT.log in the current folder, removed "
+                        "after a clean run, kept and named on a failure)" if for_eval
+                        else "the server's log file (default: OUT.vllm.log)")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for `vllm serve`, repeatable (e.g. --vllm-arg=--tensor-parallel-size "
                              "--vllm-arg=4)")

@@ -155,24 +155,3 @@ def test_a_server_that_cannot_start_fails_with_its_log(vllm_python, tmp_path):
         server.start()
     assert str(tmp_path / "empty") in str(err.value) or "config" in str(err.value).lower()
     assert server.proc is None and vllm_processes(str(tmp_path / "empty")) == []
-
-
-def test_a_temporary_log_goes_after_a_clean_stop_and_stays_after_a_failure(tmp_path, monkeypatch):
-    """Without log_path the log is a temporary file: removed when the server stops cleanly, kept and named when
-    it failed to start (here: a Python without vLLM) or its `with` block raised. No vLLM needed."""
-    import tempfile
-
-    from dflash_ds.errors import DFlashError
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    failing = VLLMServer(tmp_path, python=sys.executable, startup_timeout_s=60)
-    assert failing.log_path.parent == tmp_path and not failing.log_path.exists()  # created by start(), not before
-    with pytest.raises(DFlashError, match=str(failing.log_path)):
-        failing.start()
-    assert "No module named 'vllm'" in failing.log_path.read_text()
-    for raised in (False, True):
-        server = VLLMServer(tmp_path, python=sys.executable)
-        server.log_path.write_text("served")
-        server.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)  # a stand-in for a started server
-        server.__exit__(RuntimeError if raised else None, None, None)  # leaving `with`, a request failed or not
-        assert server.log_path.exists() == raised and server.proc is None

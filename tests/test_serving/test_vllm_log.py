@@ -1,0 +1,67 @@
+"""Where a vLLM server's log goes (serving/vllm_server.py) and when it is removed. No vLLM needed: the server's
+Python is this one, which has no vLLM, so a start fails within a second or two, as a real failed start does."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from dflash_ds.errors import DFlashError
+from dflash_ds.serving.vllm_server import VLLMServer
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """A run folder as the current folder, and a system temporary folder of its own to find strays in."""
+    systemp = tmp_path / "systemp"
+    systemp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(systemp))
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.chdir(run)
+    return run, systemp
+
+
+def stand_in(server: VLLMServer) -> None:
+    """Make `server` look started: its log written, a process of its own in a session of its own."""
+    server.log_path.parent.mkdir(parents=True, exist_ok=True)
+    server.log_path.write_text("served")
+    server.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+
+
+def test_a_failed_start_keeps_its_log_in_the_current_folder_and_names_it(here):
+    run, systemp = here
+    failing = VLLMServer(run, python=sys.executable, startup_timeout_s=60)
+    assert failing.log_path.parent == run and not failing.log_path.exists()  # created by start(), not before
+    with pytest.raises(DFlashError, match=str(failing.log_path)):
+        failing.start()
+    assert "No module named 'vllm'" in failing.log_path.read_text()
+    assert list(systemp.iterdir()) == []  # nothing in the machine's shared temporary folder
+
+
+@pytest.mark.parametrize("raised", [False, True], ids=["clean", "raised"])
+def test_a_log_named_here_goes_after_a_clean_run_and_stays_after_a_failure(here, raised, capsys):
+    """The caller's own log (log_path) stays either way."""
+    run, systemp = here
+    server = VLLMServer(run, python=sys.executable)
+    callers = VLLMServer(run, python=sys.executable, log_path=run / "logs" / "mine.log")
+    assert server.log_path.parent == run
+    for s in (server, callers):
+        stand_in(s)
+        s.__exit__(RuntimeError if raised else None, None, None)  # leaving `with`, a request failed or not
+        assert s.proc is None
+    assert server.log_path.exists() == raised and callers.log_path.read_text() == "served"
+    assert (f"log kept at {server.log_path}" in capsys.readouterr().out) == raised
+    assert list(systemp.iterdir()) == []
+
+
+def test_a_log_that_cannot_be_written_is_one_clear_error(here):
+    run, _ = here
+    (run / "a_file").write_text("")
+    server = VLLMServer(run, python=sys.executable, log_path=run / "a_file" / "vllm.log")
+    with pytest.raises(DFlashError, match=r"vLLM's log .*a_file/vllm.log: .*; choose a writable one"):
+        server.start()
+    assert server.proc is None
