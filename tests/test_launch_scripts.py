@@ -35,3 +35,19 @@ def test_gpu_checks_summarise_what_they_measure(script: str, fields: list[str]) 
 def test_launch_scripts_set_expandable_segments() -> None:
     for name in ("train.sh", "train_multinode.sh", "train_deepspeed.sh", "gpu_colocated.sh"):
         assert "expandable_segments:True" in (LAUNCH / name).read_text(), name
+
+
+def test_slurm_script_stops_on_a_refused_secret(tmp_path: Path) -> None:
+    """A secret the credentials helper refuses (a carriage return in it) ends the batch script there, with the
+    helper's status, before anything reaches SLURM: `eval "$(helper)"` would have gone on (eval of "" is 0)."""
+    import os
+    import sys
+
+    env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_SUBMIT_DIR": str(tmp_path), "NPROC": "1",
+           "DFLASH_LAUNCH_DIR": str(LAUNCH), "WANDB_API_KEY": "wb\rDFLASH_X=evil",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", str(LAUNCH / "train_slurm.sbatch")], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "WANDB_API_KEY" in r.stderr and "carriage return" in r.stderr
+    assert "scontrol" not in r.stderr and "wb\r" not in r.stderr  # stopped before the rendezvous host; no value shown

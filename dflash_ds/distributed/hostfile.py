@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dflash_ds.distributed.credentials import is_secret, secrets_of, shell_setup, write_credentials
+from dflash_ds.distributed.credentials import (VARIABLE_NAME, is_secret, secrets_of, shell_setup, unsafe_char,
+                                               write_credentials)
 from dflash_ds.errors import DFlashError
 
 _HOST = re.compile(r"^[A-Za-z0-9_.:\-\[\]@]+$")  # hostnames, IPv4/IPv6 addresses, user@host
@@ -28,7 +29,9 @@ def parse_hostfile(path: str | Path) -> list[tuple[str, int]]:
         raise DFlashError(f"hostfile {path}: cannot read it ({exc})") from None
     hosts: list[tuple[str, int]] = []
     first_line: dict[str, int] = {}
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    # Lines as DeepSpeed reads them (universal newlines: read_text() made \r and \r\n into \n): a \f or \x85 that
+    # str.splitlines would break on stays in its line, and that line is refused below.
+    for lineno, raw in enumerate(text.split("\n"), start=1):
         line = raw.split("#", 1)[0].strip()  # a trailing comment is allowed, as in the example hostfile
         if not line:
             continue
@@ -70,15 +73,20 @@ LAUNCHER_PREFIXES = ("NCCL", "PYTHON", "MV2", "UCX", "MLFLOW")
 
 # DeepSpeed's pdsh runner builds `export K=V; ...` for the remote shell, V stripped and, when it holds anything but
 # these characters, wrapped in double quotes (multinode_runner.add_export): inside them the shell still expands
-# $, ` and \, so a value holding $(cmd) would run cmd on every host. `ds_env_value` escapes exactly those.
+# $, ` and \, so a value holding $(cmd) would run cmd on every host. `ds_env_value` escapes exactly those, and
+# the % that pdsh itself expands.
 _DS_PLAIN = re.compile(r"[\w@%+=:,./-]*")
 
 
 def ds_env_value(value: str) -> str | None:
     """`value` as an env-file line must hold it for DeepSpeed's pdsh runner to hand the ranks `value` intact;
-    None when it cannot travel (a newline, or blanks at either end, which DeepSpeed strips)."""
-    if "\n" in value or value != value.strip():
+    None when it cannot travel (blanks at either end, which DeepSpeed strips; a line break or control character,
+    which `check_forwarded` refuses first)."""
+    if unsafe_char(value) is not None or value != value.strip():
         return None
+    # pdsh replaces %h, %u and %n in the remote command (the host, the user, the node's rank: DeepSpeed's
+    # --node_rank=%n) and %% by %: every % doubled reaches the ranks as one.
+    value = value.replace("%", "%%")
     if _DS_PLAIN.fullmatch(value):
         return value  # DeepSpeed passes it bare: nothing to escape
     return re.sub(r'([\\"$`])', r"\\\1", value)
@@ -96,41 +104,86 @@ def _unquoted(value: str) -> str:
 
 
 def _user_lines(user_files: list[Path]) -> list[tuple[str, str]]:
-    """(name, line) of the user's env files, first file first, each name once (the first wins)."""
+    """(name, value as written) of the user's env files' `NAME=value` lines (`export NAME=value` too; blank lines
+    and `#` comments skipped), first file first, each name once (the first wins). DFlashError naming `file:line`
+    on any other line, or a value with a line break or control character."""
     out: list[tuple[str, str]] = []
     seen: set[str] = set()
     for f in user_files:
-        if f.is_file():
-            for line in f.read_text().splitlines():
-                key = line.split("=", 1)[0].strip()
-                if "=" in line and key not in seen:
-                    seen.add(key)
-                    out.append((key, line))
+        if not f.is_file():
+            continue
+        try:  # newline="": "\n" alone ends a line (\r\n too, below); a \r, \f, \x85, ... in a line is refused
+            with open(f, newline="") as fh:  # the locale's encoding, as DeepSpeed's runner opens it
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DFlashError(f"{f}: cannot read it ({exc})") from None
+        for lineno, line in enumerate(text.split("\n"), start=1):
+            line = line.removesuffix("\r")
+            if not line.strip(" \t") or line.lstrip(" \t").startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            key = re.sub(r"^[ \t]*export[ \t]+", "", key).strip(" \t")
+            # DeepSpeed puts `export KEY=VALUE;` on every host's shell line: a KEY that is not a name is shell text.
+            if not sep or not VARIABLE_NAME.fullmatch(key):
+                raise DFlashError(f"{f}:{lineno}: not a NAME=value line (the deepspeed launcher runs `export "
+                                  "NAME=value;` on every host)")
+            bad = unsafe_char(value)
+            if bad:
+                raise DFlashError(f"{f}:{lineno}: the value of {key} holds {bad}: an env file has one variable per "
+                                  "line, and no control character in it")
+            if key not in seen:
+                seen.add(key)
+                out.append((key, value))
     return out
 
 
+def _travels(name: str) -> bool:
+    """Whether a variable of the launching environment reaches the other hosts: by the env file, or forwarded by
+    the deepspeed launcher itself."""
+    return name in FORWARD_NAMES or name.startswith(FORWARD_PREFIXES) or name.startswith(LAUNCHER_PREFIXES)
+
+
+def check_forwarded(environ: dict[str, str]) -> None:
+    """DFlashError naming the first variable that would reach other hosts (not a secret: those go by path) and
+    that no `export NAME=value;` can carry: a name that is not one, or a value with a line break or control
+    character (DeepSpeed reads the env file with universal newlines: after a \r the rest of the value would be a
+    line of its own, an unquoted `export` on every host's shell line)."""
+    for key, value in sorted(environ.items()):
+        if not _travels(key) or is_secret(key, value):
+            continue
+        if not VARIABLE_NAME.fullmatch(key):
+            raise DFlashError(f"{key!r} is not a variable name: the deepspeed launcher would put it on every "
+                              "host's shell line as it is; unset it")
+        bad = unsafe_char(value)
+        if bad:
+            raise DFlashError(f"{key}: its value holds {bad}, which cannot reach the other hosts (the deepspeed "
+                              f"launcher's env file has one variable per line); remove it from the value, or unset "
+                              f"{key}")
+
+
 def deepspeed_env_text(environ: dict[str, str], user_files: list[Path], extra: dict[str, str] | None = None) -> str:
-    """The lines of an env file for the deepspeed launcher: the user's files' lines first (theirs win, as written:
-    they are the user's shell text), then every variable of `environ` the job uses that they do not set, then
+    """The lines of an env file for the deepspeed launcher: the user's files' lines first (theirs win, each value as
+    written: it is the user's shell text), then every variable of `environ` the job uses that they do not set, then
     `extra`, these values escaped for DeepSpeed's shell line (`ds_env_value`). No secret is written
     (credentials.is_secret: by name, or a value holding a URL's password): they travel by path
     (`secret_variables`)."""
     import sys
 
+    check_forwarded({**environ, **(extra or {})})
     lines: list[str] = []
     seen: set[str] = set()
-    for key, line in _user_lines(user_files):
+    for key, value in _user_lines(user_files):
         seen.add(key)
-        if not is_secret(key, line.split("=", 1)[1]):
-            lines.append(line)
+        if not is_secret(key, value):
+            lines.append(f"{key}={value}")
     wanted = [(k, v) for k, v in sorted(environ.items()) if k not in seen and not is_secret(k, v)
               and (k in FORWARD_NAMES or k.startswith(FORWARD_PREFIXES)
                    or (k.startswith(LAUNCHER_PREFIXES) and k != "PYTHONPATH" and ds_env_value(v) not in (v, None)))]
     for key, value in [*wanted, *((k, v) for k, v in (extra or {}).items() if k not in seen)]:
         quoted = ds_env_value(value)
         if quoted is None:  # the name only: the value may be anything
-            print(f"[dflash-ds] warning: {key} is not forwarded to other hosts (its value has a newline or blanks "
-                  "at an end, which the deepspeed launcher cannot pass)", file=sys.stderr, flush=True)
+            print(f"[dflash-ds] warning: {key} is not forwarded to other hosts (its value has blanks at an end, "
+                  "which the deepspeed launcher strips)", file=sys.stderr, flush=True)
         else:
             lines.append(f"{key}={quoted}")
     return "".join(f"{line}\n" for line in lines)
@@ -138,8 +191,7 @@ def deepspeed_env_text(environ: dict[str, str], user_files: list[Path], extra: d
 
 def secret_variables(environ: dict[str, str], user_files: list[Path]) -> dict[str, str]:
     """The secrets the ranks need: those of the user's env files (theirs win), then this environment's."""
-    found = {k: _unquoted(line.split("=", 1)[1].strip()) for k, line in _user_lines(user_files)
-             if is_secret(k, line.split("=", 1)[1])}
+    found = {k: _unquoted(v.strip()) for k, v in _user_lines(user_files) if is_secret(k, v)}
     return {**secrets_of(environ), **found}
 
 
@@ -149,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     the secrets and exports their paths."""
     import argparse
     import os
+    import sys
 
     parser = argparse.ArgumentParser(prog="python -m dflash_ds.distributed.hostfile",
                                      description="Helpers of launch/train_deepspeed.sh.")
@@ -171,12 +224,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     name = args.user_env_file or ".deepspeed_env"
     user = [Path(name), Path.home() / name]  # the launcher reads ~ first, . wins (an absolute name: one file)
-    secrets = secret_variables(dict(os.environ), user)
-    forward = write_credentials(args.credentials_dir, secrets) if args.credentials_dir and secrets else {}
+    environ = dict(os.environ)
+    try:  # bad input is one line naming the file:line or the variable (never a value), and status 2
+        secrets = secret_variables(environ, user)
+        check_forwarded(environ)  # before any credential is written
+        forward = write_credentials(args.credentials_dir, secrets) if args.credentials_dir and secrets else {}
+        text = deepspeed_env_text(environ, user, forward)
+    except DFlashError as exc:
+        print(f"[dflash-ds] error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # mktemp's file is 0600 already; a path of the user's may not be
+    # The locale's encoding, as DeepSpeed's runner reads it back on this host and hands the values to pdsh.
     with os.fdopen(fd, "w") as f:
-        f.write(deepspeed_env_text(dict(os.environ), user, forward))
+        f.write(text)
     # For the script to eval: the launcher must see no secret (it forwards MLFLOW_* by value itself), and it needs
     # the paths too when it runs a single host's ranks itself, without the env file.
     print(shell_setup(dict(os.environ), forward))
