@@ -57,6 +57,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "train K recipes over seeds on the same data and evaluate each export on held-out prompts: tau per recipe "
         "with its spread",
     ),
+    "speedup": (
+        "dflash_ds.bench.speedup",
+        "how much faster the target decodes with the drafter: plain vs speculative output tokens/s (vLLM at each "
+        "concurrency, our decoder at batch 1), outputs checked equal, the step costs and the speedup tau predicts",
+    ),
     "target-load": (
         "dflash_ds.bench.target_load",
         "per rank of a target replica (under torchrun: k ranks): peak resident memory while loading its shard, "

@@ -21,6 +21,7 @@ target pays for its plain serving once.
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -80,18 +81,26 @@ def serving_env(drafter: str | Path, temperature: float = 0.0) -> dict[str, str]
 
 
 def generate_all(client: OpenAIClient, prompts: list[list[int]], max_new_tokens: int, concurrency: int,
-                 temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
-    """Completions of every prompt (token ids in, token ids out), in prompt order; prompt i sampled with seed + i."""
+                 temperature: float = 0.0, seed: int = 0, seconds: list[float] | None = None) -> list[list[int]]:
+    """Completions of every prompt (token ids in, token ids out), in prompt order; prompt i sampled with seed + i.
+    `seconds`, if given, receives each request's own time, in prompt order."""
+    took = [0.0] * len(prompts)
+
     def one(i_prompt: tuple[int, list[int]]) -> list[int]:
         i, prompt = i_prompt
+        t0 = time.perf_counter()
         answer = client.complete_ids(prompt, max_tokens=max_new_tokens, temperature=temperature,
                                      seed=seed + i if temperature > 0 else None)
+        took[i] = time.perf_counter() - t0
         if answer.token_ids is None:
             raise DFlashError(f"{client.url}: no token ids in the completion (a vLLM with return_token_ids needed)")
         return list(answer.token_ids)
 
     with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(one, enumerate(prompts)))
+        outputs = list(pool.map(one, enumerate(prompts)))
+    if seconds is not None:
+        seconds[:] = took
+    return outputs
 
 
 def acceptance(before: dict[str, float], after: dict[str, float], block_size: int) -> dict:

@@ -225,6 +225,15 @@ def drafter_draft_fn(drafter: DFlashDrafter, target: nn.Module) -> DraftFn:
     return draft
 
 
+def draft_fn_of(drafter: DFlashDrafter, target: nn.Module, temperature: float = 0.0, draft_sample: str = "greedy",
+                generator: torch.Generator | None = None, confidence_stop: float | None = None) -> DraftFn:
+    """The drafter's own draft function for one prompt: one parallel block, or the walk of a kind that drafts
+    sequentially (`draft_tokens`: eval/walk_draft.py)."""
+    if hasattr(drafter, "draft_tokens"):
+        return walk_draft_fn(drafter, target, temperature, draft_sample, generator, confidence_stop)
+    return drafter_draft_fn(drafter, target)
+
+
 # How a sampled draft is drawn (temperature > 0): the argmax, as vLLM and SGLang serve by default, or a sample.
 DRAFT_SAMPLES = ("greedy", "probabilistic")
 
@@ -318,8 +327,7 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
         layer_ids = a.target_layer_ids if layer_ids is None else layer_ids
         mask_token_id = a.mask_token_id if mask_token_id is None else mask_token_id
         walks = hasattr(drafter, "draft_tokens")  # a sequential drafter (models/drafter.BlockDraft)
-        draft_fn = draft_fn or (walk_draft_fn(drafter, target, temperature, draft_sample, generator, confidence_stop)
-                                if walks else drafter_draft_fn(drafter, target))
+        draft_fn = draft_fn or draft_fn_of(drafter, target, temperature, draft_sample, generator, confidence_stop)
         if walks and tree_budget is not None:
             raise DFlashError(f"tree drafting is not implemented for a {drafter.kind} drafter: drop --tree-budget")
         if confidence_stop is not None and getattr(drafter, "confidence_head", None) is None:
