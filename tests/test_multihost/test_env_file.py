@@ -125,7 +125,7 @@ def test_logs_show_secrets_as_stars():
             "wandb:\n  api_key: ***\n  - token: ***\nmask_token_id: 5\nx: {password: ***, n: 2}",
         "fetch https://user:pw9@host:443/x from http://host:80/y":
             "fetch https://user:***@host:443/x from http://host:80/y",
-        "Authorization: Bearer abcdefgh123": "Authorization: *** ***",
+        "Authorization: Bearer abcdefgh123": "Authorization: Bearer ***",
         "ssh -o PasswordAuthentication=no h0": "ssh -o PasswordAuthentication=no h0",
         "a config key: none, embed_tokens.weight: a.embed_tokens.weight": "a config key: none, embed_tokens.weight: "
                                                                           "a.embed_tokens.weight",
