@@ -6,7 +6,7 @@ a few small widths of a named target shape (`--widths`, heads scaled so head_dim
 by the same factor) with everything else full size: the vocabulary (a random frozen embedding and
 LM head of all V rows at that width), the token budget, the anchors and the chunk. Each width's
 peak (CPU: peak resident set; CUDA: max_memory_allocated), minus what was resident or allocated
-before the step, is set beside the prediction of `memory_model.micro_step_peak`, a formula
+before the step, is set beside the prediction of `memory/model.micro_step_peak`, a formula
 counted from the code. The same formula then predicts the full width under the real GPU
 settings (bf16, flex_attention, activation checkpointing), and the static per-rank terms (ZeRO
 model states, frozen embedding and head, received payloads) complete a drafter rank's total.
@@ -24,16 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_ds.bench import memory_model as mm
 from dflash_ds.bench import memory_trace
 from dflash_ds.bench.memory_report import print_result
 from dflash_ds.bench.micro_step import micro_step_inputs, visible_keys, write_profile
 from dflash_ds.components.fusion import FUSION, fuse_on, set_fuse_mode
 from dflash_ds.errors import DFlashError, read_json_file
+from dflash_ds.memory import model as mm
+from dflash_ds.memory.shapes import SHAPE_FIELDS, drafter_shape, step_shape
 from dflash_ds.models.kinds import kind_names
 from dflash_ds.models.presets import PRESETS
 
-SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 BUDGET_GB = 60.0  # the per-drafter-rank target on an 80 GB GPU (docs/MEMORY.md)
 
 
@@ -117,34 +117,6 @@ def target_config(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if missing:
         raise DFlashError(f"{Path(args.target) / 'config.json'}: missing field {missing[0]!r}")
     return str(args.target), text
-
-
-def drafter_shape(cfg: dict[str, Any], width: int, num_layers: int, block_size: int,
-                  kind: str = "dflash") -> mm.DrafterShape:
-    """The drafter for `cfg` at hidden size `width`: head_dim kept, heads and MLP scaled by width / H."""
-    h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    kv = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or h // heads)
-    f = width / h
-    n_heads = max(1, round(heads * f))
-    n_kv = max(1, round(n_heads * kv / heads))
-    while n_heads % n_kv:  # grouped-query attention needs kv heads dividing heads
-        n_kv -= 1
-    return mm.DrafterShape(hidden=width, intermediate=max(1, round(int(cfg["intermediate_size"]) * f)),
-                           heads=n_heads, kv_heads=n_kv, head_dim=head_dim, vocab=int(cfg["vocab_size"]),
-                           num_layers=num_layers, num_read=num_layers, block_size=block_size,
-                           tied=bool(cfg.get("tie_word_embeddings", False)), kind=kind)
-
-
-def step_shape(args: argparse.Namespace, dtype_bytes: int, checkpointing: bool, dense: bool,
-               cuda: bool, checkpoint_layers: int | None = None) -> mm.StepShape:
-    """The micro-batch of the run: token-budget // seq-len full-length sequences (with checkpointing, the first
-    `checkpoint_layers` layers recomputed; None: all)."""
-    batch = args.token_budget // args.seq_len
-    a = mm.anchors_per_row(batch, args.seq_len, args.block_size, args.num_anchors, args.max_anchors)
-    return mm.StepShape(batch=batch, seq_len=args.seq_len, anchors_per_row=a, chunk_blocks=args.chunk_blocks,
-                        kl=args.kl_weight > 0, dtype_bytes=dtype_bytes, checkpointing=checkpointing,
-                        checkpoint_layers=checkpoint_layers if checkpointing else None, dense_mask=dense, cuda=cuda)
 
 
 def _write_json(path: str, result: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_ds.bench import memory_model as mm
+from dflash_ds.memory import model as mm
 
 
 def _gb(n: float) -> str:

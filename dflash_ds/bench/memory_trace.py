@@ -1,6 +1,6 @@
 """What is alive at the peak of one micro-step on a GPU, by the line that allocated it (`bench memory --memory-trace`).
 
-The memory model (bench/memory_model.py) predicts the peak term by term; on the H200 it over-predicted (+22% at full
+The memory model (memory/model.py) predicts the peak term by term; on the H200 it over-predicted (+22% at full
 width with checkpointing, +17-18% at widths 256/512) where on CPU it had matched the exact allocation trace to 1-3%.
 A measured peak alone does not say which term is off. This records the CUDA caching allocator's history for one step
 (`torch.cuda.memory._record_memory_history`, Python stacks), replays its allocations and frees to the moment the

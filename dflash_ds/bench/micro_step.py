@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dflash_ds.bench import memory_model as mm
+from dflash_ds.memory import model as mm
 
 
 def drafter_arch(cfg: dict[str, Any], shape: mm.DrafterShape, seq_len: int):
@@ -27,7 +27,7 @@ def drafter_arch(cfg: dict[str, Any], shape: mm.DrafterShape, seq_len: int):
 
 def visible_keys(batch: int, seq_len: int, block_size: int, num_anchors: int, max_anchors: int) -> tuple[float, int]:
     """(keys the block queries see, summed over queries; anchors per row) of full-length all-response rows with the
-    anchors of seed 0: attention's share of the micro-step's FLOPs (memory_model.micro_step_flops)."""
+    anchors of seed 0: attention's share of the micro-step's FLOPs (memory/model.micro_step_flops)."""
     import torch
 
     from dflash_ds.components.anchors import sample_anchors

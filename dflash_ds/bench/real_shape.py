@@ -27,10 +27,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dflash_ds.bench import memory as bench_memory
 from dflash_ds.bench import micro_step
-from dflash_ds.bench import memory_model as mm
 from dflash_ds.errors import DFlashError
+from dflash_ds.memory import model as mm
+from dflash_ds.memory.shapes import drafter_shape, step_shape
 from dflash_ds.models.kinds import kind_names
 from dflash_ds.models.presets import PRESETS
 
@@ -64,7 +64,7 @@ def shrunk_config(args: argparse.Namespace) -> dict[str, Any]:
     """The preset's text config, with --width / --target-layers / --vocab applied (heads keep head_dim)."""
     cfg = dict(PRESETS[args.preset])
     if args.width:  # scaled as bench memory scales its widths
-        d = bench_memory.drafter_shape(cfg, args.width, 1, 2)
+        d = drafter_shape(cfg, args.width, 1, 2)
         cfg.update(hidden_size=d.hidden, intermediate_size=d.intermediate, num_attention_heads=d.heads,
                    num_key_value_heads=d.kv_heads)
     if args.target_layers:
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_anchors:
         run_cfg.loss = replace(run_cfg.loss, num_anchors=args.num_anchors)
     run_cfg.train = replace(run_cfg.train, zero_stage=2, max_steps=args.warmup + args.steps, seed=args.seed)
-    shape = bench_memory.drafter_shape(cfg, cfg["hidden_size"], args.num_layers, args.block_size, args.kind)
+    shape = drafter_shape(cfg, cfg["hidden_size"], args.num_layers, args.block_size, args.kind)
     step_args = argparse.Namespace(token_budget=args.token_budget, seq_len=args.seq_len, block_size=args.block_size,
                                    num_anchors=run_cfg.loss.num_anchors, max_anchors=run_cfg.loss.max_anchors_per_batch,
                                    chunk_blocks=run_cfg.loss.chunk_blocks, kl_weight=run_cfg.loss.kl_weight)
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = build_drafter_engine(run_cfg, arch, dtype, device, target=target)
         ckpt, recomputed = engine.module.drafter.activation_checkpointing, engine.module.drafter.checkpoint_layers
-        step = bench_memory.step_shape(step_args, 2 if cuda else 4, ckpt, not cuda, cuda, recomputed)
+        step = step_shape(step_args, 2 if cuda else 4, ckpt, not cuda, cuda, recomputed)
         result = _measure(args, cfg, target, engine, run_cfg, dtype, device)
     finally:
         import torch.distributed as dist

@@ -4,8 +4,8 @@
 
 The same held-out prompts are decoded plain and speculatively, greedy, by each engine:
 - `vllm`: the real product path, two `vllm serve` processes of the target side by side, one with the export as
-  its drafter (speedup_runs.py), at each --concurrency; vLLM's CPU build serves DFlash only (DFlash2 and DSpark
-  need its GPU runner);
+  its drafter (speedup_runs.py), at each --concurrency; vLLM's CPU build serves DFlash layouts only (a kind whose
+  spec says `vllm_v2_only` needs its GPU runner: `--engine auto` then times ours alone);
 - `dflash`: dflash-ds's own decoder (eval/speculative.py) at batch 1, which also times the draft and the verify
   forward on their own.
 Plain and speculative rounds alternate (order flipped each repeat), warm-up rounds are excluded from the figures,

@@ -77,7 +77,7 @@ def set_fuse_mode(mode: str | bool | None) -> None:
 
 def fuse_on(mode: str | bool | None, cuda: bool) -> bool:
     """Whether a mode (or train.fuse's value) compiles on this device: what the memory model assumes of the step
-    (bench/memory_model.StepShape.fused)."""
+    (memory/model.StepShape.fused)."""
     mode = _mode(mode)
     return mode == "on" or (mode == "auto" and cuda)
 

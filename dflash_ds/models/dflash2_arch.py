@@ -151,7 +151,7 @@ def selector_params(hidden_size: int, vocab_size: int, opts: DFlash2Options) -> 
 
 
 def memory_terms(opts: DFlash2Options, hidden_size: int, vocab_size: int) -> MemoryTerms:
-    """bench/memory_model.py's DFlash2 terms: the convs in each layer, the selector in Psi, the convs' saved values,
+    """memory/model.py's DFlash2 terms: the convs in each layer, the selector in Psi, the convs' saved values,
     and the K x rank codebook rows the selector loss keeps per label position for backward (its top-K vocabulary
     chunks run without grad after the DFlash loss's chunks are freed, below that moment)."""
     return MemoryTerms(layer_params=conv_params(hidden_size, 1, opts),

@@ -144,7 +144,7 @@ def dspark_params(hidden_size: int, vocab_size: int, opts: DSparkOptions) -> int
 
 
 def memory_terms(opts: DSparkOptions, hidden_size: int, vocab_size: int) -> MemoryTerms:
-    """bench/memory_model.py's DSpark terms: both heads in Psi (the Markov head 2 x V x r); the loss adds the bias
+    """memory/model.py's DSpark terms: both heads in Psi (the Markov head 2 x V x r); the loss adds the bias
     product e @ w2^T into the head's own output buffer (one GEMM with beta = 1: no [c, K, V] buffer of its own),
     and holds markov_w2's [V, r] fp32 gradient accumulator and the teacher-forced Markov embeddings of every label
     position (P x r). At Qwen3-8B, r 256, bf16: 0.16 GB + P x 512 bytes. (Added beside the head's output as a

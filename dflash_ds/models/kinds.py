@@ -36,7 +36,7 @@ BUILTIN_MODULES = ("dflash_ds.models.dflash2_arch", "dflash_ds.models.dspark_arc
 
 @dataclass(frozen=True)
 class MemoryTerms:
-    """What a kind adds to bench/memory_model.py's count of one micro-step, as plain numbers of its shape."""
+    """What a kind adds to memory/model.py's count of one micro-step, as plain numbers of its shape."""
 
     layer_params: int = 0
     """Parameters each draft layer adds (DFlash2: its two convolutions)."""

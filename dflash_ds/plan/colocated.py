@@ -60,16 +60,16 @@ def drafter_memory(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: 
     """
     if args.drafter_memory_gb is not None:
         return {"bytes": args.drafter_memory_gb * GB, "source": "--drafter-memory-gb", "terms": {}}
-    from dflash_ds.bench import memory as bm
-    from dflash_ds.bench import memory_model as mm
+    from dflash_ds.memory import model as mm
+    from dflash_ds.memory import shapes
 
     loss = LossConfig()
-    missing = [k for k in bm.SHAPE_FIELDS if k not in shape_cfg]
+    missing = [k for k in shapes.SHAPE_FIELDS if k not in shape_cfg]
     if missing:
         return {"bytes": None, "source": f"unknown: the target config has no {missing[0]!r}; give --drafter-memory-gb",
                 "terms": {}}
-    shape = replace(bm.drafter_shape({**shape_cfg, "vocab_size": vocab}, hidden, args.drafter_layers,
-                                     DrafterConfig.block_size), num_read=layers_read,
+    shape = replace(shapes.drafter_shape({**shape_cfg, "vocab_size": vocab}, hidden, args.drafter_layers,
+                                         DrafterConfig.block_size), num_read=layers_read,
                     kind=getattr(args, "kind", "dflash"))  # a kind: + its parts (its spec's memory terms)
     kl = not args.no_last_hidden
     step_args = argparse.Namespace(token_budget=args.token_budget,
@@ -77,7 +77,7 @@ def drafter_memory(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: 
                                    block_size=shape.block_size, num_anchors=loss.num_anchors,
                                    max_anchors=loss.max_anchors_per_batch, chunk_blocks=loss.chunk_blocks,
                                    kl_weight=1.0 if kl else 0.0)
-    step = bm.step_shape(step_args, dtype_bytes=2, checkpointing=True, dense=False, cuda=True)
+    step = shapes.step_shape(step_args, dtype_bytes=2, checkpointing=True, dense=False, cuda=True)
     micro = mm.micro_step_terms(shape, step, param_grads=False)
     phase = max(mm.PHASES, key=lambda ph: sum(micro[ph].values()))
     static = mm.static_terms(shape, args.token_budget, args.zero_stage, ranks, kl=kl, payloads_alive=1,

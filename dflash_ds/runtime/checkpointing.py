@@ -3,7 +3,7 @@
 Recomputing a draft layer in backward costs a fourth more of its FLOPs: on one H200 at Qwen3-8B's shape a
 micro-step took 0.888 s recomputing all 5 and 0.751 s none (docs/BENCHMARKS.md), for 9.5 against 37.3 GB of step
 memory. `model.activation_checkpointing: null` (the default) therefore turns it off on a GPU whose free memory
-holds the step without it, by bench memory's formula (`bench/memory_model.py`, which over-predicts that step by
+holds the step without it, by bench memory's formula (`memory/model.py`, which over-predicts that step by
 ~6.5% on the H200), and otherwise recomputes the fewest layers k (the first k: `model.checkpoint_layers`) with
 which it fits, all L where none does: each layer kept costs its activations (6.7-7.0 GB at Qwen3-8B's default
 step, 9.1-9.4 GB at Qwen3.6-27B's) and saves its recompute (4.7% / 4.5% of the micro-step's model FLOPs each).
@@ -47,7 +47,7 @@ def fewest_recomputed(needs: list[float], usable: float) -> int:
 def step_bytes(cfg: Any, arch: Any, *, colocated: bool, num_drafters: int, recomputed: int = 0) -> float:
     """What the rank still has to allocate when the step recomputes its first `recomputed` layers (bench memory's
     formula; 0: every layer's activations kept)."""
-    from dflash_ds.bench import memory_model as mm
+    from dflash_ds.memory import model as mm
 
     shape = mm.DrafterShape(
         hidden=arch.hidden_size, intermediate=arch.intermediate_size, heads=arch.num_attention_heads,

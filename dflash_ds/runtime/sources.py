@@ -109,7 +109,7 @@ class BridgeSource:
         self.ctx, self.depth, self.q = ctx, depth, queue.Queue(maxsize=depth)
         # Reused receive buffers: fresh multi-MiB tensors per batch page-fault on every first touch.
         # At most 2 * depth + 2 batches leased at once (posted, queued, waiting, in the step) and 2 kept free:
-        # the arithmetic of bench/memory_model.PAYLOADS_ALIVE and docs/MEMORY.md.
+        # the arithmetic of memory/model.PAYLOADS_ALIVE and docs/MEMORY.md.
         self.pool = BufferPool(ctx.device, max_free=2)
         self.receiver: bridge_mod.Receiver | None = None
         layout, d = ctx.layout, ctx.role_rank

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_ds.bench import memory_model as mm
+from dflash_ds.memory import model as mm
 
 REPO = Path(__file__).resolve().parents[2]
 # A vision-language-style wrapper (the LM under text_config), small enough for a CPU test.
@@ -80,7 +80,7 @@ def test_the_first_k_layers_recomputed_measure_as_predicted(tiny_target: Path) -
     assert " 1/2 " in res.stdout, res.stdout  # the table's checkpointing column: 1 layer of 2
     (row,) = json.loads(out.read_text())["rows"]
     assert row["activation_checkpointing"] and row["recomputed_layers"] == 1 and abs(row["error_pct"]) < 10, row
-    from dflash_ds.bench.memory import drafter_shape
+    from dflash_ds.memory.shapes import drafter_shape
 
     d = drafter_shape({**TINY_CONFIG, **TINY_CONFIG["text_config"]}, 256, 2, 16)
     s = mm.StepShape(batch=2, seq_len=1024, anchors_per_row=row["anchors_per_row"], chunk_blocks=16, dtype_bytes=4,
@@ -130,7 +130,7 @@ def test_static_terms_by_hand() -> None:
 def test_params_formula_matches_the_drafter_module() -> None:
     """Psi counted by the formula equals the real module's parameter count (built on the meta device)."""
     from dflash_ds.models.presets import PRESETS
-    from dflash_ds.bench.memory import drafter_shape
+    from dflash_ds.memory.shapes import drafter_shape
     from dflash_ds.models.drafter import DFlashDrafter, DrafterArch, default_target_layer_ids
 
     for preset in PRESETS.values():
@@ -150,7 +150,7 @@ def test_dflash2_parts_in_psi_and_activations() -> None:
     """DFlash2 adds docs/MEMORY.md's hand counts to Psi, equal to the real DFlash2 module; DFlash is unchanged."""
     from dataclasses import replace
 
-    from dflash_ds.bench.memory import drafter_shape
+    from dflash_ds.memory.shapes import drafter_shape
     from dflash_ds.models.dflash2_arch import DFlash2Options
     from dflash_ds.models.drafter import DFlashDrafter, DrafterArch
     from dflash_ds.models.presets import PRESETS
@@ -227,7 +227,7 @@ def test_dspark_parts_in_psi_and_the_loss() -> None:
     the loss holds the bias buffers of a chunk, markov_w2's fp32 gradient and the Markov embeddings."""
     from dataclasses import replace
 
-    from dflash_ds.bench.memory import drafter_shape
+    from dflash_ds.memory.shapes import drafter_shape
     from dflash_ds.models.drafter import DFlashDrafter, DrafterArch
     from dflash_ds.models.dspark_arch import DSparkOptions, dspark_params
     from dflash_ds.models.presets import PRESETS
@@ -266,7 +266,7 @@ def test_each_kind_measures_its_own_step_and_mfu_counts_no_recompute(tiny_target
     rows = json.loads((tiny_target / "k.json").read_text())["rows"]
     assert [(r["kind"], r["fuse"]) for r in rows] == [(k, f) for k in ("dflash", "dflash2", "dspark")
                                                       for f in ("on", "off")]
-    from dflash_ds.bench.memory import drafter_shape
+    from dflash_ds.memory.shapes import drafter_shape
 
     text = {**TINY_CONFIG, **TINY_CONFIG["text_config"]}
     for r in rows:
@@ -324,7 +324,7 @@ def test_checkpointing_follows_the_free_memory_unless_configured() -> None:
     at the run's config) fits 85% of the free memory, on otherwise; a configured value always wins."""
     from dataclasses import replace
 
-    from dflash_ds.bench.memory import drafter_shape
+    from dflash_ds.memory.shapes import drafter_shape
     from dflash_ds.bench.micro_step import drafter_arch
     from dflash_ds.config import Config
     from dflash_ds.models.presets import PRESETS

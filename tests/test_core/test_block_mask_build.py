@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_ds.bench.memory_model import flex_block_mask_bytes
+from dflash_ds.memory.model import flex_block_mask_bytes
 from dflash_ds.models.block_mask import dense_block_mask, flex_block_mask, flex_mask_mod, flex_shapes
 from dflash_ds.models.drafter import DFlashDrafter
 from sync_count import SyncCount

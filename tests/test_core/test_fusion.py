@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_ds.bench import memory as bench_memory
-from dflash_ds.bench import memory_model as mm
 from dflash_ds.bench import micro_step
 from dflash_ds.components import fusion
 from dflash_ds.components.loss import chunked_dflash_loss
 from dflash_ds.config import load_config
 from dflash_ds.errors import DFlashError
+from dflash_ds.memory import model as mm
+from dflash_ds.memory.shapes import drafter_shape
 from dflash_ds.models import layer_ops
 from dflash_ds.models.dflash2 import grouped_conv
 from dflash_ds.models.drafter import DFlashDrafter, _layer_step
@@ -161,7 +161,7 @@ def test_compiled_grouped_conv_and_dflash2_step_equal_eager(fuse):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
     cfg = dict(PRESETS["qwen3-8b"], vocab_size=2048)
-    shape = bench_memory.drafter_shape(cfg, 64, 2, 16, "dflash2")
+    shape = drafter_shape(cfg, 64, 2, 16, "dflash2")
     step = mm.StepShape(batch=2, seq_len=128, anchors_per_row=6, chunk_blocks=4, kl=False, dtype_bytes=4,
                         checkpointing=True, dense_mask=True, cuda=False)
     results = {}
@@ -271,7 +271,7 @@ def test_a_fused_layer_saves_what_the_memory_model_counts(fuse):
     compiled, it keeps exactly the bytes `memory_model.per_token_activations(fused=True)` takes off eager's."""
     fuse(backend="inductor")
     cfg = dict(PRESETS["qwen3-8b"], vocab_size=512)
-    shape = bench_memory.drafter_shape(cfg, 64, 1, 16, "dflash")
+    shape = drafter_shape(cfg, 64, 1, 16, "dflash")
     drafter = DFlashDrafter(micro_step.drafter_arch(cfg, shape, 256))
     b, t, s = 2, 128, 256  # t = 8 blocks of 16 a row
     saved_bytes = {}
@@ -297,7 +297,7 @@ def test_a_dflash2_layer_saves_what_the_memory_model_counts(fuse, taps, group, m
     opts = DFlash2Options(conv_kernel_size=taps, conv_group_size=group)
     saved = {}
     for kind in ("dflash", "dflash2"):
-        shape = bench_memory.drafter_shape(cfg, width, 1, 16, kind)
+        shape = drafter_shape(cfg, width, 1, 16, kind)
         shape = replace(shape, options=opts) if kind == "dflash2" else shape
         drafter = DFlashDrafter(micro_step.drafter_arch(cfg, shape, s))
         saved[kind] = (_saved_bytes(drafter.layers[0], b, t, s, width, drafter), shape)

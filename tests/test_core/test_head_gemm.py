@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dflash_ds.bench import memory as bench_memory
 from dflash_ds.bench import micro_step
-from dflash_ds.bench import memory_model as mm
+from dflash_ds.memory import model as mm
+from dflash_ds.memory.shapes import drafter_shape
 from dflash_ds.models.presets import PRESETS
 
 BATCHED = ("aten::bmm", "aten::baddbmm")
@@ -27,7 +27,7 @@ def batched_gemms_with(vocab: int, kind: str) -> tuple[list[tuple[str, list]], i
     """(batched GEMMs that have an operand with the vocabulary dimension, GEMMs with it, fills and copies of
     a buffer of blocks' logits, top-k passes over the vocabulary) in one micro-step."""
     cfg = dict(PRESETS["qwen3-8b"])  # the real vocabulary (151,936); a narrow drafter keeps it quick
-    shape = bench_memory.drafter_shape(cfg, 64, 2, 16, kind)
+    shape = drafter_shape(cfg, 64, 2, 16, kind)
     step = mm.StepShape(batch=2, seq_len=128, anchors_per_row=6, chunk_blocks=4, kl=True, dtype_bytes=4,
                         checkpointing=False, dense_mask=True, cuda=False)
     module, states, loss_cfg = micro_step.micro_step_inputs(

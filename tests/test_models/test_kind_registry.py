@@ -258,9 +258,9 @@ def test_no_kind_is_named_outside_models_and_components() -> None:
 
 
 def test_toy_kind_plans_with_its_own_terms(toy, capsys) -> None:
-    from dflash_ds.bench import memory_model as mm
-    from dflash_ds.bench.memory import drafter_shape
     from dflash_ds.cli import main
+    from dflash_ds.memory import model as mm
+    from dflash_ds.memory.shapes import drafter_shape
     from dflash_ds.models.drafter import DFlashDrafter
     from dflash_ds.models.drafter_arch import DrafterArch
     from dflash_ds.models.presets import PRESETS
