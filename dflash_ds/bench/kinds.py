@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-token-id", type=int, default=None, help="the drafters' MASK id (default: "
                         "init-drafter's choice; SmolLM2 has no mask token: 16, <empty_output>)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    parser.add_argument("--keep-exports", action="store_true", help="also save each run's drafter at each budget "
+                        "as an export (OUT/runs/<run>/step<N>/: config.json + model.safetensors), e.g. for `bench "
+                        "speedup`; 31 MB a 2-layer SmolLM2 drafter in float32")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each worker a process of its "
                         "own with the target and features (one thread each on CPU; on a GPU several share it: "
                         "evaluation is launch-bound there; default 1)")
@@ -222,6 +225,8 @@ def one_run(ctx: dict[str, Any], kind: str, layers: int, seed: int) -> list[dict
                "eval_s": round(time.perf_counter() - t0, 1),
                "parameters": sum(p.numel() for p in drafter.parameters()), "device": ctx["device"]}
         path.parent.mkdir(parents=True, exist_ok=True)
+        if args.keep_exports:
+            drafter.save_pretrained(path.with_suffix(""))  # before the result: a result on disk means both are
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(res, indent=1))
         tmp.replace(path)

@@ -23,7 +23,8 @@ def bench_run(tiny_target, tmp_path_factory):
     from dflash_ds.cli import main
 
     out = tmp_path_factory.mktemp("kinds") / "out"
-    assert main(["bench", "kinds", "--target", str(tiny_target), "--out", str(out), "--jobs", "2", *ARGS]) == 0
+    assert main(["bench", "kinds", "--target", str(tiny_target), "--out", str(out), "--jobs", "2", "--keep-exports",
+                 *ARGS]) == 0
     return out, json.loads((out / "summary.json").read_text())
 
 
@@ -83,3 +84,21 @@ def test_a_rerun_reads_results_back_and_other_settings_are_refused(bench_run, ti
     refused = cli_here("bench", "kinds", "--target", str(tiny_target), "--out", str(out), *other)
     assert refused.returncode != 0 and "settings.json" in refused.stderr and "lr" in refused.stderr
     assert result.stat().st_mtime_ns == before
+
+
+def test_kept_exports_serve_the_tau_their_runs_recorded(bench_run, tiny_target):
+    """--keep-exports: each run's drafter at each budget is an export that `eval` serves at the recorded tau."""
+    from dflash_ds.eval.cli import evaluate, load_prompts
+    from dflash_ds.models.drafter import DFlashDrafter
+    from dflash_ds.models.target import load_target
+
+    out, summary = bench_run
+    runs = {(r["kind"], r["steps"]): r for r in summary["runs"]}
+    target = load_target(tiny_target)
+    held = load_prompts(out / "held_out.jsonl", tiny_target, 3)
+    for kind in ("dflash", "dspark"):
+        export = out / "runs" / f"{kind}-L1-s0" / "step12"
+        drafter = DFlashDrafter.from_pretrained(export).eval()
+        assert drafter.kind == kind
+        served = evaluate(target, drafter, held, max_new_tokens=8, log=lambda _s: None)
+        assert served["mismatches"] == [] and served["tau"] == pytest.approx(runs[(kind, 12)]["tau"], abs=1e-9)
