@@ -63,3 +63,6 @@ def test_speedup_through_vllm_and_our_decoder(vllm_python, eos_target, served_dr
     assert {p.name for p in (out / "vllm").iterdir()} == {"vllm_plain.log", "vllm_spec.log"}
     assert "speculative_config=SpeculativeConfig(method='dflash'" in (out / "vllm" / "vllm_spec.log").read_text()
     assert "speculative_config=None" in (out / "vllm" / "vllm_plain.log").read_text()
+    for log in ("vllm_plain.log", "vllm_spec.log"):  # both servers with Intel OpenMP preloaded (cpu_preload)
+        assert "without Intel OpenMP in LD_PRELOAD" not in (out / "vllm" / log).read_text()
+        assert "libiomp is not found in LD_PRELOAD" not in (out / "vllm" / log).read_text()

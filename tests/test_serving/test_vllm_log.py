@@ -65,3 +65,20 @@ def test_a_log_that_cannot_be_written_is_one_clear_error(here):
     with pytest.raises(DFlashError, match=r"vLLM's log .*a_file/vllm.log: .*; choose a writable one"):
         server.start()
     assert server.proc is None
+
+
+def test_cpu_preload_adds_the_serving_env_openmp_once(tmp_path):
+    """vLLM's CPU build wants Intel OpenMP preloaded (its worker warns of a large loss under speculative decoding
+    without it): the serving venv's lib/libiomp5.so is appended to LD_PRELOAD, once, after the user's own."""
+    from dflash_ds.serving.vllm_server import cpu_preload
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    python = venv / "bin" / "python"
+    assert cpu_preload(str(python), "/mine/libx.so").split(":")[:1] == ["/mine/libx.so"]
+    assert "libiomp5" not in cpu_preload(str(python))  # a venv without it: nothing of ours
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    got = cpu_preload(str(python), "/mine/libx.so")
+    assert got.split(":")[0] == "/mine/libx.so" and got.endswith(f"{venv}/lib/libiomp5.so")
+    assert cpu_preload(str(python), "/elsewhere/libiomp5.so").count("libiomp5") == 1  # the user's copy wins
