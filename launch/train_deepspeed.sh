@@ -30,6 +30,13 @@ fi
 # started before they are unset here), e.g. one a user put on the command line (dflash_ds/redact.py).
 PYTHON="$(dirname "$(command -v deepspeed)")/python"
 exec > >("$PYTHON" -m dflash_ds.redact) 2> >("$PYTHON" -m dflash_ds.redact >&2)
+# pdsh returns once its ssh session to every host has ended, and nothing ended one to a host cut off: the runner
+# and this script waited on it for good after every rank had gone. Keep-alives end such a session (ssh, then pdsh
+# -S, the runner and this script exit 255) once the host has been silent for 1.25-1.5 x train.heartbeat_timeout_s:
+# longer than the ranks wait for a link that pauses, within the 2 heartbeats in which they end. Placed first, they
+# win over ~/.ssh/config and the user's own PDSH_SSH_ARGS_APPEND.
+KEEPALIVE=$("$PYTHON" -m dflash_ds.distributed.hostfile ssh-args -- "$@")
+export PDSH_SSH_ARGS_APPEND="$KEEPALIVE${PDSH_SSH_ARGS_APPEND:+ $PDSH_SSH_ARGS_APPEND}"
 CLEANUP=()
 cleanup() { if ((${#CLEANUP[@]})); then rm -rf -- "${CLEANUP[@]}"; fi; }
 trap cleanup EXIT
@@ -81,4 +88,9 @@ while ((SIGNALLED)); do  # a trapped signal ends `wait` early: wait again for th
     STATUS=0
     wait "$LAUNCHER" || STATUS=$?
 done
+if ((STATUS == 255)); then  # ssh's status for a session it ended or could not open
+    echo "[dflash-ds] exit 255: pdsh lost its ssh session to a host (named above): it did not answer the keep-alives" \
+        "($KEEPALIVE: its link is cut or it is gone) or ssh failed. The ranks' messages name the ranks lost;" \
+        "--resume auto continues from the latest checkpoint" >&2
+fi
 exit "$STATUS"

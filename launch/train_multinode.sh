@@ -17,7 +17,9 @@ read -r -a RDZV_ARGS <<< "$("$PYTHON" -m dflash_ds.distributed.netif rdzv-args "
 # A stop that signals the whole job (scancel, SLURM's time-limit --signal): an agent still there AGENT_GRACE_S
 # (default 5) after its ranks have gone is killed. It may be stuck on the rendezvous store of a node already gone
 # (dflash_ds/distributed/agent_watch.py); its ranks' exit records say how the run ended.
+# A cut link strands an agent likewise, unsignalled: its ranks, cut off from the store's host, tell the watcher.
 "$PYTHON" -m dflash_ds.distributed.agent_watch $$ &
+export DFLASH_AGENT_WATCH_PID=$!
 exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC" \
     --rdzv_backend c10d --rdzv_endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv_id "${RDZV_ID:-dflash}" \
     ${MAX_RESTARTS:+--max-restarts "$MAX_RESTARTS"} ${SHUTDOWN_TIMEOUT:+--shutdown-timeout "$SHUTDOWN_TIMEOUT"} \

@@ -7,7 +7,7 @@ usage: python tests/bench_selector_head.py
 """
 import time, torch
 from dflash_ds.components.loss import chunked_dflash_loss
-from dflash_ds.components.selector_loss import selector_loss
+from dflash_ds.models.dflash2_loss import selector_loss
 from dflash_ds.models.dflash2_selector import CandidateSelector
 torch.manual_seed(0)
 torch.set_num_threads(1)

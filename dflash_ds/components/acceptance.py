@@ -89,12 +89,13 @@ def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: tor
     hidden = drafter.forward_train(context, embed(blocks).to(context.dtype), anchors)
     r, a = anchors.shape
     flat = hidden[:, :, 1:].reshape(r * a, bs - 1, -1)
-    # DFlash2 (models/dflash2.py): what the selector's walk drafts; DSpark (models/dspark.py): its Markov chain
-    walk = getattr(drafter, "draft_tokens", None)
+    # a sequential kind (models/drafter.py): DFlash2's selector walk, DSpark's Markov chain
+    walk = drafter.draft_tokens if drafter.sequential else None
     anchor_ids = blocks[:, :, 0].reshape(r * a)
     # DFlash2's selector, DSpark's Markov head: read once, so the chunks make no module call (ZeRO-3: their count
     # differs across ranks)
-    tables = {"tables": drafter.draft_tables()} if hasattr(drafter, "draft_tables") else {}
+    read = drafter.draft_tables()
+    tables = {} if read is None else {"tables": read}
 
     def pick(lo: int) -> torch.Tensor:
         h = flat[lo:lo + chunk_blocks]

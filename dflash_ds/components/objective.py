@@ -1,4 +1,7 @@
-"""One drafter forward + loss on a batch of captured target states (shared by every trainer)."""
+"""One drafter forward + loss on a batch of captured target states (shared by every trainer).
+
+The loss is DFlash's plus what the drafter's kind adds, asked of its loss module (models/kinds.py `kind_loss`:
+DFlash2's selector term, DSpark's Markov bias and confidence term): nothing here knows a kind's parts or fields."""
 
 from __future__ import annotations
 
@@ -8,12 +11,10 @@ import torch
 from torch import nn
 
 from dflash_ds.components.anchors import block_inputs_and_labels, sample_anchors
-from dflash_ds.components.confidence import CONFIDENCE_SUMS, confidence_loss
 from dflash_ds.components.loss import LossTerms, acceptance_sums, chunked_dflash_loss, loss_knobs, metric_sums
-from dflash_ds.components.selector_loss import SELECTOR_SUMS, selector_loss
-from dflash_ds.components.weights import decay_weights
 from dflash_ds.config import LossConfig
 from dflash_ds.models.drafter import DFlashDrafter
+from dflash_ds.models.kinds import DraftedPositions, KindTerms, kind_loss
 
 
 @dataclass
@@ -63,39 +64,19 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
         last = states.last_hidden
         target_hidden = torch.gather(last, 1, pos.reshape(b, -1, 1).expand(-1, -1, last.shape[-1])).view(n, bs - 1, -1)
     flat_hidden, flat_labels = hidden[:, :, 1:, :].reshape(n, bs - 1, -1), labels.reshape(n, bs - 1)
-    markov = getattr(drafter, "markov_head", None)  # DSpark (models/dspark.py): the Markov bias, teacher-forced
-    embed_prev = bias = None
-    if markov is not None:
-        # position k reads the token before it: the anchor, then the gold labels (0 where there is none)
-        prev = torch.cat([blocks[:, :, :1].reshape(n, 1), flat_labels[:, :-1].clamp(min=0)], dim=1)
-        embed_prev = markov.embed(prev)
-        # markov_w2 as [r, V] through the module's own forward (bias of the identity), never its .weight: under
-        # ZeRO-3 a parameter is whole only inside its module's forward, and its gradient must flow back through it
-        eye = torch.eye(embed_prev.shape[-1], device=dev, dtype=embed_prev.dtype)
-        bias = (embed_prev, markov.bias(eye))
-    selector = getattr(drafter, "candidate_selector", None)  # DFlash2 (models/dflash2.py): the selector term
-    selecting = selector is not None and loss_cfg.selector_weight > 0
-    terms = chunked_dflash_loss(flat_hidden, lm_head, flat_labels, label_valid.reshape(n, bs - 1),
-                                target_hidden=target_hidden, chunk_blocks=loss_cfg.chunk_blocks, logit_bias=bias,
-                                top_k=arch.options.selector_top_k if selecting else 0, **loss_knobs(loss_cfg))
+    flat_valid = label_valid.reshape(n, bs - 1)
+    own = kind_loss(arch.kind)  # the kind's own terms and statistics (None: DFlash's loss alone)
+    at = DraftedPositions(flat_hidden, flat_labels, flat_valid, blocks[:, :, 0].reshape(n), lm_head)
+    extra = KindTerms() if own is None else own.loss_terms(drafter, at, loss_cfg)
+    terms = chunked_dflash_loss(flat_hidden, lm_head, flat_labels, flat_valid, target_hidden=target_hidden,
+                                chunk_blocks=loss_cfg.chunk_blocks, **extra.dflash_args, **loss_knobs(loss_cfg))
     sums = {**metric_sums(terms), **acceptance_sums(terms)}
     sums["anchors"] = valid.sum().float()
-    sums.update({k: torch.zeros((), device=dev) for k in (*SELECTOR_SUMS, *CONFIDENCE_SUMS)})
-    conf = None if markov is None else drafter.confidence_logits(flat_hidden, embed_prev)
-    if conf is not None and loss_cfg.confidence_weight > 0:
-        # sampled: DeepSpec's alpha (the greedy hit where the batch has no target distribution); greedy: the hit
-        aim = terms.alpha if loss_cfg.confidence_target == "sampled" else None
-        conf_loss, conf_sums = confidence_loss(conf, aim, terms.correct, terms.valid,
-                                               decay_weights(bs - 1, loss_cfg.gamma, dev))
-        terms.loss = terms.loss + loss_cfg.confidence_weight * conf_loss
-        sums.update(conf_sums)
-    if selecting:  # its candidates are the DFlash loss's top-K: the head runs once per step
-        o = arch.options  # the selector's kind's options (DFlash2Options)
-        sel_loss, sel_sums = selector_loss(
-            flat_hidden, lm_head, selector, flat_labels,
-            label_valid.reshape(n, bs - 1), blocks[:, :, 0].reshape(n), top_k=o.selector_top_k,
-            output_multiplier=o.output_multiplier, softcap=o.final_logit_softcapping, gamma=loss_cfg.gamma,
-            detach=loss_cfg.selector_detach, gold_rule=loss_cfg.selector_gold, chunk_blocks=loss_cfg.chunk_blocks, candidates=terms.candidates)
-        terms.loss = terms.loss + loss_cfg.selector_weight * sel_loss
-        sums.update(sel_sums)
+    if own is not None:  # every step carries the kind's statistics, zero where its term is off
+        sums.update({k: torch.zeros((), device=dev) for k in own.SUMS})
+    if extra.finish is not None:
+        term, kind_sums = extra.finish(terms)
+        if term is not None:
+            terms.loss = terms.loss + term
+        sums.update(kind_sums)
     return terms, sums

@@ -13,6 +13,12 @@ then on, once the agent has had no rank (no child process but this watcher) for 
 the agent and says so. An agent that ends by itself ends the watcher. Without a signal it never acts: an agent
 whose ranks are done waits at torchrun's exit barrier for the other nodes, as it should. A signal sent to the
 agent alone (`kill PID` by hand) does not reach the watcher, and torchrun handles it as it always has.
+
+A cut link strands the agent the same way with no signal at all: its ranks, cut off from global rank 0's host
+(the job's store, and the rendezvous the agent then blocks on), end within 2 heartbeats, and the agent stayed
+(seen still there 40 s after a cut, when the test ended it by removing the host). So a rank whose store guard
+gives up (runtime/watchdog.py) tells the watcher first, by SIGUSR1 (`tell_cut_off`; the script exports the
+watcher's pid as DFLASH_AGENT_WATCH_PID), and the watcher acts on it as on a stop signal.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ import sys
 import time
 
 POLL_S = 0.25
+WATCHER_ENV = "DFLASH_AGENT_WATCH_PID"
+# Why the watcher acts, by the signal that armed it (SIGUSR1: a rank's `tell_cut_off`)
+_REASONS = {signal.SIGTERM: "on SIGTERM", signal.SIGINT: "on SIGINT",
+            signal.SIGUSR1: "cut off from the job store's host, which holds the rendezvous too"}
 
 
 def _start_time(pid: int) -> str | None:
@@ -69,7 +79,7 @@ def watch(agent: int, grace_s: float) -> int:
         _die_with_parent()
     born = _start_time(agent)
     signalled: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in _REASONS:
         signal.signal(sig, lambda signum, _frame: signalled.append(signum))
     alone_since = None
     while born is not None and _start_time(agent) == born:
@@ -79,14 +89,28 @@ def watch(agent: int, grace_s: float) -> int:
             elif alone_since is None:
                 alone_since = time.monotonic()
             elif time.monotonic() - alone_since >= grace_s:
-                name = signal.Signals(signalled[0]).name
-                print(f"[dflash-ds] torchrun agent {agent} still running {grace_s:g} s after its ranks ended on "
-                      f"{name} (its rendezvous store is likely gone with another node): killed", file=sys.stderr,
-                      flush=True)
+                print(f"[dflash-ds] torchrun agent {agent} still running {grace_s:g} s after its ranks ended "
+                      f"{_REASONS[signalled[0]]} (its rendezvous store is likely gone with another node): killed",
+                      file=sys.stderr, flush=True)
                 os.kill(agent, signal.SIGKILL)
                 return 0
         time.sleep(POLL_S)
     return 0
+
+
+def tell_cut_off() -> None:
+    """From a rank about to end cut off from the job store's host: arm its agent's watcher (SIGUSR1), if it has one.
+
+    Only a sibling (a child of this rank's parent, the agent) is signalled: the variable may be stale or inherited
+    by a process that another launcher started."""
+    try:
+        pid = int(os.environ.get(WATCHER_ENV, ""))
+        with open(f"/proc/{pid}/stat") as f:
+            if int(f.read().rsplit(")", 1)[1].split()[1]) != os.getppid():
+                return
+        os.kill(pid, signal.SIGUSR1)
+    except (ValueError, OSError, IndexError):
+        pass  # no watcher (another launcher), or it is gone with its agent
 
 
 def main(argv: list[str] | None = None) -> int:

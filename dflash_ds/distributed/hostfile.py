@@ -8,6 +8,7 @@ after its ssh checks have started. We parse it strictly up front so that a typo 
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -195,10 +196,41 @@ def secret_variables(environ: dict[str, str], user_files: list[Path]) -> dict[st
     return {**secrets_of(environ), **found}
 
 
+def ssh_keepalive(heartbeat_timeout_s: float) -> list[str]:
+    """ssh options that end a session whose host has not answered for 1.25-1.5 x `heartbeat_timeout_s`.
+
+    pdsh returns once its ssh session to every host has ended, and nothing ends one to a host that is cut off: the
+    deepspeed runner and launch/train_deepspeed.sh waited on it for good after every rank had gone. OpenSSH ends a
+    session (status 255) after ServerAliveCountMax unanswered keep-alives, one per ServerAliveInterval seconds of
+    silence: C x I to (C + 1) x I seconds after the host went quiet. Over a heartbeat, so a link that pauses for
+    less than the ranks wait out keeps its session; under two, the bound in which the ranks end (README,
+    "Reliability")."""
+    interval = max(1, int(heartbeat_timeout_s // 8))
+    count = max(1, math.ceil(1.25 * heartbeat_timeout_s / interval))
+    return ["-o", f"ServerAliveInterval={interval}", "-o", f"ServerAliveCountMax={count}"]
+
+
+def heartbeat_timeout_of(train_args: list[str]) -> float:
+    """train.heartbeat_timeout_s as the ranks will read these trainer arguments: defaults < the --config file <
+    --train.heartbeat_timeout_s (the last one given); the rest is the ranks' to check (dflash_ds/train.py)."""
+    from dflash_ds.config import load_config
+    from dflash_ds.config_parse import parse_overrides
+
+    config, override = None, []
+    for i, arg in enumerate(train_args):
+        name, eq, value = arg.partition("=")
+        given = [arg] if eq else train_args[i:i + 2]  # `--key=value` or `--key value` (parse_overrides' forms)
+        if name == "--config":
+            config = value if eq else (train_args[i + 1] if i + 1 < len(train_args) else None)
+        elif name.replace("-", "_") == "__train.heartbeat_timeout_s":  # as parse_overrides reads `-` in a key
+            override = given
+    return load_config(config, parse_overrides(override)).train.heartbeat_timeout_s
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m dflash_ds.distributed.hostfile env-file OUT [--credentials-dir DIR] [--user-env-file F]`: write
     the deepspeed launcher's env file (mode 0600, no secret) and the credentials; print the shell line that unsets
-    the secrets and exports their paths."""
+    the secrets and exports their paths. `... ssh-args -- TRAIN_ARGS`: print pdsh's ssh keep-alive options."""
     import argparse
     import os
     import sys
@@ -221,7 +253,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="the DS_ENV_FILE the user set, read instead of .deepspeed_env and filtered the same way "
                         "(its secrets go to --credentials-dir); a relative name is looked up in ~ and the working "
                         "directory, as the deepspeed launcher does")
+    k = sub.add_parser("ssh-args", help="print the ssh options (-o ServerAliveInterval=I -o ServerAliveCountMax=C) "
+                                        "that end pdsh's session to a host silent for 1.25-1.5 x the "
+                                        "train.heartbeat_timeout_s of TRAIN_ARGS")
+    k.add_argument("train_args", nargs="*", metavar="TRAIN_ARGS", help="the trainer's arguments, after `--`")
     args = parser.parse_args(argv)
+    if args.cmd == "ssh-args":
+        try:
+            print(" ".join(ssh_keepalive(heartbeat_timeout_of(args.train_args))))
+        except DFlashError as exc:
+            print(f"[dflash-ds] error: {exc}", file=sys.stderr, flush=True)
+            return exc.exit_code
+        return 0
     name = args.user_env_file or ".deepspeed_env"
     user = [Path(name), Path.home() / name]  # the launcher reads ~ first, . wins (an absolute name: one file)
     environ = dict(os.environ)

@@ -92,7 +92,7 @@ def evaluate(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, 
              tree_budgets: Sequence[int] = (), seed: int = 0, log=print, draft_sample: str = "greedy",
              confidence_stop: float | None = None, head_target: str = "sampled") -> dict:
     """Run every prompt through greedy, single-path and tree decoding (and single-path under a confidence stop);
-    return the results dict. `head_target`: what the confidence head trained for (`confidence_target_of`)."""
+    return the results dict. `head_target`: what the confidence head trained for (`head_target_of`)."""
     eos = eos_token_ids(target)
     block = drafter.arch.block_size
     runs: dict[str, list[SpecOutput]] = {"chain": [], **{f"tree{b}": [] for b in tree_budgets},
@@ -144,14 +144,18 @@ def evaluate(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, 
     return results
 
 
-def confidence_target_of(drafter_dir: str | Path) -> str:
-    """What a drafter's confidence head trained for: the export's dflash_ds_training.loss.confidence_target (written
-    by the trainer), else sampled (DeepSpec's, and this trainer's before the field existed)."""
+def head_target_of(drafter_dir: str | Path) -> str:
+    """What a drafter's confidence head trained for, as its kind reads the export's recorded loss settings
+    (dflash_ds_training.loss, written by the trainer; models/kinds.py `KindSpec.head_target`); sampled without one."""
+    from dflash_ds.models.kinds import kind_of_architecture, kind_spec
+
     try:
         cfg = json.loads((Path(drafter_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return "sampled"
-    return str(((cfg.get("dflash_ds_training") or {}).get("loss") or {}).get("confidence_target", "sampled"))
+    kind = kind_of_architecture(cfg.get("architectures"))
+    read = None if kind is None else kind_spec(kind).head_target
+    return "sampled" if read is None else read((cfg.get("dflash_ds_training") or {}).get("loss") or {})
 
 
 def format_table(r: dict) -> str:
@@ -278,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     results = evaluate(target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        tree_budgets=budgets, seed=args.seed, log=lambda s: print(s, flush=True),
                        draft_sample=args.draft_sample, confidence_stop=args.confidence_stop,
-                       head_target=confidence_target_of(args.drafter))
+                       head_target=head_target_of(args.drafter))
     results.update({"target": str(args.target), "drafter": str(args.drafter), "data": str(args.data)})
     print(format_table(results))
     if args.engine == "vllm":

@@ -228,8 +228,8 @@ def drafter_draft_fn(drafter: DFlashDrafter, target: nn.Module) -> DraftFn:
 def draft_fn_of(drafter: DFlashDrafter, target: nn.Module, temperature: float = 0.0, draft_sample: str = "greedy",
                 generator: torch.Generator | None = None, confidence_stop: float | None = None) -> DraftFn:
     """The drafter's own draft function for one prompt: one parallel block, or the walk of a kind that drafts
-    sequentially (`draft_tokens`: eval/walk_draft.py)."""
-    if hasattr(drafter, "draft_tokens"):
+    sequentially (`DFlashDrafter.sequential`, `draft_tokens`: eval/walk_draft.py)."""
+    if drafter.sequential:
         return walk_draft_fn(drafter, target, temperature, draft_sample, generator, confidence_stop)
     return drafter_draft_fn(drafter, target)
 
@@ -326,11 +326,11 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
         block_size = a.block_size if block_size is None else block_size
         layer_ids = a.target_layer_ids if layer_ids is None else layer_ids
         mask_token_id = a.mask_token_id if mask_token_id is None else mask_token_id
-        walks = hasattr(drafter, "draft_tokens")  # a sequential drafter (models/drafter.BlockDraft)
+        walks = drafter.sequential  # drafts token by token (models/drafter.py)
         draft_fn = draft_fn or draft_fn_of(drafter, target, temperature, draft_sample, generator, confidence_stop)
         if walks and tree_budget is not None:
             raise DFlashError(f"tree drafting is not implemented for a {drafter.kind} drafter: drop --tree-budget")
-        if confidence_stop is not None and getattr(drafter, "confidence_head", None) is None:
+        if confidence_stop is not None and not drafter.has_confidence_head:
             raise DFlashError(f"--confidence-stop needs a drafter with a confidence head: this {drafter.kind} drafter "
                               "has none (its kind has none, or it was built without: `dflash-ds init-drafter --help` "
                               "lists each kind's fields)")

@@ -1,7 +1,7 @@
 """Sequential drafting in `eval`: a drafter that drafts token by token (`draft_tokens`), as vLLM 0.32 runs it.
 
-Such a drafter drafts position by position, each token conditioned on the one drafted before it (its kind's drafter
-module, models/kinds.py `KindSpec.drafter_module`, defines `draft_tokens`, returning a models/drafter.BlockDraft). At
+Such a drafter drafts position by position, each token conditioned on the one drafted before it (its class, in its
+kind's drafter module, says `sequential` and defines `draft_tokens`, returning a models/drafting.BlockDraft). At
 T = 0, and at T > 0 with draft sampling "greedy" (vLLM's default `draft_sample_method`), each position takes its
 best token; a greedy draft at T > 0 is a one-hot q. With "probabilistic" at T > 0 position k draws x_k from
 softmax(z_k / T), z_k being the logits after the token drawn before it (a walk over candidates: the K scores of the

@@ -66,6 +66,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     kind = "dflash2"
     layer_cls = DFlash2Layer
+    sequential = True  # the selector's walk over the head's top-K (`draft_tokens`)
 
     def __init__(self, arch: DrafterArch) -> None:
         if arch.options is None:

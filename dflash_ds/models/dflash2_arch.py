@@ -109,7 +109,7 @@ class DFlash2Options:
 
 @dataclass
 class DFlash2Loss:
-    """The DFlash2 loss.* fields: the selector term's weight and targets (components/selector_loss.py)."""
+    """The DFlash2 loss.* fields: the selector term's weight and targets (models/dflash2_loss.py)."""
 
     selector_weight: float = 1.0
     """Weight of the selector term (K-way CE over the candidates given the gold predecessor)."""
@@ -194,5 +194,6 @@ SPEC = register(KindSpec(
            ("loss.selector_weight", "must be >= 0", lambda v: v >= 0),
            ("loss.selector_gold", "must be swap or drop", lambda v: v in ("swap", "drop")),
            ("loss.selector_warmup_steps", "must be >= 0", lambda v: v >= 0)),
-    drafter_module="dflash_ds.models.dflash2", vllm_method="dflash", vllm_v2_only=True,
+    drafter_module="dflash_ds.models.dflash2", loss_module="dflash_ds.models.dflash2_loss", vllm_method="dflash",
+    vllm_v2_only=True,
     memory=memory_terms, warm_start=warm_start_parts, fused_parts=fused_parts))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,20 +36,9 @@ from dflash_ds.models.drafter_arch import (  # noqa: F401 - re-exported: the dra
     CONFIG_NAME, FULL, SAFETENSORS_NAME, SLIDING, DrafterArch, default_target_layer_ids, read_drafter_arch,
 )
 from dflash_ds.models.drafter_cache import DrafterCache  # noqa: F401 - re-exported
+from dflash_ds.models.drafting import BlockDraft
 from dflash_ds.models.kinds import kind_spec
 from dflash_ds.models.layer_ops import rms_norm, rope, swiglu
-
-
-class BlockDraft(NamedTuple):
-    """What a drafter that drafts sequentially (`draft_tokens`: DFlash2's walk, DSpark's Markov chain) returns for
-    N blocks of L drafted positions: tokens [N, L]; the logits each token was drawn from [N, L, C], over the
-    `candidates` [N, L, C] ids (DFlash2's top-K) or, when that is None, over the whole vocabulary (DSpark, bias
-    included); the confidence head's probabilities [N, L] (None: no head)."""
-
-    tokens: torch.Tensor
-    logits: torch.Tensor
-    confidence: torch.Tensor | None = None
-    candidates: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -146,6 +135,17 @@ class DFlashDrafter(nn.Module):
     kind = "dflash"
     layer_cls: type = DrafterLayer
     _by_kind: dict[str, type] = {}  # kind -> class; subclasses register themselves (imported by __new__)
+    # How the kind drafts, asked of its class (nobody probes a drafter for a part); DFlash: a block's argmax at once.
+    sequential = False
+    has_confidence_head = False  # its BlockDraft carries a confidence head's probabilities (eval's --confidence-stop)
+
+    def draft_tables(self) -> Any:
+        """What `draft_tokens` reads of its kind's parts, read once for a caller drafting many chunks (None: none)."""
+        return None
+
+    def draft_tokens(self, hidden, lm_head, anchor_ids, temperature=0.0, generator=None, tables=None) -> BlockDraft:
+        """A sequential kind's draft of final-normed hidden states [N, L, H] after anchors [N] (models/drafting.py)."""
+        raise NotImplementedError(f"a {self.kind} drafter drafts a block at once: it is not `sequential`")
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

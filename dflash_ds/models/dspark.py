@@ -60,6 +60,7 @@ class DSparkDrafter(DFlashDrafter):
     """DSpark: DFlash layers, `markov_head`, optional `confidence_head`; DFlash's forwards, export and loading."""
 
     kind = "dspark"
+    sequential = True  # the Markov chain (`draft_tokens`)
 
     def __init__(self, arch: DrafterArch) -> None:
         if arch.options is None:
@@ -91,6 +92,11 @@ class DSparkDrafter(DFlashDrafter):
             return super().forward_infer(context_features, block_embeds, start, cache)
         out = super().forward_infer(context_features, block_embeds[:, :-1], start, cache)
         return torch.cat([out[:, :1], out], dim=1)
+
+    @property
+    def has_confidence_head(self) -> bool:
+        """Whether it was built with the confidence head (model.enable_confidence_head)."""
+        return self.confidence_head is not None
 
     def confidence_logits(self, hidden: torch.Tensor, embed: torch.Tensor) -> torch.Tensor | None:
         """The confidence head's logits [...] (None without the head)."""

@@ -121,7 +121,7 @@ class DSparkOptions:
 
 @dataclass
 class DSparkLoss:
-    """The DSpark loss.* fields: the confidence head's term (components/confidence.py)."""
+    """The DSpark loss.* fields: the confidence head's term (models/dspark_loss.py)."""
 
     confidence_weight: float = 1.0
     """Weight of the confidence head's BCE against its target (loss.confidence_target)."""
@@ -164,6 +164,12 @@ def warm_start_parts(drafter: Any) -> None:
         drafter.markov_head.markov_w2.weight.zero_()
 
 
+def head_target(loss: dict[str, Any]) -> str:
+    """What the confidence head trained for: loss.confidence_target as the export recorded it, else sampled (DeepSpec's,
+    and this trainer's before the field existed)."""
+    return str(loss.get("confidence_target", "sampled"))
+
+
 SPEC = register(KindSpec(
     name="dspark", architecture="Qwen3DSparkModel",
     summary="Markov head + confidence head; Qwen3DSparkModel export",
@@ -171,6 +177,7 @@ SPEC = register(KindSpec(
     rules=(("model.markov_rank", "must be >= 1", lambda v: v >= 1),
            ("loss.confidence_weight", "must be >= 0", lambda v: v >= 0),
            ("loss.confidence_target", "must be sampled or greedy", lambda v: v in ("sampled", "greedy"))),
-    drafter_module="dflash_ds.models.dspark", vllm_method="dspark", vllm_v2_only=True,
-    vllm_anchor_first_by_default=True, memory=memory_terms, warm_start=warm_start_parts,
+    drafter_module="dflash_ds.models.dspark", loss_module="dflash_ds.models.dspark_loss", vllm_method="dspark",
+    vllm_v2_only=True,
+    vllm_anchor_first_by_default=True, head_target=head_target, memory=memory_terms, warm_start=warm_start_parts,
     recipe_name=RECIPE_NAME, recipe=RECIPE))

@@ -3,10 +3,12 @@
 A kind is DFlash's backbone plus parts of its own (docs/DESIGN.md §2, §11, §12). Its module (models/dflash2_arch.py,
 models/dspark_arch.py) defines the options dataclass of those parts and calls `register(KindSpec(...))`; its
 drafter module defines the `DFlashDrafter` subclass. Everything outside models/ and components/ reads the spec
-(the export's architecture, how vLLM serves it, its config fields and their rules, its loss schedule, its memory
-terms, its recipe) instead of branching on the kind's name. Adding a kind: write its module and name it in
-BUILTIN_MODULES (or import it before use: tests/test_models/test_kind_registry.py registers a toy kind from a file
-of its own). This module and the kinds' arch modules import no torch: the config reads them (config_kinds.py).
+(the export's architecture, how vLLM serves it, its config fields and their rules, its loss schedule, its loss
+terms and metrics, its memory terms, its recipe) instead of branching on the kind's name; how a drafter drafts
+(`sequential`, `has_confidence_head`, `draft_tables`: models/drafter.py) its class answers. Adding a kind: write its
+module and name it in BUILTIN_MODULES (or import it before use: tests/test_models/test_kind_registry.py registers a
+toy kind from a file of its own). This module and the kinds' arch modules import no torch: the config reads them
+(config_kinds.py).
 
 A kind declares its own config fields in its module, once, with their types, defaults and docstrings: its model.*
 fields are fields of its options dataclass (named in `KindSpec.model_fields`), its loss.* fields those of a small
@@ -19,6 +21,14 @@ The options dataclass (`KindSpec.options`, held by `DrafterArch.options`) provid
 - `from_export(cfg, where)` (classmethod): read them back from a config.json;
 - optionally `export_block_offset` (block slots the export's block_size does not count: 0 when absent) and
   `checkpoint_dict()` (what a checkpoint records; `dataclasses.asdict` when absent).
+
+A kind's own loss terms and metrics live in its loss module (`KindSpec.loss_module`: models/dflash2_loss.py,
+models/dspark_loss.py), which defines
+- `SUMS`: the names of its additive statistics (summed over a log window and the drafters: runtime/step_metrics.py);
+- `loss_terms(drafter, at: DraftedPositions, loss) -> KindTerms`: what it adds to one micro-step's DFlash loss
+  (components/objective.py; `loss`: the step's loss.* settings, its own fields among them);
+- `metrics(sums) -> dict`: its record's metrics from the window's summed SUMS, named as metrics.jsonl and W&B show
+  them ({} when the window has none).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Callable
 
 DFLASH = "dflash"  # the backbone every kind extends; the kind of a DrafterArch without options
@@ -64,6 +75,34 @@ class MemoryTerms:
         return bool(self.loss_chunk_copies or self.loss_position_values or self.loss_fixed_bytes)
 
 
+@dataclass
+class DraftedPositions:
+    """What a kind's loss reads of one micro-step (components/objective.py): N blocks of L drafted positions, every
+    row's anchors flattened (torch tensors; this module imports no torch)."""
+
+    hidden: Any
+    """[N, L, H] the drafter's final-normed states of the drafted positions."""
+    labels: Any
+    """[N, L] long: each position's label (negative where there is none)."""
+    valid: Any
+    """[N, L] bool: the positions that carry a label."""
+    anchor_ids: Any
+    """[N] long: each block's anchor token (the token before position 0)."""
+    lm_head: Any
+    """The target's LM head (frozen): [..., H] -> vocabulary logits."""
+
+
+@dataclass
+class KindTerms:
+    """What a kind adds to one micro-step's loss (its loss module's `loss_terms`; nothing when left empty)."""
+
+    dflash_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the DFlash loss (components/loss.chunked_dflash_loss): `logit_bias` (DSpark's Markov
+    bias), `top_k` (the head's top-K it keeps, `LossTerms.candidates`: DFlash2's selector reads them)."""
+    finish: Callable[[Any], tuple[Any, dict[str, Any]]] | None = None
+    """(the DFlash loss's LossTerms) -> (its weighted term, added to the loss, or None; its SUMS of this step)."""
+
+
 @dataclass(frozen=True)
 class KindSpec:
     """One drafter kind: what differs from DFlash, for every caller outside the kind's own modules."""
@@ -89,8 +128,15 @@ class KindSpec:
     """(dotted field, rule text, predicate) of its model.* and loss.* fields, checked with config_rules' own."""
     drafter_module: str | None = None
     """The module defining its DFlashDrafter subclass, imported on the first build of the kind."""
-    vllm_method: str = "dflash"
-    """vLLM 0.32's speculative `method` (DFlash2 rides on "dflash": vLLM picks its speculator by architecture)."""
+    loss_module: str | None = None
+    """The module of its own loss terms and metrics (`SUMS`, `loss_terms`, `metrics`: module doc), imported on first
+    use (`kind_loss`); None = DFlash's loss alone."""
+    head_target: Callable[[dict[str, Any]], str] | None = None
+    """(an export's recorded loss.* settings, `dflash_ds_training.loss`; {} without them) -> what its confidence head
+    trained for, "sampled" or "greedy" acceptance: eval judges the head on it; None = the kind has no such head."""
+    vllm_method: str | None = None
+    """vLLM 0.32's speculative `method` (DFlash2 rides on "dflash": vLLM picks its speculator by architecture).
+    Required: an entry without it is an error, not "dflash" (vLLM would take a new architecture for DFlash's)."""
     vllm_v2_only: bool = False
     """vLLM 0.32 serves it only on its V2 model runner (Triton drafting kernels: a GPU)."""
     vllm_anchor_first_by_default: bool = False
@@ -133,8 +179,11 @@ _loaded = False
 
 
 def register(spec: KindSpec) -> KindSpec:
-    """Add a kind (its name, architecture and options class must be new); returns the spec."""
+    """Add a kind (its name, architecture and options class must be new, its vllm_method set); returns the spec."""
     _load_builtins()
+    if not spec.vllm_method:
+        raise ValueError(f"drafter kind {spec.name!r} ({spec.architecture}) names no vllm_method: set the speculative "
+                         "method vLLM serves its architecture by (KindSpec.vllm_method)")
     taken = [s.name for s in _SPECS.values() if spec.name == s.name or spec.architecture == s.architecture]
     if taken or (spec.options is not None and spec.options in _BY_OPTIONS):
         raise ValueError(f"drafter kind {spec.name!r} ({spec.architecture}) clashes with registered kind {taken}")
@@ -154,7 +203,8 @@ def _load_builtins() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        _SPECS.setdefault(DFLASH, KindSpec(DFLASH, "DFlashDraftModel", "the DFlash drafter (z-lab's reference)"))
+        _SPECS.setdefault(DFLASH, KindSpec(DFLASH, "DFlashDraftModel", "the DFlash drafter (z-lab's reference)",
+                                           vllm_method="dflash"))
         for module in BUILTIN_MODULES:
             importlib.import_module(module)
 
@@ -199,6 +249,17 @@ def kind_of_options(options: Any) -> str:
 def kind_of_architecture(architectures: list[str] | None) -> str | None:
     """The kind whose export architecture is listed (None when none is)."""
     return next((s.name for s in kind_specs() if s.architecture in (architectures or [])), None)
+
+
+def kind_loss(kind: str) -> ModuleType | None:
+    """The loss module of kind `kind` (`KindSpec.loss_module`), imported; None for a kind without one."""
+    module = kind_spec(kind).loss_module
+    return None if module is None else importlib.import_module(module)
+
+
+def kind_losses() -> list[ModuleType]:
+    """Every registered kind's loss module, in `kind_specs`' order (the same on every rank)."""
+    return [importlib.import_module(s.loss_module) for s in kind_specs() if s.loss_module is not None]
 
 
 def kind_recipe(kind: str) -> tuple[str, dict]:

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from dflash_ds.components.acceptance import WALK_SUMS, calibrated_walk, walk_metrics
-from dflash_ds.components.confidence import CONFIDENCE_SUMS, confidence_metrics
 from dflash_ds.components.loss import ACCEPTANCE_SUMS, metrics_from_sums
-from dflash_ds.components.selector_loss import SELECTOR_SUMS, selector_metrics
+from dflash_ds.models.kinds import kind_losses
 from dflash_ds.runtime.memory import compiled_graphs, peak_memory_bytes, reserved_memory_bytes, reset_peak_memory
+from dflash_ds.runtime.records import absent_drafters, keep_lineage
 
 if TYPE_CHECKING:
     from dflash_ds.data.stream import BatchStream
@@ -36,15 +36,26 @@ if TYPE_CHECKING:
     from dflash_ds.runtime.monitor import Monitor
     from dflash_ds.runtime.step import StepResult
 
-# Sums of the loss statistics (components/loss.metric_sums and acceptance_sums + the objective's "anchors").
+# Sums of DFlash's loss statistics (components/loss.metric_sums and acceptance_sums + the objective's "anchors").
 LOSS_SUMS = ("valid_positions", "correct", "top4", "top8", "blocks", "streak", "tree_streak4", "tree_streak8",
-             "anchors", *ACCEPTANCE_SUMS, *SELECTOR_SUMS, *CONFIDENCE_SUMS)
+             "anchors", *ACCEPTANCE_SUMS)
 # Per-step values summed over steps and drafters (divided by their count when logged).
 STEP_SUMS = ("loss", "steps", "real_tokens", "padded_tokens", "num_seqs", "queue_depth", "tgt_batch_per_s",
              "tgt_forward_s", "grad_norm", "lr", "noise_std")
 # Walk sums (components/acceptance.WALK_SUMS) of est_tau at the record and of the validation split.
 WALK_KINDS = ("est", "val")
 WALK_KEYS = tuple(f"{kind}_{key}" for kind in WALK_KINDS for key in WALK_SUMS)
+
+
+def loss_sum_names() -> tuple[str, ...]:
+    """LOSS_SUMS, then every registered kind's own (its loss module's SUMS, models/kinds.py): one order on every rank,
+    whatever the kind (a step of another kind adds zeros there)."""
+    return LOSS_SUMS + tuple(key for loss in kind_losses() for key in loss.SUMS)
+
+
+def kind_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """Every kind's own metrics of a window's sums (its loss module's `metrics`; {} from a kind without sums)."""
+    return {key: value for loss in kind_losses() for key, value in loss.metrics(sums).items()}
 
 
 @dataclass
@@ -67,7 +78,8 @@ class MetricWindow:
 
     def clear(self) -> None:
         """Start a new window (the running skipped count is kept)."""
-        self.sums = {k: 0.0 for k in STEP_SUMS + LOSS_SUMS + WALK_KEYS}
+        self.loss_sums = loss_sum_names()
+        self.sums = {k: 0.0 for k in STEP_SUMS + self.loss_sums + WALK_KEYS}
         self.buckets = [0.0] * self.num_buckets
         self.pos_correct = [0.0] * self.num_positions
         self.pos_valid = [0.0] * self.num_positions
@@ -87,7 +99,8 @@ class MetricWindow:
         s = self.sums
         s["loss"] += loss if math.isfinite(loss) else 0.0
         s["steps"] += 1
-        stats = torch.cat([torch.stack([loss_sums[k] for k in LOSS_SUMS]), loss_sums["pos_correct"],
+        zero = torch.zeros_like(loss_sums["anchors"])  # another kind's statistics: this step has none
+        stats = torch.cat([torch.stack([loss_sums.get(k, zero) for k in self.loss_sums]), loss_sums["pos_correct"],
                            loss_sums["pos_valid"]]).detach().double()  # one device vector, no host read
         self._device_sums = stats if self._device_sums is None else self._device_sums + stats
         for key in ("real_tokens", "padded_tokens", "num_seqs", "tgt_batch_per_s", "tgt_forward_s"):
@@ -107,8 +120,8 @@ class MetricWindow:
         """Move the window's device statistics into the host sums (once per window: one host read)."""
         if self._device_sums is None:
             return
-        v, n, k = self._device_sums.cpu().tolist(), len(LOSS_SUMS), self.num_positions
-        for key, value in zip(LOSS_SUMS, v[:n]):
+        v, n, k = self._device_sums.cpu().tolist(), len(self.loss_sums), self.num_positions
+        for key, value in zip(self.loss_sums, v[:n]):
             self.sums[key] += value
         self.pos_correct = [a + b for a, b in zip(self.pos_correct, v[n:n + k])]
         self.pos_valid = [a + b for a, b in zip(self.pos_valid, v[n + k:n + 2 * k])]
@@ -118,7 +131,7 @@ class MetricWindow:
         self._read_device_sums()
         peak = [0.0] * self.num_drafters
         peak[self.drafter] = self.peak_mem_bytes  # a sum of one-hot rows = every rank's value
-        return ([self.sums[k] for k in STEP_SUMS + LOSS_SUMS + WALK_KEYS] + [self.skipped_total] + self.buckets
+        return ([self.sums[k] for k in STEP_SUMS + self.loss_sums + WALK_KEYS] + [self.skipped_total] + self.buckets
                 + self.pos_correct + self.pos_valid + peak)
 
     def reduce(self, device: torch.device | None = None) -> "WindowTotals":
@@ -127,7 +140,7 @@ class MetricWindow:
         if dist.is_initialized():
             dist.all_reduce(packed)
         v = packed.cpu().tolist()
-        names = STEP_SUMS + LOSS_SUMS + WALK_KEYS
+        names = STEP_SUMS + self.loss_sums + WALK_KEYS
         i = len(names)
         nb, k, d = self.num_buckets, self.num_positions, self.num_drafters
         return WindowTotals(sums=dict(zip(names, v[:i])), skipped_total=v[i], buckets=v[i + 1:i + 1 + nb],
@@ -251,13 +264,9 @@ class WindowTotals:
             # argmax_alpha(_tau): the same for the drafter's argmax drafted (vLLM's and SGLang's default)
             **({k: m[k] for k in ("alpha", "tv_distance", "alpha_tau", "argmax_alpha", "argmax_alpha_tau")}
                if "alpha" in m else {}),
-            # a kind with a candidate selector (components/selector_loss.py): the selector's accuracy given the gold
-            # predecessor beside the unary (top-1) accuracy on the same positions, how often the top-K holds the
-            # gold token, and the selector term
-            **(selector_metrics(s) if s["selector_positions"] > 0 else {}),
-            # a kind with a confidence head: the head's calibration against the teacher-forced greedy hit (ECE over
-            # 10 bins, Brier), its mean error against its BCE target and the BCE term (components/confidence.py)
-            **confidence_metrics(s),
+            # the kind's own metrics (its loss module's `metrics`: models/kinds.py KindSpec.loss_module), e.g. a
+            # candidate selector's accuracy and term, a confidence head's calibration and term
+            **kind_metrics(s),
             # greedy decoding walked over the response (components/acceptance.py): est_tau at every record when
             # train.est_tau_rows > 0, val_* on the validation split at an evaluation step
             **self.walks(self.est_base_tau if self.est_base_tau is not None else float(m["tau"])),
@@ -293,6 +302,8 @@ class StepLog:
         layout, d = ctx.layout, ctx.role_rank
         records = out / "records"
         records.mkdir(parents=True, exist_ok=True)
+        # One lineage: the steps an interrupted run recorded past the checkpoint are trained again from here.
+        keep_lineage(records, start_step, [d, *(absent_drafters(records, layout.num_drafters) if d == 0 else [])])
         self.file = (records / f"drafter{d}.jsonl").open("a")
         self.walks = WalkHistory.read(records / f"walks{d}.jsonl", start_step)
         self.walk_file = (records / f"walks{d}.jsonl").open("a")

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 
+from dflash_ds.distributed.agent_watch import tell_cut_off
 from dflash_ds.process_exit import say
 from dflash_ds.runtime import faults
 
@@ -270,6 +271,7 @@ class Watchdog:
         while not self._closed.wait(self.interval_s):
             silent = time.monotonic() - self._round_done
             if silent > self.timeout_s and not self._closed.is_set():
+                tell_cut_off()  # under train_multinode.sh: its agent, blocked on that host too, is ended after us
                 self._die(0, f"lost contact with the job store on {self.describe_rank(0)}: no answer for "
                              f"{silent:.0f}s; rank 0 is probably lost")
 

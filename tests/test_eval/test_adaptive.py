@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ds.eval.adaptive import simulate
-from dflash_ds.eval.cli import confidence_target_of
+from dflash_ds.eval.cli import head_target_of
 
 
 def test_top_fraction_by_running_product_by_hand() -> None:
@@ -23,10 +23,12 @@ def test_top_fraction_by_running_product_by_hand() -> None:
 
 
 def test_confidence_target_read_from_the_export(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"dflash_ds_training": {"loss": {"confidence_target": "greedy"}}}))
-    assert confidence_target_of(tmp_path) == "greedy"
+    """The kind reads its own recorded loss field (models/dspark_arch.head_target): eval names no kind's field."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3DSparkModel"],
+                                                      "dflash_ds_training": {"loss": {"confidence_target": "greedy"}}}))
+    assert head_target_of(tmp_path) == "greedy"
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3DSparkModel"]}))
-    assert confidence_target_of(tmp_path) == "sampled"  # DeepSpec's, and exports written before the field
+    assert head_target_of(tmp_path) == "sampled"  # DeepSpec's, and exports written before the field
 
 
 def test_eval_reports_the_heads_own_target(tiny_target: Path) -> None:

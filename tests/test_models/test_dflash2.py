@@ -131,7 +131,7 @@ def test_selector_loss_by_hand() -> None:
     """Two positions, K = 2: gold found at slot 1 at position 0; missed (inserted into slot 1) at position 1."""
     import math
 
-    from dflash_ds.components.selector_loss import selector_loss
+    from dflash_ds.models.dflash2_loss import selector_loss
     from dflash_ds.models.dflash2_selector import CandidateSelector
 
     head_w = torch.tensor([[1.0, 0], [0, 1], [1, 1], [-1, 0], [0, -1]])  # tokens 0..4
@@ -213,7 +213,7 @@ def test_the_head_runs_once_per_step_and_the_selector_term_is_unchanged(tiny_tar
     own head pass."""
     from dflash_ds.components.loss import chunked_dflash_loss
     from dflash_ds.components.objective import TargetStates, drafter_objective
-    from dflash_ds.components.selector_loss import selector_loss
+    from dflash_ds.models.dflash2_loss import selector_loss
     from dflash_ds.config import LossConfig
     from dflash_ds.models.drafter import DFlashDrafter
     from dflash_ds.models.target import capture_hidden, load_target, target_parts

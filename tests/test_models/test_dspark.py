@@ -19,7 +19,7 @@ from dflash_ds.models.from_target import drafter_arch_from_target
 
 def test_l1_term_and_confidence_bce_by_hand() -> None:
     """One position, vocabulary 3: 0.1 CE + 0.9 ||p - q||_1 (DeepSpec's weights), and the BCE against alpha."""
-    from dflash_ds.components.confidence import confidence_loss
+    from dflash_ds.models.dspark_loss import confidence_loss
     from dflash_ds.components.loss import dflash_loss
 
     z, t = torch.tensor([[[1.0, 0.0, -1.0]]]), torch.tensor([[[0.0, 2.0, 0.0]]])
@@ -145,8 +145,8 @@ def test_objective_is_deepspecs_loss(tiny_target: Path) -> None:
 def test_ece_and_brier_by_hand() -> None:
     """Four confidences 0.05, 0.35, 0.38, 0.95 with outcomes miss, hit, miss, hit: Brier = mean (c - hit)^2 =
     (0.0025 + 0.4225 + 0.1444 + 0.0025) / 4 = 0.142975; ECE over 10 bins = (|0.05 - 0| (bin 0) + |0.73 - 1| (bin 3)
-    + |0.95 - 1| (bin 9)) / 4 = 0.0925. Training's (components/confidence.py) and eval's (eval/summary.py)."""
-    from dflash_ds.components.confidence import confidence_loss, confidence_metrics
+    + |0.95 - 1| (bin 9)) / 4 = 0.0925. Training's (models/dspark_loss.py) and eval's (eval/summary.py)."""
+    from dflash_ds.models.dspark_loss import confidence_loss, metrics as confidence_metrics
     from dflash_ds.eval.summary import calibration
 
     conf, hit = [0.05, 0.35, 0.38, 0.95], [0, 1, 0, 1]

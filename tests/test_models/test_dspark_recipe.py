@@ -42,7 +42,7 @@ def test_dspark_alone_trains_deepspecs_recipe(tmp_path: Path) -> None:
 
 
 def test_confidence_target_greedy_is_the_hit(tiny_target: Path) -> None:
-    """loss.confidence_target greedy: the BCE's target is argmax == label (components/confidence.py's mean error
+    """loss.confidence_target greedy: the BCE's target is argmax == label (models/dspark_loss.py's mean error
     against its target reads 0 exactly when the head says the hit); sampled: alpha (a different value)."""
     from dflash_ds.components.objective import TargetStates, drafter_objective
     from dflash_ds.config import LossConfig

@@ -1,7 +1,9 @@
 """One registry entry per drafter kind (models/kinds.py): a toy fourth kind, written to a file of its own and imported,
 trains through the trainer's forward, exports under its architecture and loads back, validates as a config and
-plans with its own memory terms, and declares a model.* and a loss.* field that a run sets like DFlash's own
-(config_kinds.py), with no edit to any other file; and no kind is named outside models/ and components/."""
+plans with its own memory terms, declares a model.* and loss.* fields that a run sets like DFlash's own
+(config_kinds.py), and adds its own loss term and metric (its loss module: here the same file) that the objective
+adds and metrics.jsonl logs, with no edit to any other file; and no kind is named outside models/ and components/
+(tests/test_models/test_kind_boundary.py: nor a drafter probed for a kind's part, nor a kind's loss field read)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from dflash_ds.models import kinds
 
 # The whole kind: its options, its loss fields, its drafter class and its spec. A low-rank residual on the drafter's
 # hidden states (toy_up starts at zero: the kind drafts as DFlash at step 0 until training moves it); model.toy_rank
-# is its rank, loss.toy_gamma a position decay of its own that its loss_at hook puts in place of loss.gamma.
+# is its rank, loss.toy_gamma a position decay of its own that its loss_at hook puts in place of loss.gamma, and
+# loss.toy_weight the weight of its own loss term (the residual's mean square at the labelled positions), whose sums
+# it logs as the metric toy_penalty (its loss module, KindSpec.loss_module: this file).
 TOY_MODULE = '''
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from torch import nn
 
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter import DFlashDrafter
-from dflash_ds.models.kinds import KindSpec, MemoryTerms, register
+from dflash_ds.models.kinds import KindSpec, KindTerms, MemoryTerms, register
 
 
 @dataclass
@@ -52,6 +56,8 @@ class ToyOptions:
 
 @dataclass
 class ToyLoss:
+    toy_weight: float = 0.0
+    """Weight of the toy's penalty on its residual's size (0 = none)."""
     toy_gamma: float = 0.0
     """Position decay of the toy's runs in place of loss.gamma (0 = loss.gamma's)."""
 
@@ -77,6 +83,26 @@ class ToyDrafter(DFlashDrafter):
         return hidden + self.toy_up(self.toy_down(hidden))
 
 
+SUMS = ("toy_penalty_sum", "toy_positions")
+
+
+def loss_terms(drafter, at, loss) -> KindTerms:
+    if not loss.toy_weight > 0:
+        return KindTerms()
+
+    def finish(terms):
+        size = drafter.toy_up(drafter.toy_down(at.hidden)).pow(2).mean(-1) * at.valid
+        sums = {"toy_penalty_sum": size.sum().detach(), "toy_positions": at.valid.sum().float()}
+        return loss.toy_weight * size.sum() / sums["toy_positions"].clamp(min=1), sums
+
+    return KindTerms(finish=finish)
+
+
+def metrics(sums: dict) -> dict:
+    n = float(sums.get("toy_positions", 0.0))
+    return {"toy_penalty": float(sums["toy_penalty_sum"]) / n} if n > 0 else {}
+
+
 def memory_terms(opts: ToyOptions, hidden: int, vocab: int) -> MemoryTerms:
     return MemoryTerms(head_params=2 * hidden * opts.toy_rank, grads_name="toy_grads", loss_name="toy_buffer",
                        loss_position_values=opts.toy_rank, flops_per_position=12 * hidden * opts.toy_rank)
@@ -88,7 +114,7 @@ def warm_start(drafter) -> None:
 
 SPEC = register(KindSpec(name="toy", architecture="ToyDraftModel", summary="a low-rank residual (test)",
                          options=ToyOptions, model_fields=("toy_rank",), loss_options=ToyLoss, loss_at=loss_at,
-                         memory=memory_terms, warm_start=warm_start,
+                         loss_module=__name__, vllm_method="dflash", memory=memory_terms, warm_start=warm_start,
                          rules=(("model.block_size", "must be <= 64 for a toy", lambda v: v <= 64),
                                 ("model.toy_rank", "must be >= 1", lambda v: v >= 1),
                                 ("loss.toy_gamma", "must be >= 0 (0 = loss.gamma)", lambda v: v >= 0))))
@@ -145,7 +171,7 @@ def test_toy_kind_trains_exports_and_loads_back(toy, tiny_target: Path, tmp_path
     module = DrafterTrainModule(drafter.train(), target.get_input_embeddings(), target.get_output_embeddings())
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     before = drafter.toy_up.weight.detach().clone()
-    losses = [float(drafter_step(module, opt, tensors, LossConfig(gamma=7.0, num_anchors=8), 0, step,
+    losses = [float(drafter_step(module, opt, tensors, LossConfig(gamma=7.0, num_anchors=8, toy_weight=0.1), 0, step,
                                  torch.float32)[0].loss.detach()) for step in range(4)]
     assert losses[-1] < losses[0], losses
     assert not torch.equal(drafter.toy_up.weight, before)
@@ -234,7 +260,7 @@ def test_a_kind_field_may_not_take_a_name_already_there(toy) -> None:
         gamma: float = 1.0
         """A second loss.gamma."""
 
-    kinds.register(kinds.KindSpec("clash", "ClashDraftModel", "a clash (test)", loss_options=Clash))
+    kinds.register(kinds.KindSpec("clash", "ClashDraftModel", "a clash (test)", loss_options=Clash, vllm_method="x"))
     try:
         with pytest.raises(DFlashError, match="drafter kind 'clash' declares loss.gamma, a field of LossConfig"):
             Config()
@@ -255,6 +281,60 @@ def test_no_kind_is_named_outside_models_and_components() -> None:
             if path.relative_to(package).parts[0] not in ("models", "components")
             for n, line in enumerate(path.read_text().splitlines(), 1) if named.search(line)]
     assert not hits, "\n".join(hits)
+
+
+def test_toy_kind_adds_its_loss_term_and_logs_its_metric(toy, tiny_target: Path, tmp_path: Path) -> None:
+    """The toy's own term (its loss module's `loss_terms`): the objective adds loss.toy_weight x the penalty its sums
+    hold, over the same label positions as the DFlash loss; its metric (`metrics`) reaches metrics.jsonl and W&B's
+    names through the metric window, beside DFlash's, and no other kind's."""
+    from dflash_ds.config import load_config
+    from dflash_ds.models.drafter import DFlashDrafter
+    from dflash_ds.models.target import load_target
+    from dflash_ds.runtime.engine import DrafterTrainModule
+    from dflash_ds.runtime.job import resolve_arch
+    from dflash_ds.runtime.monitor import Monitor, wandb_flatten
+    from dflash_ds.runtime.step import forward
+    from dflash_ds.runtime.step_metrics import MetricWindow
+    from dflash_ds.tools.train_step import target_batch
+
+    run = tmp_path / "toy.yaml"
+    run.write_text(f"target: {tiny_target}\nmodel:\n  kind: toy\n  num_layers: 1\n  block_size: 4\n"
+                   "loss:\n  num_anchors: 8\n  toy_weight: 0.5\n")
+    cfg = load_config(run)
+    drafter = DFlashDrafter(resolve_arch(cfg))
+    drafter.init_weights(0)  # toy_up drawn, not zero: the residual has a size
+    target = load_target(tiny_target)
+    tensors = target_batch(target, drafter.arch.target_layer_ids, batch=2, prompt_len=8, new_tokens=24, seed=0)
+    module = DrafterTrainModule(drafter, target.get_input_embeddings(), target.get_output_embeddings())
+    with torch.no_grad():  # the same anchors (seed, batch id) with the term off and on
+        (off, off_sums), (on, on_sums) = (forward(module, tensors, dataclasses.replace(cfg.loss, toy_weight=w), 0, 0,
+                                                  0.0, torch.float32) for w in (0.0, 0.5))
+    penalty = float(on_sums["toy_penalty_sum"]) / float(on_sums["toy_positions"])
+    assert penalty > 0 and float(on_sums["toy_positions"]) == float(off_sums["valid_positions"]) > 0
+    assert float(off_sums["toy_positions"]) == 0  # off: the kind's statistics are there, zero
+    assert float(on.loss) == pytest.approx(float(off.loss) + 0.5 * penalty, rel=1e-6)
+
+    window = MetricWindow(num_buckets=1, num_positions=drafter.arch.block_size - 1, num_drafters=1, drafter=0)
+    meta = {"real_tokens": 10, "padded_tokens": 12, "num_seqs": 2, "tgt_batch_per_s": 1.0, "tgt_forward_s": 0.1,
+            "bucket": 0}
+    for sums in (on_sums, off_sums):  # a window of two micro-steps: its sums add up
+        window.add_step(float(on.loss), sums, meta, 0, 1.0, 1e-3, 0.0)
+    record = window.reduce().record(1, 0, 1.0, 2, 1, 1, 10, 0.1)
+    assert record["toy_penalty"] == pytest.approx(penalty) and record["accuracy"] >= 0
+    assert "selector_accuracy" not in record and "confidence_ece" not in record  # other kinds': no positions
+    monitor = Monitor(tmp_path / "run", 10, config={}, use_wandb=False, wandb_project="", wandb_run_name="")
+    monitor.log(record)
+    monitor.close()
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert logged["toy_penalty"] == pytest.approx(penalty)
+    assert wandb_flatten(record)["train/toy_penalty"] == pytest.approx(penalty)
+
+
+def test_a_kind_without_vllm_method_is_an_error_naming_it() -> None:
+    """vLLM picks its speculator by the method: a kind that names none is refused, not served as "dflash"."""
+    with pytest.raises(ValueError, match=r"drafter kind 'mute' \(MuteDraftModel\) names no vllm_method"):
+        kinds.register(kinds.KindSpec("mute", "MuteDraftModel", "no method (test)"))
+    assert "mute" not in kinds.kind_names()
 
 
 def test_toy_kind_plans_with_its_own_terms(toy, capsys) -> None:

@@ -47,7 +47,12 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
     WANDB_API_KEY; each rank records an HMAC under the test's salt), while no process's command line on any host
     (sampled all along), no output and no file left under /tmp or the run folder holds one or its sha256; no
     file of the run (records, checkpoints, exit records) is readable by others (train.umask).
-    The job's listening sockets are bound to a host's own address, none to all addresses."""
+    The job's listening sockets are bound to a host's own address, none to all addresses.
+
+    Between the two, another launch resumes the stop with a heartbeat of HEARTBEAT_S and h1's link is cut once it
+    has recorded a step past that checkpoint: the script returns within 2 heartbeats of the cut with ssh's 255
+    (pdsh's session to h1 ends on its keep-alives, where it waited for good) and says so, and every rank ends
+    within 2 heartbeats. The last launch resumes the same checkpoint again: the records hold each batch once."""
     target, data = setup
     ref_out, _ = reference
     (tmp_path / "hostfile").write_text("h0 slots=1\nh1 slots=2\n")
@@ -73,10 +78,15 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
     seen, listening, samples, outs = set(), {}, 0, []
     # 1: preempted. The drafters hold at the start of step 12 until they see a stop; SIGTERM to the script then (the
     # deepspeed runner itself would kill every rank on both hosts with no checkpoint) must checkpoint the agreed
-    # step and end 75. 2: the same command resumes it (train.resume auto) and finishes.
-    for hold, want in (("12", 75), ("", 0)):
-        proc = hosts.popen("h0", cmd, cwd=tmp_path, env={**env, "DFLASH_FAULT_HOLD_UNTIL_STOP_AT": hold},
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # step and end 75. 2: the same command resumes it (train.resume auto) and h1's link is cut past that
+    # checkpoint. 3: the same command, the link back, resumes the same checkpoint and finishes.
+    stop = cut = None
+    for hold, want in (("12", 75), ("cut", 255), ("", 0)):
+        extra = ["--train.heartbeat_timeout_s", str(HEARTBEAT_S)] if hold == "cut" else []
+        for old in (tmp_path / "exits").glob("rank*.json"):  # this launch's ranks' exits only
+            old.unlink()
+        proc = hosts.popen("h0", [*cmd, *extra], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env={**env, "DFLASH_FAULT_HOLD_UNTIL_STOP_AT": "" if hold == "cut" else hold})
         termed = False
         with ThreadPoolExecutor(1) as pool:
             reading = pool.submit(proc.communicate, timeout=360)
@@ -86,14 +96,19 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
                 samples += 1
                 if not listening and _records(tmp_path / "out"):  # training: every socket of the job is open
                     listening = {h: hosts.listening(h) for h in hosts.names}
-                if hold and not termed and _last_step(tmp_path / "out") >= 11:
+                if hold == "12" and not termed and _last_step(tmp_path / "out") >= 11:
                     proc.send_signal(signal.SIGTERM)  # the script only (its own session: the runner's is apart)
                     termed = True
+                if hold == "cut" and cut is None and _last_step(tmp_path / "out") >= stop:  # a step to redo
+                    hosts.link("h1", up=False)
+                    cut = (time.monotonic(), time.time())
                 time.sleep(0.05)
             out, err = reading.result()
         outs.append(out + err)
         assert proc.returncode == want, out[-3000:] + err[-5000:]
-        if hold:
+        if hold == "cut":
+            _assert_the_cut_ended_the_launch(hosts, tmp_path, cut, stop, out + err)
+        elif hold:
             # held at the start of step 12 when the stop comes, they finish it and checkpoint 13 (12 if the stop
             # reached them between step 11's record and the hold)
             stop = int((tmp_path / "out/checkpoints/latest").read_text().strip().removeprefix("step_"))
@@ -107,7 +122,10 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
     assert "h1: [dflash-ds] h1: GLOO_SOCKET_IFNAME=eth0: routes to MASTER_ADDR 198.18.0.1" in out
     assert_reference_losses(tmp_path / "out", ref_out)  # every batch, at the reference's step and loss
     records = [r for f in (tmp_path / "out/records").glob("drafter*.jsonl") for r in read_jsonl(f)]
-    assert len(records) == 2 * STEPS  # across the stop: none lost, none repeated
+    assert len(records) == 2 * STEPS  # across the stop and the cut: none lost, none repeated
+    for d in (0, 1):  # what a resume reads back (the record windows est_tau scales to): a step once
+        steps = [r["step"] for r in read_jsonl(tmp_path / f"out/records/uniform{d}.jsonl")]
+        assert steps == [5, 10, 15, 20] or steps == [5, 10, stop, 15, 20], (d, steps)  # a stop closes a window
     exits = exit_statuses(tmp_path / "exits")
     assert sorted(exits) == [0, 1, 2]
     mac = {k: hmac.new(salt.encode(), v.encode(), hashlib.sha256).hexdigest() for k, v in sentinels.items()}
@@ -131,6 +149,25 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
     assert only_sshd_left(hosts) == {"h0": [], "h1": []}
 
 
+def _assert_the_cut_ended_the_launch(hosts, tmp_path: Path, cut: tuple[float, float] | None, stop: int,
+                                     text: str) -> None:
+    """After the cut launch (`cut`: when, monotonic and wall clock): it ended within 2 heartbeats of the cut, with
+    255 and a line that says why, and so did every rank on both sides; steps past the checkpoint were recorded."""
+    assert cut is not None, text[-4000:]
+    took = time.monotonic() - cut[0]
+    exits = _wait_exits(tmp_path / "exits", [0, 1, 2], timeout=2 * HEARTBEAT_S)
+    ranks = {rank: (e["status"], round(e["time"] - cut[1], 1)) for rank, e in exits.items()}
+    print(f"link cut at step {_last_step(tmp_path / 'out')} (checkpoint {stop}): the launch returned {took:.1f} s "
+          f"later (heartbeat {HEARTBEAT_S} s); rank: (status, seconds after the cut) {ranks}")
+    assert took <= 2 * HEARTBEAT_S, (took, text[-4000:])
+    assert "pdsh@h0: h1: ssh exited with exit code 255" in text, text[-4000:]
+    assert "[dflash-ds] exit 255: pdsh lost its ssh session to a host (named above): it did not answer the " \
+           "keep-alives (-o ServerAliveInterval=1 -o ServerAliveCountMax=13: its link is cut" in text, text[-4000:]
+    for lost in (r"rank 1 \(drafter 1\)", r"rank 2 \(target 0\)"):
+        assert re.search(rf"rank 0 at step \d+: lost {lost}: no heartbeat", text), text[-4000:]
+    assert sorted(ranks) == [0, 1, 2] and all(s == 3 and t <= 2 * HEARTBEAT_S for s, t in ranks.values()), ranks
+    assert _last_step(tmp_path / "out") >= stop  # recorded past the checkpoint: the resume trains it again
+    hosts.link("h1", up=True)
 
 
 def test_torchrun_on_both_hosts_over_a_slow_lossy_link_that_pauses(setup, reference, hosts, tmp_path):
@@ -227,9 +264,10 @@ def test_a_host_that_fails_to_start_ends_the_job_on_the_other(setup, hosts, tmp_
 def test_a_cut_link_ends_the_job_and_the_remaining_host_resumes_exactly(setup, reference, hosts, tmp_path):
     """h1 (drafter 1 and the target) loses its link for good after the step-10 checkpoint: every rank, on both
     sides of the cut, ends within 2 heartbeats (HEARTBEAT_S) of it, naming the ranks it lost: h0's rank both of
-    h1's, h1's ranks the store's host, rank 0. The checkpoint survives, and h0 alone (launch/train.sh, 1
-    target + 1 drafter accumulating the global batch of 2) resumes it: steps 10-19 train the reference's
-    losses."""
+    h1's, h1's ranks the store's host, rank 0. So does each host's launch: h0's torchrun by itself, h1's (blocked
+    on the rendezvous store across the cut) SIGKILLed by its watcher, which its ranks told. The checkpoint
+    survives, and h0 alone (launch/train.sh, 1 target + 1 drafter accumulating the global batch of 2) resumes
+    it: steps 10-19 train the reference's losses."""
     target, data = setup
     ref_out, _ = reference
     out = tmp_path / "out"
@@ -251,12 +289,16 @@ def test_a_cut_link_ends_the_job_and_the_remaining_host_resumes_exactly(setup, r
             assert procs["h0"].poll() is None, "the job ended before the cut"
             time.sleep(0.1)
         hosts.link("h1", up=False)
-        cut = time.time()
-        text = reading["h0"].result()[0]
-        exits = _wait_exits(tmp_path / "exits", [0, 1, 2], timeout=4 * HEARTBEAT_S)
-        assert only_sshd_left(hosts)["h0"] == []
-        hosts.close()  # h1's torchrun agent would wait for its rendezvous; the exits are recorded
-        text_h1 = reading["h1"].result()[0]
+        cut, t0 = time.time(), time.monotonic()
+        ended: dict[str, float] = {}  # host -> seconds from the cut to the end of its launch
+        while len(ended) < 2 and time.monotonic() - t0 < 3 * HEARTBEAT_S:
+            ended |= {h: round(time.monotonic() - t0, 1) for h, p in procs.items() if h not in ended and p.poll()
+                      is not None}
+            time.sleep(0.1)
+        exits = _wait_exits(tmp_path / "exits", [0, 1, 2], timeout=HEARTBEAT_S)
+        left = only_sshd_left(hosts)
+        hosts.close()  # a launch still running would hold the test up to its timeout: the asserts come below
+        text, text_h1 = reading["h0"].result()[0], reading["h1"].result()[0]
     cut_at = max(r["step"] for r in _records(out))
     assert cut_at < STEPS - 1 and procs["h0"].returncode != 0, (cut_at, text[-3000:])
     ours = "\n".join(line for line in text.splitlines() if "[dflash-ds]" in line)
@@ -270,6 +312,11 @@ def test_a_cut_link_ends_the_job_and_the_remaining_host_resumes_exactly(setup, r
     print(f"link cut at step {cut_at}: ranks ended {took} s later (heartbeat {HEARTBEAT_S} s)")
     assert sorted(exits) == [0, 1, 2] and all(e["status"] != 0 for e in exits.values()), exits
     assert max(took.values()) <= 2 * HEARTBEAT_S, took
+    print(f"launches ended {ended} s after the cut")
+    assert sorted(ended) == ["h0", "h1"] and max(ended.values()) <= 2 * HEARTBEAT_S, (ended, left)
+    assert left == {"h0": [], "h1": []}, left
+    assert re.search(r"\[dflash-ds\] torchrun agent \d+ still running 5 s after its ranks ended cut off from the "
+                     r"job store's host", text_h1) and procs["h1"].returncode == -signal.SIGKILL, text_h1[-3000:]
     run = tmp_path / "resume"
     (run / "checkpoints").mkdir(parents=True)
     shutil.copytree(out / "checkpoints" / "step_00000010", run / "checkpoints" / "step_00000010")

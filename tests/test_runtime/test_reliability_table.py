@@ -59,6 +59,9 @@ ROWS = {
         "test_colocated.py::test_disaggregated_checkpoint_resumes_colocated_and_a_lost_rank_is_named"],
     "a host is lost (its link cut, or the machine gone)": [
         "test_multihost_train.py::test_a_cut_link_ends_the_job_and_the_remaining_host_resumes_exactly",
+        "test_multihost_train.py::test_deepspeed_launcher_over_ssh_on_two_hosts",  # its cut launch, then a resume
+        "../test_distributed/test_agent_watch.py::test_an_agent_whose_rank_ended_cut_off_is_killed_without_a_signal",
+        "test_records_lineage.py::test_a_resume_at_step_s_keeps_the_lines_its_checkpoint_holds",
         "test_slurm.py::test_a_node_killed_mid_run_ends_the_job_naming_its_ranks",
         "test_multihost_train.py::test_torchrun_on_both_hosts_over_a_slow_lossy_link_that_pauses"],
     "non-finite loss": ["test_faults.py::test_nan_step_skipped_then_too_many_stop"],

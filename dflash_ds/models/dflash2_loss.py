@@ -1,4 +1,5 @@
-"""The DFlash2 selector term: K-way cross-entropy over a position's candidates given the gold predecessor.
+"""The DFlash2 loss module (models/kinds.py `KindSpec.loss_module`): the selector term, K-way cross-entropy over a
+position's candidates given the gold predecessor.
 
 What peers train (no official recipe; read in NVIDIA NeMo AutoModel's DFlash2 trainer description and the
 issue): at drafted position l of a block, the candidates are the target head's top-K tokens of the
@@ -23,7 +24,8 @@ Choices, and why:
 
 Statistics (additive, for all-reduce): `selector_correct` (argmax of s is gold, given gold predecessor:
 what the walk picks where everything before was right), `unary_correct_k` (argmax of the unary scores
-alone is gold), `candidate_hits` (gold inside the top-K), over `selector_positions` valid positions.
+alone is gold), `candidate_hits` (gold inside the top-K), over `selector_positions` valid positions; logged as
+selector_accuracy, unary_accuracy_k, candidate_recall and selector_loss (`metrics`).
 """
 
 from __future__ import annotations
@@ -34,9 +36,28 @@ import torch
 import torch.nn.functional as F
 
 from dflash_ds.models.dflash2_selector import soft_cap
+from dflash_ds.models.kinds import DraftedPositions, KindTerms
 
-SELECTOR_SUMS = ("selector_loss_sum", "selector_weight_sum", "selector_correct", "unary_correct_k",
-                 "candidate_hits", "selector_positions")
+SUMS = ("selector_loss_sum", "selector_weight_sum", "selector_correct", "unary_correct_k", "candidate_hits",
+        "selector_positions")
+
+
+def loss_terms(drafter, at: DraftedPositions, loss) -> KindTerms:
+    """loss.selector_weight x the selector term (none at weight 0). Its candidates are the DFlash loss's top-K
+    (`top_k`): the LM head runs once per step."""
+    if not loss.selector_weight > 0:
+        return KindTerms()
+    o = drafter.arch.options
+
+    def finish(terms) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        term, sums = selector_loss(
+            at.hidden, at.lm_head, drafter.candidate_selector, at.labels, at.valid, at.anchor_ids,
+            top_k=o.selector_top_k, output_multiplier=o.output_multiplier, softcap=o.final_logit_softcapping,
+            gamma=loss.gamma, detach=loss.selector_detach, gold_rule=loss.selector_gold,
+            chunk_blocks=loss.chunk_blocks, candidates=terms.candidates)
+        return loss.selector_weight * term, sums
+
+    return KindTerms({"top_k": o.selector_top_k}, finish)
 
 
 def candidates_with_gold(logits: torch.Tensor, labels: torch.Tensor, top_k: int
@@ -66,7 +87,7 @@ def selector_loss(hidden: torch.Tensor, head, selector, labels: torch.Tensor, va
                   gamma: float = 7.0, detach: bool = False, gold_rule: str = "swap", chunk_blocks: int = 64,
                   candidates: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted mean selector CE over valid positions, and its additive statistics (SELECTOR_SUMS).
+    """Weighted mean selector CE over valid positions, and its additive statistics (SUMS).
 
     hidden [N, L, H]: the drafter's final-normed states of the drafted positions; head: the target's LM
     head; selector: a models/dflash2_selector.CandidateSelector; labels / valid [N, L]; anchor_ids [N].
@@ -116,8 +137,12 @@ def _head_candidates(hidden: torch.Tensor, head, labels: torch.Tensor, top_k: in
     return tuple(torch.cat(p) for p in zip(*parts))
 
 
-def selector_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """selector_accuracy, unary_accuracy_k (the same positions, unary argmax), candidate_recall, selector_loss."""
+def metrics(sums: dict[str, float]) -> dict[str, float]:
+    """selector_accuracy (given the gold predecessor), unary_accuracy_k (the same positions, unary argmax),
+    candidate_recall (the top-K holds the gold token), selector_loss; {} without a selector position."""
+    if not float(sums.get("selector_positions", 0.0)) > 0:
+        return {}
+
     def ratio(a: str, b: str) -> float:
         den = float(sums.get(b, 0.0))
         return float(sums.get(a, 0.0)) / den if den > 0 else math.nan
