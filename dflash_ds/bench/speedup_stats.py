@@ -204,7 +204,8 @@ def plot(rows: list[dict], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for engine in dict.fromkeys(r["engine"] for r in rows):
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, engine in enumerate(dict.fromkeys(r["engine"] for r in rows)):
         mine = [r for r in rows if r["engine"] == engine]
         conc = [r["concurrency"] for r in mine]
         for mode, style in (("plain", "o--"), ("spec", "o-")):
@@ -212,13 +213,17 @@ def plot(rows: list[dict], path) -> None:
             ax1.errorbar(conc, [c["mean"] for c in cells], fmt=style, capsize=3, label=f"{engine} {mode}",
                          yerr=[[c["mean"] - c["min"] for c in cells], [c["max"] - c["mean"] for c in cells]])
         cells = [r["speedup"] for r in mine]
-        ax2.errorbar(conc, [c["mean"] for c in cells], fmt="o-", capsize=3, label=f"{engine} measured",
+        color = colors[n % len(colors)]
+        ax2.errorbar(conc, [c["mean"] for c in cells], fmt="o-", capsize=3, label=f"{engine} measured", color=color,
                      yerr=[[c["mean"] - c["min"] for c in cells], [c["max"] - c["mean"] for c in cells]])
-        ax2.plot(conc, [r["predicted_speedup"] for r in mine], "x:", label=f"{engine} tau / step ratio")
+        ax2.plot(conc, [r["predicted_speedup"] for r in mine], "x:", color=color, label=f"{engine} tau / step ratio")
     ax1.set(xlabel="concurrency", ylabel="output tokens/s", xscale="log")
     ax2.set(xlabel="concurrency", ylabel="speedup over plain decoding", xscale="log")
     ax2.axhline(1.0, color="grey", lw=0.8)
+    ticks = sorted({r["concurrency"] for r in rows})
     for ax in (ax1, ax2):
+        ax.set_xticks(ticks, [str(t) for t in ticks])  # the concurrencies measured, not powers of ten
+        ax.minorticks_off()
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
