@@ -4,7 +4,8 @@ A kind's `model.kind` alone trains its recipe (`KindSpec.recipe`, in its module;
 recipe sits between the defaults and the run's file, so whatever the run sets wins, and `recipe: none` turns it
 off. The kind is the run's model.kind, or with --drafter the folder's (its config.json architectures), whose shape
 then stays the folder's (the recipe's model.* fields are not applied). `recipe_report` is the line rank 0 prints:
-the recipe in force and each of its fields the run departs from. Nothing here imports dflash_ds.config (no cycle).
+the recipe in force and each of its fields the run departs from (under --drafter, the folder's shape against the
+recipe's model.* fields). Nothing here imports dflash_ds.config (no cycle).
 """
 
 from __future__ import annotations
@@ -75,15 +76,33 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
-def recipe_report(cfg: Any, kind: str) -> str:
-    """The recipe in force for a run of drafter `kind` and each of its fields the run sets otherwise (one line)."""
+ARCH_NAMES = {"num_layers": "num_hidden_layers"}  # a model.* field -> its DrafterArch attribute, where they differ
+
+
+def _folder_value(arch: Any, field: str) -> Any:
+    """The value of model.`field` in a drafter's shape (its DrafterArch, or its kind's options)."""
+    name = ARCH_NAMES.get(field, field)
+    return getattr(arch, name) if hasattr(arch, name) else getattr(arch.options, name, None)
+
+
+def recipe_report(cfg: Any, kind: str, arch: Any = None) -> str:
+    """The recipe in force for a run of drafter `kind` and each of its fields the run sets otherwise (one line).
+
+    With --drafter the model.* fields are the folder's (`arch`, its DrafterArch): they are compared as the folder
+    has them, so a drafter warm-started from a block-16 export says it trains at block 16 where its recipe says 8."""
     from dflash_ds.models.kinds import kind_recipe
 
     name, fields = kind_recipe(kind)
     if cfg.recipe == NONE:
         extra = f" (drafter kind {kind}'s own recipe, {name}, is off: recipe none)" if fields else ""
         return f"recipe: none, the defaults of dflash_ds/config.py{extra}"
-    fields = {k: v for k, v in fields.items() if not (cfg.drafter and k.startswith("model."))}
-    off = [f"{k} {_get(cfg, k)!r} (recipe {v!r})" for k, v in fields.items() if _get(cfg, k) != v]
+    off = []
+    for k, v in fields.items():
+        if cfg.drafter and k.startswith("model."):
+            have = None if arch is None else _folder_value(arch, k.split(".", 1)[1])
+            if have is not None and have != v:
+                off.append(f"{k} {have!r} (recipe {v!r}; the --drafter folder's)")
+        elif _get(cfg, k) != v:
+            off.append(f"{k} {_get(cfg, k)!r} (recipe {v!r})")
     line = f"recipe: {name} (drafter kind {kind}'s own, under the run's file and flags)"
     return line + (f"; WARNING: this run departs from it: {', '.join(off)}" if off else "; the run keeps all of it")

@@ -142,3 +142,25 @@ def test_every_package_py_path_in_docs_exists():
             if not (ROOT / path).exists():
                 missing.append(f"{doc.name}: {path}")
     assert not missing, missing
+
+
+def test_readme_serving_lines_are_the_default_exports(tiny_target: Path, tmp_path: Path, capsys) -> None:
+    """README's `vllm serve` lines are what `init-drafter` prints for a default export of each kind (the draft length
+    its block trains: DSpark's 7, not DFlash's 15), so a user copying them never drafts into untrained slots."""
+    import json
+
+    from dflash_ds.cli import main
+
+    fenced = re.findall(r"^```bash\n(.*?)^```", section((ROOT / "README.md").read_text(), "Serving your drafter"),
+                        flags=re.S | re.M)
+    readme = {json.loads(m)["method"]: json.loads(m) for block in fenced
+              for m in re.findall(r"--speculative-config '(\{.*?\})'", block)}
+    assert set(readme) == {"dflash", "dspark"}, readme
+    for kind in ("dflash", "dspark"):
+        out = tmp_path / kind
+        assert main(["init-drafter", "--target", str(tiny_target), "--out", str(out), "--kind", kind,
+                     "--num-layers", "1"]) == 0
+        line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("serve: "))
+        printed = json.loads(re.search(r"--speculative-config '(\{.*\})'", line).group(1))
+        assert printed == {**readme[kind], "model": str(out)}, (kind, line)
+        assert line.startswith("serve: VLLM_USE_V2_MODEL_RUNNER=1 " if kind == "dspark" else "serve: vllm serve ")

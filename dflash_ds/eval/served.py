@@ -152,6 +152,7 @@ def served_eval(target: str | Path, drafter: str | Path, prompts: list[list[int]
         before = client.metrics()
         outputs = generate_all(client, prompts, max_new_tokens, concurrency, temperature, seed)
         after = client.metrics()
+    spec_cfg = spec.speculative_config  # as started: a --vllm-arg --speculative-config's fields merged in
     if DRAFTS not in after:
         raise DFlashError(f"{spec.url}/metrics has no {DRAFTS}: the server did not run speculative decoding")
     mismatches = []

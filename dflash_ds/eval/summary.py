@@ -70,7 +70,7 @@ def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
     hist = [sum(1 for n in lengths if n == k) for k in range(1, block_size + 1)]
     accepted = sum(lengths) - len(lengths)
     pairs = [p for o in outputs for p in o.confidence]
-    drafts = [d for o in outputs for d in o.draft_confidence]
+    drafts = [o.draft_confidence for o in outputs if o.draft_confidence]  # per prompt: ranked within a step
     alphas = [p for o in outputs for p in o.confidence_alpha]
     return {
         "tau": sum(per_prompt) / max(len(per_prompt), 1),

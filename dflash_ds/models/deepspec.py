@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """CLI entry: convert and say what was written."""
     out = convert_deepspec(args.src, args.out, args.target)
+    from dflash_ds.serving.vllm_server import serve_command
+
     print(f"convert-deepspec: {args.src} -> {out} (anchor-as-first layout kept; embed_tokens / lm_head / "
           "mask_embedding / t2d dropped: the target's are used)")
+    print(f"serve: {serve_command(args.target or 'TARGET', out)}")
     return 0

@@ -198,7 +198,9 @@ class DrafterArch:
                 options=options,
             )
         except KeyError as exc:
-            raise DFlashError(f"{where}: missing field {exc.args[0]!r} of a DFlash drafter config") from None
+            hint = kinds.convert_hint_of(cfg)  # a checkpoint in its authors' layout: what converts it
+            raise DFlashError(f"{where}: missing field {exc.args[0]!r} of a DFlash drafter config"
+                              + (f"; {hint}" if hint else "")) from None
         except DFlashError as exc:
             raise DFlashError(f"{where}: {exc}") from None
 

@@ -42,14 +42,16 @@ LAYOUT_KEYS = {"sample_from_anchor": False, "dspark_bonus_anchor": True}
 # DeepSpec's DSpark recipe (DeepSeek's DeepSpec: `deepspec/modeling/dspark/loss.py`,
 # `config/dspark/dspark_qwen3_4b_online.py`): what `model.kind: dspark` trains unless the file or a flag sets a
 # field (config.load_config; the run prints it and each field it departs from). 0.1 CE + 0.9 ||p - q||_1 + 1.0
-# BCE of the confidence against sampled acceptance, decay gamma 4, 7 drafts a block (block_size 8 here: the
-# anchor plus 7; DeepSpec's block 7 is 7 query slots, the anchor predicting the first), 5 layers, rank 256, lr
-# 6e-4. Not carried: its global batch of 512 sequences (train.global_batch counts micro-batches here).
+# BCE of the confidence, decay gamma 4, 7 drafts a block (block_size 8 here: the anchor plus 7; DeepSpec's block 7
+# is 7 query slots, the anchor predicting the first), 5 layers, rank 256, lr 6e-4. Not carried: its global batch of
+# 512 sequences (train.global_batch counts micro-batches here), and its confidence target: DeepSpec's BCE aims at
+# sampled acceptance, this recipe keeps the greedy hit, what vLLM's default serving (draft_sample_method greedy,
+# T = 0) accepts (`--loss.confidence_target sampled` for DeepSpec's).
 RECIPE_NAME = "deepspec"
 RECIPE = {"model.block_size": 8, "model.num_layers": 5, "model.markov_rank": 256,
           "model.enable_confidence_head": True, "model.confidence_head_with_markov": True,
           "loss.gamma": 4.0, "loss.lk": "l1", "loss.lk_weight": 0.9, "loss.labels": "data",
-          "loss.confidence_weight": 1.0, "loss.confidence_target": "sampled", "optim.lr": 6e-4}
+          "loss.confidence_weight": 1.0, "loss.confidence_target": "greedy", "optim.lr": 6e-4}
 
 
 @dataclass
@@ -125,11 +127,12 @@ class DSparkLoss:
 
     confidence_weight: float = 1.0
     """Weight of the confidence head's BCE against its target (loss.confidence_target)."""
-    confidence_target: str = "sampled"
-    """What the confidence head learns to predict. sampled (DeepSpec's): the acceptance rate of a sampled draft,
-    alpha = 1 - 0.5 ||p - q||_1 (detached; needs the target's distribution: loss.lk or loss.kl_weight, else the
-    greedy hit stands in); greedy: whether the drafter's argmax (Markov bias included, teacher-forced) equals the
-    label (loss.labels), what greedy serving accepts and `eval` judges the head on."""
+    confidence_target: str = "greedy"
+    """What the confidence head learns to predict. greedy (the default: vLLM serves greedily unless asked
+    otherwise): whether the drafter's argmax (Markov bias included, teacher-forced) equals the label (loss.labels),
+    what greedy serving accepts; sampled (DeepSpec's): the acceptance rate of a sampled draft, alpha = 1 - 0.5
+    ||p - q||_1 (detached; needs the target's distribution: loss.lk or loss.kl_weight, else the greedy hit stands
+    in), what serving with sampled drafts (draft_sample_method probabilistic) accepts."""
 
 
 def option_names() -> list[str]:
@@ -179,5 +182,7 @@ SPEC = register(KindSpec(
            ("loss.confidence_target", "must be sampled or greedy", lambda v: v in ("sampled", "greedy"))),
     drafter_module="dflash_ds.models.dspark", loss_module="dflash_ds.models.dspark_loss", vllm_method="dspark",
     vllm_v2_only=True,
-    vllm_anchor_first_by_default=True, head_target=head_target, memory=memory_terms, warm_start=warm_start_parts,
+    vllm_anchor_first_by_default=True, foreign_architectures=("DSparkDraftModel",),
+    convert_hint="a DeepSpec-layout checkpoint is converted first: dflash-ds convert-deepspec SRC --out DIR "
+                 "[--target TARGET]", head_target=head_target, memory=memory_terms, warm_start=warm_start_parts,
     recipe_name=RECIPE_NAME, recipe=RECIPE))

@@ -8,9 +8,11 @@ decay as the rest of the loss. Without the target's distribution in the batch th
 (argmax == label), what greedy decoding of the data accepts; `loss.confidence_target: greedy` asks for the hit
 always (`loss_terms` passes no alpha then).
 
-Calibration, logged per record (additive sums, for all-reduce): the expected calibration error of
-sigmoid(logit) against the teacher-forced greedy hit over 10 equal-width bins (what `eval` measures against
-real acceptance), the Brier score, and the mean |confidence - alpha| (DeepSpec's confidence_abs_error).
+Calibration, logged per record (additive sums, for all-reduce), judged against the target the head trains for
+(`eval` judges an export the same way, against real acceptance): the expected calibration error of sigmoid(logit)
+over 10 equal-width bins (the mean target of a bin stands for its acceptance rate), the Brier score (p - target)^2
+(eval/summary.py's `calibration` against alpha alike), and the mean |confidence - target| (DeepSpec's
+confidence_abs_error).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def loss_terms(drafter, at: DraftedPositions, loss) -> KindTerms:
 
 def confidence_loss(logits: torch.Tensor, alpha: torch.Tensor | None, hit: torch.Tensor, valid: torch.Tensor,
                     weights: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted mean BCE over valid positions and the calibration sums (SUMS).
+    """Weighted mean BCE over valid positions and the calibration sums (SUMS), both against the same target.
 
     logits / hit / valid [N, K]; alpha [N, K] or None (then the target is `hit`); weights [K] or [N, K]
     (the position decay).
@@ -64,7 +66,8 @@ def confidence_loss(logits: torch.Tensor, alpha: torch.Tensor | None, hit: torch
     bce = F.binary_cross_entropy_with_logits(logits.float(), target, reduction="none")
     loss = (bce * w).sum() / w.sum().clamp(min=1e-12)
     with torch.no_grad():
-        p, v, h = torch.sigmoid(logits.float()), valid.float(), hit.float()
+        # h: the acceptance the head is judged against, the one it trains for (module doc)
+        p, v, h = torch.sigmoid(logits.float()), valid.float(), target.float()
         sums = {"conf_loss_sum": (bce * w).sum(), "conf_weight_sum": w.sum(), "conf_positions": v.sum(),
                 "conf_brier": (((p - h) ** 2) * v).sum(), "conf_abs_err": ((p - target).abs() * v).sum()}
         idx = (p * BINS).long().clamp(max=BINS - 1)
@@ -75,8 +78,8 @@ def confidence_loss(logits: torch.Tensor, alpha: torch.Tensor | None, hit: torch
 
 
 def metrics(sums: dict[str, float]) -> dict[str, float]:
-    """confidence_ece, confidence_brier (against the teacher-forced greedy hit), confidence_abs_error (against the
-    BCE's target) and confidence_loss, from summed SUMS; {} without a judged position."""
+    """confidence_ece, confidence_brier, confidence_abs_error (each against the BCE's target: the teacher-forced
+    greedy hit, or alpha) and confidence_loss, from summed SUMS; {} without a judged position."""
     n = float(sums.get("conf_positions", 0.0))
     if n <= 0:
         return {}

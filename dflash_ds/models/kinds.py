@@ -149,6 +149,11 @@ class KindSpec:
     warm_start: Callable[[Any], None] | None = None
     """Sets a drafter of the kind, its backbone copied from a DFlash export, to draft as that export (zero / identity
     parts; models/warm_start.py); None = the kind cannot be warm-started."""
+    foreign_architectures: tuple[str, ...] = ()
+    """Other `architectures` names that checkpoints of the kind in its authors' own layout carry."""
+    convert_hint: str = ""
+    """The command that turns a checkpoint in its authors' layout (no `dflash_config`) into an export: a config
+    error on such a folder names it (`convert_hint_of`)."""
     recipe_name: str = "none"
     """The name of its own recipe (config.load_config applies it under the run's file and flags)."""
     recipe: dict[str, Any] = field(default_factory=dict)
@@ -249,6 +254,16 @@ def kind_of_options(options: Any) -> str:
 def kind_of_architecture(architectures: list[str] | None) -> str | None:
     """The kind whose export architecture is listed (None when none is)."""
     return next((s.name for s in kind_specs() if s.architecture in (architectures or [])), None)
+
+
+def convert_hint_of(cfg: dict[str, Any]) -> str:
+    """For a config.json that is no export (no `dflash_config`) of a kind with a converter: the command to run
+    ("" otherwise)."""
+    names = cfg.get("architectures") or []
+    if "dflash_config" in cfg:
+        return ""
+    return next((s.convert_hint for s in kind_specs()
+                 if s.convert_hint and ({s.architecture, *s.foreign_architectures} & set(names))), "")
 
 
 def kind_loss(kind: str) -> ModuleType | None:

@@ -68,7 +68,7 @@ def run_job(cfg: Config) -> int:
     if env.rank == 0:  # which defaults of the kind this run trains on (config_recipe.py)
         from dflash_ds.config_recipe import recipe_report
 
-        print(f"[dflash-ds] {recipe_report(cfg, arch.kind)}", flush=True)
+        print(f"[dflash-ds] {recipe_report(cfg, arch.kind, arch)}", flush=True)
     # Memory-mapped and cheap: an empty dataset or out-of-vocabulary ids fail here on every rank,
     # before a rank waits in a rendezvous for peers that have already exited.
     from dflash_ds.runtime.resume import choose_resume

@@ -1,7 +1,9 @@
 """Start `vllm serve` for a target (optionally with a dflash-ds export as its drafter) on a free loopback port.
 
 A drafter is served by the method its export's architecture names (`speculative_config`: its kind's
-`KindSpec.vllm_method`, models/kinds.py) with the draft length of its block layout (block_size - 1 after the anchor).
+`KindSpec.vllm_method`, models/kinds.py) with the draft length of its block layout (block_size - 1 after the anchor);
+a `--speculative-config` among the caller's extra arguments adds its fields to those (`merge_speculative_args`), and
+`serve_command` writes the same as the `vllm serve` line a user runs.
 
 vLLM lives in an environment of its own (it pins torch and transformers versions of its own), so the
 server runs that environment's Python: `--vllm-python`, else $DFLASH_VLLM_PYTHON, else the
@@ -103,8 +105,61 @@ def speculative_config(drafter: str | Path, num_speculative_tokens: int | None =
     spec = kind_spec(kind)
     anchor_first = bool(cfg.get("sample_from_anchor", spec.vllm_anchor_first_by_default))
     drafts = int(block) if anchor_first else int(block) - 1
+    if num_speculative_tokens is not None and not 1 <= num_speculative_tokens <= drafts:
+        # vLLM checks the draft length against the block for Qwen3-Omni only: past it a drafter drafts into
+        # slots it never trained, silently
+        raise DFlashError(f"num_speculative_tokens {num_speculative_tokens}: {drafter} drafts 1..{drafts} tokens "
+                          f"a block (block_size {block}{', anchor-as-first' if anchor_first else ''})")
     return {"method": spec.vllm_method, "model": str(drafter),
             "num_speculative_tokens": num_speculative_tokens or drafts}
+
+
+SPEC_FLAG = "--speculative-config"
+
+
+def merge_speculative_args(spec: dict | None, extra_args: list[str] | tuple[str, ...]) -> tuple[dict | None, list[str]]:
+    """The export's speculative config with the fields of a `--speculative-config JSON` among `extra_args` merged
+    in (theirs win: e.g. `enable_adaptive_verification`), and the other arguments. vLLM keeps the last of two
+    --speculative-config flags, so passing the user's beside ours would drop the method and draft length. Without an
+    export (`spec` None: the plain server of eval or bench speedup) the flag is dropped: plain stays plain."""
+    rest, fields = [], {}
+    args = list(extra_args)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == SPEC_FLAG or arg.startswith(SPEC_FLAG + "="):
+            text = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            i += 1 if "=" in arg else 2
+            try:
+                more = json.loads(text)
+            except ValueError:
+                more = None
+            if not isinstance(more, dict):
+                raise DFlashError(f"{SPEC_FLAG} {text!r}: not a JSON object of speculative-config fields")
+            fields.update(more)
+            continue
+        rest.append(arg)
+        i += 1
+    if spec is None:  # a plain server (the lossless reference) serves plain: the fields are the drafter's server's
+        return None, rest
+    merged = {**spec, **fields}
+    if "num_speculative_tokens" in fields:  # the same bound as speculative_config's own argument
+        speculative_config(merged["model"], int(fields["num_speculative_tokens"]))
+    return merged, rest
+
+
+def serve_command(target: str | Path, drafter: str | Path) -> str:
+    """The `vllm serve` line that serves `drafter` beside `target` (README's "Serving your drafter"), derived from
+    the export as VLLMServer derives it: the method, the draft length, the runner the kind needs."""
+    import shlex
+
+    from dflash_ds.models.kinds import kind_of_architecture, kind_spec
+
+    spec = speculative_config(drafter)
+    cfg = read_json_file(Path(drafter) / "config.json", f"drafter folder {drafter} has no config.json")
+    v2 = kind_spec(kind_of_architecture(cfg.get("architectures"))).vllm_v2_only
+    return (("VLLM_USE_V2_MODEL_RUNNER=1 " if v2 else "") +
+            f"vllm serve {shlex.quote(str(target))} {SPEC_FLAG} {shlex.quote(json.dumps(spec))}")
 
 
 class VLLMServer:
@@ -137,13 +192,14 @@ class VLLMServer:
             self.cmd += ["--gpu-memory-utilization", str(memory_fraction)]
         if max_model_len:
             self.cmd += ["--max-model-len", str(max_model_len)]
-        self.speculative_config = None if drafter is None else speculative_config(drafter, num_speculative_tokens)
+        spec = None if drafter is None else speculative_config(drafter, num_speculative_tokens)
+        if spec is not None and draft_sample != "greedy":  # greedy: vLLM's default draft_sample_method
+            spec["draft_sample_method"] = draft_sample
+        # what vLLM is started with: a --speculative-config among extra_args adds its fields to the export's
+        self.speculative_config, rest = merge_speculative_args(spec, extra_args)
         if self.speculative_config is not None:
-            spec = dict(self.speculative_config)
-            if draft_sample != "greedy":  # greedy: vLLM's default draft_sample_method
-                spec["draft_sample_method"] = draft_sample
-            self.cmd += ["--speculative-config", json.dumps(spec)]
-        self.cmd += list(extra_args)
+            self.cmd += [SPEC_FLAG, json.dumps(self.speculative_config)]
+        self.cmd += rest
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "VLLMServer":
@@ -240,5 +296,6 @@ def add_server_arguments(parser, *, for_eval: bool = False) -> None:
                         else "the server's log file (default: OUT.vllm.log)")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for `vllm serve`, repeatable (e.g. --vllm-arg=--tensor-parallel-size "
-                             "--vllm-arg=4)")
+                             "--vllm-arg=4); a --speculative-config's fields join the drafter's own (e.g. "
+                             "--vllm-arg='--speculative-config={\"enable_adaptive_verification\": true}')")
 

@@ -134,4 +134,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{a.kind}: {options_dict(a.options)}")
     if a.has_sliding:
         print(f"layer types {a.layer_types}, sliding window {a.sliding_window}")
+    from dflash_ds.serving.vllm_server import serve_command
+
+    # derived from the export, as eval --engine vllm serves it (a trained export of the same shape serves alike)
+    print(f"serve: {serve_command(args.target or 'TARGET', args.out)}")
     return 0

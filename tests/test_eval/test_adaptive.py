@@ -16,10 +16,20 @@ def test_top_fraction_by_running_product_by_hand() -> None:
     .09, B .6 .54 .486; ranked A1 B1 B2 B3 A2 A3. Top 2 of 6 (25%: ceil 1.5): A keeps 1, B 1 -> tokens
     (min(2,1)+1) + (0+1) = 3 over (1+1) + (1+1) = 4 verified = 0.75. Top 3 (50%): A 1, B 2 -> 3 / 5 = 0.6.
     All (full blocks): (2+1) + (0+1) = 4 over 4 + 4 = 0.5, 2 tokens a step."""
-    got = simulate([([0.9, 0.5, 0.2], 2), ([0.6, 0.9, 0.9], 0)], fractions=(0.25, 0.5, 1.0))
+    got = simulate([[([0.9, 0.5, 0.2], 2)], [([0.6, 0.9, 0.9], 0)]], fractions=(0.25, 0.5, 1.0))  # one step each
     assert [g["verified_slots"] for g in got] == [2, 3, 6]
     assert [g["tokens_per_verified"] for g in got] == pytest.approx([0.75, 0.6, 0.5])
     assert [g["tokens_per_step"] for g in got] == pytest.approx([1.5, 1.5, 2.0])
+
+
+def test_slots_are_ranked_within_a_step() -> None:
+    """vLLM ranks the slots of one step, never against another step's. Prompt P: steps (0.9, 0.9) 2 accepted, then
+    (0.2, 0.2) 1; prompt Q: (0.8, 0.8) 0, then (0.1, 0.1) 0. Half the slots: step 1 ranks P .9 .81 Q .8 .64 and
+    keeps P's two; step 2 ranks P .2 .04 Q .1 .01 and keeps P 1, Q 1 -> tokens 3 + 1 + 2 + 1 = 7 over 3 + 1 + 2 + 2
+    = 8 verified. Pooled over both steps the top 4 would be step 1's four slots: 3 + 1 + 1 + 1 = 6 over 8."""
+    got = simulate([[([0.9, 0.9], 2), ([0.2, 0.2], 1)], [([0.8, 0.8], 0), ([0.1, 0.1], 0)]], fractions=(0.5,))
+    assert got[0]["verified_slots"] == 4 and got[0]["tokens_per_verified"] == pytest.approx(7 / 8)
+    assert got[0]["tokens_per_step"] == pytest.approx(7 / 4)
 
 
 def test_confidence_target_read_from_the_export(tmp_path: Path) -> None:

@@ -98,28 +98,67 @@ def walk_loop(module, states) -> tuple[list[list[int]], int]:
     return walks, differ
 
 
+def argmax_loop(module, states, anchors: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[R, A] leading runs of the backbone's argmax, each block on its own through forward_infer (eval's path): the
+    count of leading drafts equal to the next response tokens of the row."""
+    drafter, out = module.drafter, torch.zeros(anchors.shape, dtype=torch.long)
+    with torch.no_grad():
+        for r, i in valid.nonzero().tolist():
+            a, ids, length = int(anchors[r, i]), states.input_ids[r], int(states.lengths[r])
+            block = torch.full((1, BS), drafter.arch.mask_token_id)
+            block[0, 0] = ids[a]
+            hidden = drafter.forward_infer(states.context[r:r + 1, :a], module.embed(block), a)
+            guess = module.lm_head(hidden[0, 1:]).argmax(-1).tolist()
+            n = 0
+            while (n < BS - 1 and a + n + 1 < length and states.loss_mask[r, a + n + 1]
+                   and guess[n] == int(ids[a + n + 1])):
+                n += 1
+            out[r, i] = n
+    return out
+
+
 def teacher_forced_runs_are_the_chains(module, states) -> None:
     """DSpark: the training objective's own hits (`correct`: teacher-forced, position k's Markov bias read from the
     gold token before it) on every block with a whole block after it have the chain's leading runs, since the chain
     reads the gold previous token for as long as it is right. (accepted_runs' [..., 1] is its [..., 0] for DSpark.)
-    A position that read its own gold label instead would hit where the chain misses."""
+    Past a block's first miss the two part: there every hit is the teacher-forced one, by hand, and neither the
+    chain's own previous token nor the anchor in its place gives the same hits (so a loss that dropped teacher
+    forcing fails here, which the leading runs alone cannot see)."""
     from dflash_ds.components.acceptance import accepted_runs
-    from dflash_ds.components.anchors import sample_anchors
+    from dflash_ds.components.anchors import block_inputs_and_labels, sample_anchors
     from dflash_ds.components.loss_metrics import leading_run
     from dflash_ds.components.objective import drafter_objective
     from dflash_ds.config import LossConfig
 
-    every = 10 ** 6  # more than the rows hold: every candidate anchor, whatever the generator draws
+    drafter, every = module.drafter, 10 ** 6  # more than the rows hold: every candidate anchor, whatever is drawn
     cfg = LossConfig(num_anchors=every, max_anchors_per_batch=0, gamma=4.0, lk="l1", lk_weight=0.9)
     anchors, valid = sample_anchors(states.loss_mask, states.lengths, BS, every, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        terms, _ = drafter_objective(module.drafter, module.embed, module.lm_head, states, cfg,
+        terms, _ = drafter_objective(drafter, module.embed, module.lm_head, states, cfg,
                                      anchor_gen=torch.Generator().manual_seed(0))
-        chain = accepted_runs(module.drafter, module.embed, module.lm_head, states.context, states.input_ids,
+        chain = accepted_runs(drafter, module.embed, module.lm_head, states.context, states.input_ids,
                               states.input_ids, states.loss_mask, states.lengths, anchors, valid, 64)[..., 0]
+        blocks, labels, label_valid = block_inputs_and_labels(states.input_ids, states.loss_mask, states.lengths,
+                                                              anchors, valid, BS, drafter.arch.mask_token_id)
+        hidden = drafter.forward_train(states.context, module.embed(blocks), anchors)[:, :, 1:].flatten(0, 1)
+        labels, label_valid, anchor_ids = labels.flatten(0, 1), label_valid.flatten(0, 1), blocks[:, :, 0].flatten()
+        base = module.lm_head(hidden).float()
+
+        def hits(prev: torch.Tensor) -> torch.Tensor:  # position k's argmax with the Markov bias of prev[:, k]
+            bias = drafter.markov_head.bias(drafter.markov_head.embed(prev)).float()
+            return ((base + bias).argmax(-1) == labels) & label_valid
+
+        gold = torch.cat([anchor_ids[:, None], labels[:, :-1].clamp(min=0)], dim=1)
+        own = torch.cat([anchor_ids[:, None], drafter.draft_tokens(hidden, module.lm_head, anchor_ids).tokens[:, :-1]],
+                        dim=1)
+        forced, free, anchored = hits(gold), hits(own), hits(anchor_ids[:, None].expand_as(gold))
     taught = leading_run(terms.correct, terms.valid).view(chain.shape)
     assert int(valid.sum()) >= 60 and int(chain.sum()) > 0
     assert torch.equal(taught * valid, chain * valid), (taught, chain)
+    assert torch.equal(terms.correct & terms.valid, forced)
+    print(f"teacher forcing: {int((forced != free).sum())} hits differ from the free chain's, "
+          f"{int((forced != anchored).sum())} from the anchor's, over {int(label_valid.sum())} positions")
+    assert not torch.equal(forced, free) and not torch.equal(forced, anchored)
 
 
 def test_walk_drafts_lossless_and_est_tau_through_the_walk(fitted2, tiny_target, tmp_path) -> None:
@@ -148,7 +187,7 @@ def test_walk_drafts_lossless_and_est_tau_through_the_walk(fitted2, tiny_target,
         runs = accepted_runs(module.drafter, *args)
         plain = accepted_runs(SimpleNamespace(arch=module.drafter.arch, forward_train=module.drafter.forward_train,
                                               sequential=False, draft_tables=lambda: None), *args)
-    assert torch.equal(plain[..., 0], plain[..., 1])
+    assert torch.equal(plain[..., 0], argmax_loop(module, states, anchors, valid))  # the argmax's, on the decode path
     if module.drafter.kind == "dflash2":
         assert torch.equal(runs[..., 1], plain[..., 0])
         assert not torch.equal(runs[..., 0], runs[..., 1])  # the walk accepts other lengths than the argmax

@@ -34,7 +34,7 @@ def test_l1_term_and_confidence_bce_by_hand() -> None:
     loss, sums = confidence_loss(logit, terms.alpha, terms.correct, valid, torch.ones(1))
     s = 1 / (1 + math.exp(-0.3))
     assert float(loss) == pytest.approx(-(alpha * math.log(s) + (1 - alpha) * math.log(1 - s)), rel=1e-6)
-    assert float(sums["conf_brier"]) == pytest.approx(s ** 2)  # the argmax (token 0) misses: hit 0
+    assert float(sums["conf_brier"]) == pytest.approx((s - alpha) ** 2)  # judged on its target, alpha
     assert float(sums["conf_bin5_n"]) == 1 and float(sums["conf_bin5_p"]) == pytest.approx(s)
 
 
@@ -126,7 +126,8 @@ def test_objective_is_deepspecs_loss(tiny_target: Path) -> None:
     loss_mask[1, 11] = 0  # a hole inside a block: its position has no label
     context = torch.randn(2, 20, len(arch.target_layer_ids) * h, generator=gen)
     last = torch.randn(2, 20, h, generator=gen)
-    cfg = LossConfig(gamma=gamma, num_anchors=4, chunk_blocks=3, lk="l1", lk_weight=0.9, confidence_weight=1.0)
+    cfg = LossConfig(gamma=gamma, num_anchors=4, chunk_blocks=3, lk="l1", lk_weight=0.9, confidence_weight=1.0,
+                     confidence_target="sampled")  # DeepSpec's (the default aims at greedy serving's hit)
     terms, sums = drafter_objective(drafter, embed, head, TargetStates(ids, loss_mask, lengths, context, last), cfg,
                                     anchor_gen=torch.Generator().manual_seed(3))
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -143,7 +144,8 @@ def test_objective_is_deepspecs_loss(tiny_target: Path) -> None:
 
 
 def test_ece_and_brier_by_hand() -> None:
-    """Four confidences 0.05, 0.35, 0.38, 0.95 with outcomes miss, hit, miss, hit: Brier = mean (c - hit)^2 =
+    """Four confidences 0.05, 0.35, 0.38, 0.95 with outcomes miss, hit, miss, hit (a head trained for greedy
+    acceptance): Brier = mean (c - hit)^2 =
     (0.0025 + 0.4225 + 0.1444 + 0.0025) / 4 = 0.142975; ECE over 10 bins = (|0.05 - 0| (bin 0) + |0.73 - 1| (bin 3)
     + |0.95 - 1| (bin 9)) / 4 = 0.0925. Training's (models/dspark_loss.py) and eval's (eval/summary.py)."""
     from dflash_ds.models.dspark_loss import confidence_loss, metrics as confidence_metrics
@@ -158,6 +160,17 @@ def test_ece_and_brier_by_hand() -> None:
     assert got["confidence_ece"] == pytest.approx(0.0925, abs=1e-6)
     served = calibration(list(zip(conf, hit)))
     assert served["brier"] == pytest.approx(0.142975) and served["ece"] == pytest.approx(0.0925)
+    # A head trained for sampled acceptance is judged against its target, alpha 0.2, 0.6, 0.4, 0.9, not the hit:
+    # Brier (0.0225 + 0.0625 + 0.0004 + 0.0025) / 4 = 0.021975; ECE (|0.05 - 0.2| + |0.73 - 1.0| + |0.95 - 0.9|) / 4
+    # = 0.1175 (eval's calibration against alpha alike)
+    alpha = [0.2, 0.6, 0.4, 0.9]
+    _, sums = confidence_loss(logits, torch.tensor([alpha]), torch.tensor([hit]).bool(),
+                              torch.ones(1, 4, dtype=torch.bool), torch.ones(4))
+    got = confidence_metrics({k: float(x) for k, x in sums.items()})
+    assert got["confidence_brier"] == pytest.approx(0.021975, abs=1e-6)
+    assert got["confidence_ece"] == pytest.approx(0.1175, abs=1e-6)
+    served = calibration(list(zip(conf, alpha)))
+    assert served["brier"] == pytest.approx(0.021975) and served["ece"] == pytest.approx(0.1175)
 
 
 def _dspark(tiny_target: Path, **kw) -> DFlashDrafter:

@@ -6,7 +6,8 @@ in dflash_ds/models/deepspec.py's docstring (vLLM 0.32's `qwen3_dspark.py` load_
 `config/speculative.py`, `spec_decode/dspark/speculator.py` and the SAMPLE_FROM_ANCHOR branch of
 `_prepare_dflash_inputs_kernel`: block_size N is N query tokens [anchor, MASK x (N-1)] at positions a..a+N-1,
 query i predicting a+i+1). The variations of names tried: config keys at the top level (no dflash_config, no
-num_target_layers, no sample_from_anchor), the mask id as dspark_noise_token_id, and the extra tensors
+num_target_layers, no sample_from_anchor), the mask id and target layers as DeepSpec writes them (mask_token_id,
+target_layer_ids) and as vLLM also reads them (dspark_noise_token_id, dspark_target_layer_ids), and the extra tensors
 embed_tokens / lm_head / mask_embedding / t2d beside the drafter's own.
 """
 
@@ -28,8 +29,10 @@ from dflash_ds.models.deepspec import convert_deepspec
 N = 4  # DeepSpec's block_size: drafts a block
 
 
-def _deepspec_checkpoint(tiny_target: Path, folder: Path) -> DFlashDrafter:
-    """A DSpark drafter written as DeepSpec's layout would hold it; returns the drafter."""
+def _deepspec_checkpoint(tiny_target: Path, folder: Path, keys: str = "vllm") -> DFlashDrafter:
+    """A DSpark drafter written as DeepSpec's layout would hold it; returns the drafter. keys "vllm": the mask id and
+    target layers under the names vLLM also reads (dspark_noise_token_id, dspark_target_layer_ids); "deepspec": the
+    top-level mask_token_id / target_layer_ids DeepSpec itself writes."""
     arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=N + 1,
                                     options=DSparkOptions(markov_rank=4, sample_from_anchor=True))
     drafter = DFlashDrafter(arch)
@@ -40,7 +43,10 @@ def _deepspec_checkpoint(tiny_target: Path, folder: Path) -> DFlashDrafter:
     d = cfg.pop("dflash_config")
     for key in ("num_target_layers", "sample_from_anchor", "dspark_bonus_anchor"):
         cfg.pop(key)
-    cfg.update(dspark_noise_token_id=d["mask_token_id"], dspark_target_layer_ids=d["target_layer_ids"])
+    if keys == "vllm":
+        cfg.update(dspark_noise_token_id=d["mask_token_id"], dspark_target_layer_ids=d["target_layer_ids"])
+    else:
+        cfg.update(mask_token_id=d["mask_token_id"], target_layer_ids=d["target_layer_ids"])
     src = folder / "deepspec"
     src.mkdir()
     (src / "config.json").write_text(json.dumps(cfg))
@@ -102,6 +108,31 @@ def test_deepspec_checkpoint_converts_and_drafts_as_deepspec(tiny_target: Path, 
                                  anchor_gen=torch.Generator().manual_seed(0))
     terms.loss.backward()
     assert torch.isfinite(terms.loss) and conv.layers[0].mlp.down_proj.weight.grad.abs().max() > 0
+
+
+def test_deepspecs_own_key_names_convert_and_a_raw_folder_names_the_converter(tiny_target: Path,
+                                                                                tmp_path: Path) -> None:
+    """DeepSpec's own config keys (top-level mask_token_id, target_layer_ids) convert to the same export as vLLM's
+    names; the raw folder, given where an export goes, fails naming `convert-deepspec`."""
+    from dflash_ds.models.drafter import read_drafter_arch
+
+    original = _deepspec_checkpoint(tiny_target, tmp_path, keys="deepspec")
+    src = tmp_path / "deepspec"
+    assert "dspark_noise_token_id" not in json.loads((src / "config.json").read_text())
+    conv = DFlashDrafter.from_pretrained(convert_deepspec(src, tmp_path / "conv", target=tiny_target))
+    assert (conv.arch.mask_token_id, conv.arch.target_layer_ids) == (original.arch.mask_token_id,
+                                                                       original.arch.target_layer_ids)
+    for name, tensor in original.state_dict().items():
+        torch.testing.assert_close(conv.state_dict()[name], tensor, rtol=0, atol=0)
+    with pytest.raises(DFlashError, match="missing field 'dflash_config'.*dflash-ds convert-deepspec SRC --out DIR"):
+        read_drafter_arch(src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "architectures": ["DSparkDraftModel"]}))
+    with pytest.raises(DFlashError, match="convert-deepspec"):
+        DFlashDrafter.from_pretrained(src)
+    (src / "config.json").write_text(json.dumps({**cfg, "architectures": ["DFlashDraftModel"]}))
+    with pytest.raises(DFlashError, match="missing field 'dflash_config' of a DFlash drafter config$"):
+        read_drafter_arch(src)  # no hint where no kind's converter applies
 
 
 def test_convert_refusals(tiny_target: Path, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from dflash_ds.cli import main
@@ -98,3 +99,30 @@ def test_eval_engine_vllm_serves_dspark_on_the_v2_runner(tiny_target: Path, tmp_
     assert len(err.strip().splitlines()) == 1
     monkeypatch.setattr(served, "on_cpu", lambda: False)
     assert served.serving_env(export) == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
+def test_speculative_config_fields_merge_and_the_draft_length_is_bounded(vllm_python: str, tiny_target: Path,
+                                                                          tmp_path: Path) -> None:
+    """A --speculative-config among the extra arguments (`--vllm-arg`, either spelling) adds its fields to the
+    export's, and a draft length past the block (vLLM would draft into untrained slots) is refused; no server.
+    (vLLM's own config refuses enable_adaptive_verification on this CPU: V2 runner and full CUDA graphs only.)"""
+    from dflash_ds.errors import DFlashError
+
+    arch = drafter_arch_from_target(tiny_target, num_layers=1, block_size=4, options=DSparkOptions(markov_rank=4))
+    export = DFlashDrafter(arch).save_pretrained(tmp_path / "export")
+    server = VLLMServer(tiny_target, drafter=export, python=vllm_python, draft_sample="probabilistic",
+                        extra_args=["--max-num-seqs", "2", '--speculative-config={"num_speculative_tokens": 2, '
+                                    '"enable_adaptive_verification": true}'])
+    assert server.cmd[-2:] == ["--max-num-seqs", "2"] and server.cmd.count("--speculative-config") == 1
+    assert server.speculative_config == {"method": "dspark", "model": str(export), "num_speculative_tokens": 2,
+                                         "draft_sample_method": "probabilistic", "enable_adaptive_verification": True}
+    for extra in (['--speculative-config={"num_speculative_tokens": 4}'], ["--speculative-config", "[1]"]):
+        with pytest.raises(DFlashError, match="drafts 1..3 tokens|not a JSON object"):
+            VLLMServer(tiny_target, drafter=export, python=vllm_python, extra_args=extra)
+    with pytest.raises(DFlashError, match="drafts 1..3 tokens a block"):
+        VLLMServer(tiny_target, drafter=export, python=vllm_python, num_speculative_tokens=7)
+    plain = VLLMServer(tiny_target, python=vllm_python, extra_args=["--speculative-config", '{"method": "ngram"}',
+                                                                    "--max-num-seqs", "2"])
+    # no drafter (eval's and bench speedup's plain reference): the drafter's fields are dropped, plain stays plain
+    assert "--speculative-config" not in plain.cmd and plain.cmd[-2:] == ["--max-num-seqs", "2"]
+    assert plain.speculative_config is None
