@@ -92,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-budget", type=int, default=DataConfig.token_budget,
                         help=f"tokens per micro-batch of the drafter memory estimate (data.token_budget, default "
                              f"{DataConfig.token_budget})")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="L",
+                        help="price one long sequence of L tokens per micro-batch (the token budget raised to L when "
+                             "below it): the drafter step at that length, the target forward's own peak on a "
+                             "colocated GPU, and a disaggregated drafter rank (its receive buffers) and target rank, "
+                             "each against --gpu-memory-gb less --headroom-gb, with the longest L that fits "
+                             "(docs/MEMORY.md, 'Long context'); default: sequences of data.max_length")
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=TrainConfig.zero_stage,
                         help=f"ZeRO stage of the drafter memory estimate (train.zero_stage, default "
                              f"{TrainConfig.zero_stage})")
@@ -214,6 +220,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     out["disaggregated"] = dis
     out["colocated"] = colocated_option(args, a, b, measured, colocated_memory(args, shape_cfg, hidden, vocab, k))
     out["colocated"]["rates"] = {"a": a, "b": b, "source": rate_source if a is not None else None}
+    if getattr(args, "seq_len", None):
+        from dflash_ds.plan.long_context import long_context
+
+        out["long_context"] = long_context(args, shape_cfg, hidden, vocab, k, out)
     out["choice"] = choose(out)
     out["multinode"] = links.multinode(args, out, a, b, k_tp)
     out["sbatch"] = sbatch_line(out)
@@ -307,7 +317,15 @@ def report(p: dict[str, Any]) -> str:
     tp = p["target_parallel"]
     sbatch = [f"SLURM: {p['sbatch']}"] if p["sbatch"] else []
     return "\n".join((sharding_lines(tp, tp["weight_source"]) if tp else []) + _wire_lines(p) + _split_lines(p)
-                     + colocated_lines(p) + choice_lines(p) + links.lines(p) + sbatch)
+                     + colocated_lines(p) + _long_lines(p) + choice_lines(p) + links.lines(p) + sbatch)
+
+
+def _long_lines(p: dict[str, Any]) -> list[str]:
+    if "long_context" not in p:
+        return []
+    from dflash_ds.plan.long_context import long_context_lines
+
+    return long_context_lines(p["long_context"])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -72,26 +72,35 @@ def drafter_memory(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: 
                                          DrafterConfig.block_size), num_read=layers_read,
                     kind=getattr(args, "kind", "dflash"))  # a kind: + its parts (its spec's memory terms)
     kl = not args.no_last_hidden
-    step_args = argparse.Namespace(token_budget=args.token_budget,
-                                   seq_len=min(DataConfig.max_length, args.token_budget),
+    seq_len = getattr(args, "seq_len", None)  # --seq-len: one long sequence (the budget raised to hold it)
+    budget = max(args.token_budget, seq_len or 0)
+    step_args = argparse.Namespace(token_budget=budget,
+                                   seq_len=seq_len or min(DataConfig.max_length, budget),
                                    block_size=shape.block_size, num_anchors=loss.num_anchors,
                                    max_anchors=loss.max_anchors_per_batch, chunk_blocks=loss.chunk_blocks,
                                    kl_weight=1.0 if kl else 0.0)
     step = shapes.step_shape(step_args, dtype_bytes=2, checkpointing=True, dense=False, cuda=True)
     micro = mm.micro_step_terms(shape, step, param_grads=False)
     phase = max(mm.PHASES, key=lambda ph: sum(micro[ph].values()))
-    static = mm.static_terms(shape, args.token_budget, args.zero_stage, ranks, kl=kl, payloads_alive=1,
-                             pooled=False)
+    static = mm.static_terms(shape, budget, args.zero_stage, ranks, kl=kl, payloads_alive=1, pooled=False)
     terms = {k: v for k, v in static.items() if k not in ("payload_buffers", "frozen_embed_head")}
     terms["captured_batch"] = static["payload_buffers"]
     terms[f"micro_step_peak_{phase}"] = sum(micro["held"].values()) + sum(micro[phase].values())
-    # the same drafter with its first k layers recomputed, k = 0..L (the trainer recomputes the fewest that fit)
+    if seq_len:  # at long context the target's own forward may rise above the drafter step (memory/long_context.py)
+        from dflash_ds.memory import long_context as lc
+
+        run = lc.LongRun(layers_read=layers_read, drafter_layers=shape.num_layers, kl=kl, zero_stage=args.zero_stage)
+        terms["target_forward_over_step"] = lc.forward_over_step(
+            shape, step.batch * step.seq_len, run, terms[f"micro_step_peak_{phase}"])
+    # the same drafter with its first k layers recomputed, k = 0..L (the trainer recomputes the fewest that fit);
+    # with --seq-len the target forward's rise above the all-recomputed step is kept in each: an upper bound
     fixed = sum(v for k, v in terms.items() if not k.startswith("micro_step_peak"))
     by_recomputed = [fixed + mm.micro_step_peak(shape, replace(step, checkpointing=k > 0, checkpoint_layers=k),
                                                 param_grads=False) for k in range(shape.num_layers + 1)]
     return {"bytes": sum(terms.values()), "terms": terms, "params": mm.drafter_params(shape),
             "bytes_by_recomputed_layers": by_recomputed,
-            "source": f"memory model: bf16, checkpointing, token budget {args.token_budget:,}, ZeRO-{args.zero_stage} "
+            "source": f"memory model: bf16, checkpointing, token budget {budget:,}"
+                      + (f" ({step.batch} x {seq_len:,} tokens)" if seq_len else "") + f", ZeRO-{args.zero_stage} "
                       f"over {ranks} rank(s), KL {'on' if kl else 'off'}",
             "shape": {"hidden": shape.hidden, "intermediate": shape.intermediate, "heads": shape.heads,
                       "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "layers": shape.num_layers}}

@@ -1,0 +1,90 @@
+"""`dflash-ds plan --seq-len L`: one long sequence per micro-batch, priced per rank (memory/long_context.py).
+
+Colocated is already checked at L by `plan/colocated.py` (its drafter terms at L, plus the target forward's
+rise above the step); this adds the disaggregated side, a drafter rank (ZeRO over the split's drafter ranks,
+or over all GPUs but one when no rates give a split) and a target rank, and the longest L each holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dflash_ds.config import DrafterConfig, LossConfig
+from dflash_ds.memory import long_context as lc
+from dflash_ds.memory import shapes
+
+GB = 1e9
+
+
+def long_context(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: int, vocab: int, layers_read: int,
+                 out: dict[str, Any]) -> dict[str, Any]:
+    """Per-rank bytes at --seq-len for each layout, the longest L that fits each, and warnings."""
+    L = args.seq_len
+    if L < DrafterConfig.block_size + 1:
+        from dflash_ds.errors import DFlashError
+
+        raise DFlashError(f"--seq-len {L}: a sequence needs more than the block size ({DrafterConfig.block_size})")
+    missing = [k for k in shapes.SHAPE_FIELDS if k not in shape_cfg]
+    if missing:
+        return {"seq_len": L, "rows": [], "warnings": [f"not priced: the target config has no {missing[0]!r}"]}
+    loss = LossConfig()
+    run = lc.LongRun(layers_read=layers_read, drafter_layers=args.drafter_layers, num_anchors=loss.num_anchors,
+                     max_anchors=loss.max_anchors_per_batch,
+                     chunk_blocks=loss.chunk_blocks, block_size=DrafterConfig.block_size,
+                     kl=not args.no_last_hidden, zero_stage=args.zero_stage)
+    # the drafter's heads and MLP scaled to H, as colocated.drafter_memory does; lc reads the full width of this
+    cfg = {**shape_cfg, "vocab_size": vocab}
+    d = shapes.drafter_shape(cfg, hidden, args.drafter_layers, run.block_size)
+    cfg = {**cfg, "hidden_size": d.hidden, "intermediate_size": d.intermediate, "num_attention_heads": d.heads,
+           "num_key_value_heads": d.kv_heads, "head_dim": d.head_dim}
+    kind = getattr(args, "kind", "dflash")
+    limit = (args.gpu_memory_gb - args.headroom_gb) * GB
+    split = (out.get("split") or {}).get("best") or {}
+    drafters = split.get("drafter_ranks") or max(1, args.gpus - 1)
+    weights = out["colocated"]["memory"]["target_bytes"]
+    tp = (out.get("target_parallel") or {}).get("k", 1) or 1
+    rows, warnings = [], []
+    for role, ranks in (("colocated", args.gpus), ("drafter", drafters), ("target", 1)):
+        if role != "drafter" and weights is None:
+            rows.append({"role": role, "ranks": ranks, "bytes": None, "terms": {}, "longest": None, "fits": None})
+            continue
+        w = (weights or 0.0) / (tp if role == "target" else 1)
+        terms = lc.rank_terms(cfg, L, run, role, ranks, w, kind)
+        total = sum(terms.values())
+        longest = lc.longest_fit(cfg, run, role, ranks, w, limit, kind=kind)
+        rows.append({"role": role, "ranks": ranks, "bytes": total, "terms": terms, "longest": longest,
+                     "fits": total <= limit})
+        if total > limit:
+            warnings.append(f"{_name(role, ranks)} does NOT hold {L:,} tokens: {total / GB:,.2f} GB > "
+                            f"{args.gpu_memory_gb:g} - {args.headroom_gb:g} GB headroom; it holds "
+                            + (f"up to {longest:,}" if longest else "no sequence at all"))
+    fit = {r["role"]: r["fits"] for r in rows}
+    if fit.get("colocated") is False and (fit.get("drafter") is False or fit.get("target") is False):
+        warnings.append(f"no layout trains {L:,}-token sequences on {args.gpu_memory_gb:g} GB GPUs today: sequence "
+                        "parallelism over the drafter ranks is not built yet (issue 56 point 2); shorten "
+                        "data.max_length, or lower the drafter's memory (more drafter ranks, ZeRO-3)")
+    return {"seq_len": L, "anchors_per_row": lc.step_at(L, run).anchors_per_row, "limit_bytes": limit,
+            "rows": rows, "warnings": warnings}
+
+
+def _name(role: str, ranks: int) -> str:
+    return {"colocated": f"a colocated GPU (ZeRO over {ranks})", "drafter": f"a drafter rank (ZeRO over {ranks})",
+            "target": "a target rank"}[role]
+
+
+def long_context_lines(lc_out: dict[str, Any]) -> list[str]:
+    """The report: each rank's terms at L and the longest L it holds."""
+    L = lc_out["seq_len"]
+    lines = [f"one sequence of {L:,} tokens per micro-batch ({lc_out.get('anchors_per_row', '?')} anchor blocks), per "
+             f"rank against {lc_out.get('limit_bytes', 0) / GB:,.0f} GB (GPU less headroom):"]
+    for r in lc_out["rows"]:
+        if r["bytes"] is None:
+            lines.append(f"  {_name(r['role'], r['ranks'])}: not checked (the target's weights are unknown)")
+            continue
+        verdict = "fits" if r["fits"] else "does NOT fit"
+        lines.append(f"  {_name(r['role'], r['ranks']):<34} {r['bytes'] / GB:8.2f} GB: {verdict}; longest that fits "
+                     f"{r['longest']:,} tokens")
+        lines += [f"      {name:<28} {v / GB:8.2f}" for name, v in r["terms"].items()]
+    lines += [f"  warning: {w}" for w in lc_out["warnings"]]
+    return lines

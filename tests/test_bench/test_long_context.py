@@ -1,0 +1,92 @@
+"""One long sequence per micro-batch (memory/long_context.py, `plan --seq-len`): the arithmetic against a hand count."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_ds.cli import main
+from dflash_ds.memory import long_context as lc
+from dflash_ds.memory import model as mm
+from dflash_ds.models.presets import PRESETS
+
+Q8 = PRESETS["qwen3-8b"]
+RUN = lc.LongRun()  # 5 layers read, 512 anchors, budget 2,048, chunk 64, bs 16, KL, ZeRO-2, bf16
+L = 65536
+
+
+def drafter_step_by_hand(h: int, i: int, nh: int, nkv: int, d: int, v: int, n: int) -> float:
+    """docs/MEMORY.md's micro-step terms at B = 1, S = n, 512 anchors (T = 8,192, P = 7,680), bf16, flex,
+    all layers recomputed, KL, without parameter gradients: held + the worse of the loss and backward moments."""
+    b, t, p, c = 2, 512 * 16, 512 * 15, n
+    q, kv = nh * d, nkv * d
+    a_tok = 2 * h * (4 + 2 * b) + (q + kv) * (4 + 3 * b) + 4 * b * i + 4 * nh
+    c_tok = kv * (4 + 3 * b)
+    nq, nk = -(-t // 128), -(-(n + t) // 128)
+    flex = 4 * (4 * nq * nk + 2 * nq + 2 * nk)
+    held = 2 * (t + c) * d * b + c * h * (4 + 2 * b) + t * h * b + 4 * t * h * b + flex
+    loss = t * h * (4 + 2 * b) + 3 * p * h * b + 64 * 15 * v * 32.5
+    backward = t * b * (i + 2.5 * h) + c * h * b + t * a_tok + c * c_tok
+    return held + max(loss, backward)
+
+
+def test_drafter_step_at_one_long_sequence() -> None:
+    d, s = lc.drafter_at(Q8, RUN), lc.step_at(L, RUN)
+    assert (s.batch, s.seq_len, s.anchors_per_row) == (1, L, 512)  # 512 anchors: 0.8% of 64K positions
+    want = drafter_step_by_hand(4096, 12288, 32, 8, 128, 151936, L)
+    assert mm.micro_step_peak(d, s, param_grads=False) == pytest.approx(want, rel=1e-12)
+    assert want / 1e9 == pytest.approx(7.72, abs=0.005)  # docs/MEMORY.md's table
+
+
+def test_target_forward_and_rank_totals_by_hand() -> None:
+    h, i, b, n = 4096, 12288, 2, L
+    fwd = lc.target_forward_terms(lc.drafter_at(Q8, RUN), n, RUN)
+    # the layer's working set is the MLP's, above attention's
+    assert fwd == {"residual_stream": 2 * n * h * b, "layer_working_set": n * (h + 3 * i) * b,
+                   "captured_layers": n * 6 * h * b}
+    payload = n * 6 * h * 2  # 5 layers + the final hidden, bf16: 3.22 GB
+    step = drafter_step_by_hand(h, i, 32, 8, 128, 151936, n)
+    psi = mm.drafter_params(lc.drafter_at(Q8, RUN))
+
+    target = lc.rank_terms(Q8, n, RUN, "target", 1, 16.4e9)
+    size_class = payload  # 3,221,225,472 = 3 x 2^30: already a size class of the pool
+    assert target == {"target_weights": 16.4e9, "target_forward": sum(fwd.values()), "send_buffers": 3 * size_class}
+
+    drafter = lc.rank_terms(Q8, n, RUN, "drafter", 4, 0.0)
+    assert drafter["payload_buffers"] == 8 * size_class  # the bridge: 25.77 GB at 64K, the largest term
+    assert sum(drafter.values()) == pytest.approx((2 + 14 / 4) * psi + 2 * 151936 * h * 2 + 8 * payload + step)
+
+    col = lc.rank_terms(Q8, n, RUN, "colocated", 8, 16.4e9)
+    # the forward's peak (2 n H b + n (H + 3 I) b + 6 n H b = 9.66 GB) stays under captured batch + step here
+    assert col["target_forward_over_step"] == 0.0
+    assert sum(col.values()) == pytest.approx(16.4e9 + (2 + 14 / 8) * psi + payload + step)
+    # at 128K the forward rises 2.98 GB above the step: 19.33 GB against 6.44 + 9.90
+    big = lc.rank_terms(Q8, 2 * n, RUN, "colocated", 8, 16.4e9)
+    over = sum(lc.target_forward_terms(lc.drafter_at(Q8, RUN), 2 * n, RUN).values()) - 2 * payload \
+        - drafter_step_by_hand(h, i, 32, 8, 128, 151936, 2 * n)
+    assert big["target_forward_over_step"] == pytest.approx(over) and over / 1e9 == pytest.approx(2.98, abs=0.005)
+
+
+def test_longest_fit_is_the_boundary() -> None:
+    limit = 72e9  # 80 GB less plan's 8 GB headroom
+    n = lc.longest_fit(Q8, RUN, "drafter", 4, 0.0, limit)
+    assert n == 131072  # docs/MEMORY.md: a Qwen3-8B drafter rank of 4 holds 128K, not 129K
+    assert sum(lc.rank_terms(Q8, n, RUN, "drafter", 4, 0.0).values()) <= limit
+    assert sum(lc.rank_terms(Q8, n + 1024, RUN, "drafter", 4, 0.0).values()) > limit
+    assert lc.longest_fit(PRESETS["qwen3.6-27b"], RUN, "colocated", 1, 54e9, limit) == 0  # 54 + 29.4 GB: none
+
+
+def test_plan_seq_len(capsys) -> None:
+    assert main(["plan", "--gpus", "8", "--preset", "qwen3.6-27b", "--target-params-b", "27", "--seq-len", "131072",
+                 "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    rows = {r["role"]: r for r in p["long_context"]["rows"]}
+    assert rows["drafter"]["ranks"] == 7 and rows["drafter"]["fits"] is False
+    assert rows["colocated"]["bytes"] == pytest.approx(p["colocated"]["memory"]["total_bytes"] - 8e9)
+    assert any("no layout trains 131,072-token" in w for w in p["long_context"]["warnings"])
+    assert main(["plan", "--gpus", "8", "--preset", "qwen3-8b", "--target-params-b", "8.2", "--seq-len", "65536"]) == 0
+    out = capsys.readouterr().out
+    assert "one sequence of 65,536 tokens" in out and "warning" not in out
+    assert main(["plan", "--gpus", "8", "--seq-len", "8"]) == 2  # shorter than a block: a clear error
+    assert "--seq-len 8" in capsys.readouterr().err
