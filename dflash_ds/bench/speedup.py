@@ -124,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
     check_drafter_matches_target(read_drafter_arch(args.drafter), read_target_config(args.target),
                                  args.drafter, args.target)
     prompts = load_prompts(args.data, args.target, args.num_prompts)
+    if "vllm" in engines and max(concurrencies) > len(prompts):
+        raise DFlashError(f"--concurrency {max(concurrencies)}: a round has {len(prompts)} prompts, so no more than "
+                          f"{len(prompts)} requests are ever in flight; raise --num-prompts or lower --concurrency")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"bench speedup: {len(prompts)} prompts x {args.max_new_tokens} tokens, engines {', '.join(engines)}, "

@@ -128,5 +128,7 @@ def test_bad_flags_are_one_clear_error(small_pair, capsys):
     base = ["bench", "speedup", "--target", str(target), "--drafter", str(drafter), "--data", str(data)]
     assert main(base + ["--concurrency", "1,x"]) == 2
     assert "--concurrency '1,x': expected comma-separated integers" in capsys.readouterr().err
+    assert main(base + ["--engine", "vllm", "--concurrency", "1,4"]) == 2  # 3 prompts: 4 never in flight
+    assert "--concurrency 4: a round has 3 prompts" in capsys.readouterr().err
     assert main(base + ["--engine", "sglang"]) == 2
     assert "--engine 'sglang': expected auto or a comma-separated subset of vllm, dflash" in capsys.readouterr().err
