@@ -90,6 +90,8 @@ def test_served_eval_writes_on_a_miss_and_starts_no_plain_server_on_a_hit(target
         def __init__(self, model, *, drafter=None, **_kw):
             self.url = "http://127.0.0.1:1"
             started.append("spec" if drafter else "plain")
+            # what the real server reports it started with (served_eval reads it back)
+            self.speculative_config = served.speculative_config(drafter) if drafter else None
 
         def __enter__(self):
             return self
