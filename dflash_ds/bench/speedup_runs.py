@@ -40,18 +40,19 @@ class ForwardClock:
     def __init__(self, module: torch.nn.Module) -> None:
         self.calls: list[tuple[int, float, float]] = []
         device = next(module.parameters()).device
-        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        # a GPU finishes work after the call returns: read the clock once the device is done
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self._start: tuple[int, float] | None = None
         self._hooks = [module.register_forward_pre_hook(self._pre, with_kwargs=True),
                        module.register_forward_hook(self._post, with_kwargs=True)]
 
     def _pre(self, _mod, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        self._sync()
+        self.sync()
         self._start = (int(ids.shape[-1]), time.perf_counter())
 
     def _post(self, _mod, _args, _kwargs, _out) -> None:
-        self._sync()
+        self.sync()
         n, t0 = self._start
         now = time.perf_counter()
         self.calls.append((n, now - t0, now))
@@ -80,7 +81,7 @@ def own_round(target, drafter, prompts: list[list[int]], mode: str, repeat: int,
     from dflash_ds.eval.speculative import draft_fn_of, greedy_generate, speculative_generate
 
     clock = ForwardClock(target)
-    sync = clock._sync
+    sync = clock.sync
     rnd = Round("dflash", mode, 1, repeat, 0.0, [], [])
     block = drafter.arch.block_size
     try:
@@ -103,8 +104,11 @@ def own_round(target, drafter, prompts: list[list[int]], mode: str, repeat: int,
             rnd.steps += steps
             rnd.accepted += accepted
             rnd.decode_seconds += end - clock.calls[0][2]  # from the prefill's end: the decode steps only
-            for n, s, _ in clock.calls[1:]:
-                (rnd.one_token_s if mode == "plain" else rnd.verify_s if n == block else []).append(s)
+            for n, s, _ in clock.calls[1:]:  # after the prefill: one-token steps, or verifies (and replays)
+                if mode == "plain":
+                    rnd.one_token_s.append(s)
+                elif n == block:  # a replay after a partial acceptance of a cache that cannot be cut is not one
+                    rnd.verify_s.append(s)
     finally:
         clock.close()
     rnd.seconds = sum(rnd.request_seconds)
