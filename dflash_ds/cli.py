@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert-deepspec": ("dflash_ds.models.deepspec", "a DeepSpec-layout checkpoint as an export"),
     "train-step": ("dflash_ds.tools.train_step", "run a few single-device training steps of the DFlash core (smoke test)"),
     "make-prompts": ("dflash_ds.data.natural_prompts", "natural prompts (facts, how-tos, math, rewriting, ...) split by topic into train/held-out JSONL"),
+    "self-instruct": ("dflash_ds.data.self_instruct", "the target writes training prompts from seed task types, deduplicated and held out by topic word"),
     "prepare": ("dflash_ds.data.prepare", "tokenize conversations with the target's chat template into an Arrow dataset"),
     "regenerate": ("dflash_ds.data.regenerate", "rewrite assistant turns with the target's own answers"),
     "bench": ("dflash_ds.bench.cli", f"benchmarks ({', '.join(BENCHMARKS)})"),

@@ -106,10 +106,13 @@ class OpenAIClient:
                       choice.get("finish_reason") or "stop")
 
     def complete_ids(self, prompt: list[int], *, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                     seed: int | None = None) -> Answer:
-        """One completion of a prompt given as token ids (no chat template applied by the server)."""
+                     seed: int | None = None, stop: list[str] | None = None) -> Answer:
+        """One completion of a prompt given as token ids (no chat template applied by the server); `stop`: strings
+        that end it (not included in the text)."""
         body = {"model": self.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": top_p, "return_token_ids": True}
+        if stop:
+            body["stop"] = stop
         if seed is not None:
             body["seed"] = seed
         choice = self._choice("/v1/completions", body)
