@@ -6,5 +6,7 @@ set -euo pipefail
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 NPROC=${NPROC:-$( (command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l) || echo 3)}
 MASTER_PORT=${MASTER_PORT:-29500}
-exec torchrun --standalone --nproc_per_node "$NPROC" --master_port "$MASTER_PORT" \
+# torchrun, its stores on loopback rather than on every interface (dflash_ds/distributed/torchrun.py).
+PYTHON="$(dirname "$(command -v torchrun)")/python"
+exec "$PYTHON" -m dflash_ds.distributed.torchrun --standalone --nproc_per_node "$NPROC" --master_port "$MASTER_PORT" \
     -m dflash_ds.train "$@"

@@ -77,8 +77,9 @@ class SlurmCluster:
 
     def _slurm_conf(self) -> str:
         d, hb = self.dir, self.heartbeat_s
-        nodes = "\n".join(f"NodeName={h} NodeAddr={self.hosts.addr[h]} CPUs={os.cpu_count()} State=UNKNOWN"
-                          for h in self.hosts.names)
+        # No NodeAddr: SLURM's default, the node's name (which a host resolves to 127.0.1.1 for itself, as on a stock
+        # Debian/Ubuntu node: tests/hosts.py), where launch/train_slurm.sbatch must find the node's own address.
+        nodes = "\n".join(f"NodeName={h} CPUs={os.cpu_count()} State=UNKNOWN" for h in self.hosts.names)
         # Ports: each host is a network namespace of its own, with nothing else listening: these are free there.
         # cred_expire: a requeued job waits that long before it starts again (120 s by default).
         return f"""ClusterName=dflash

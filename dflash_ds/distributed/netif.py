@@ -15,6 +15,9 @@ carries its route to MASTER_ADDR, which the other hosts reach too:
 
 A variable the user set wins. Where no choice can work the job fails at once, naming the variable and the
 addresses, instead of after gloo's retries.
+
+The stores a job listens on (torchrun's, the job's) take one address the same way: `node_address` says which,
+`listen_socket` binds it (PyTorch's own store server listens on every address).
 """
 
 from __future__ import annotations
@@ -73,6 +76,86 @@ def resolve(host: str) -> str:
     return infos[0][4][0]
 
 
+def resolve_all(host: str) -> list[str]:
+    """Every address `host` resolves to on this machine, IPv4 first; [] when it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror:
+        return []
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)
+    return list(dict.fromkeys(str(i[4][0]) for i in infos))
+
+
+def _loopback(addr: str) -> bool:
+    return ipaddress.ip_address(addr).is_loopback
+
+
+def designates_this_host(host: str) -> bool:
+    """`host` is this machine: its host name, or a name or address that resolves to one of its addresses."""
+    if host in ("localhost", socket.gethostname()):
+        return True
+    return any(_loopback(a) or interface_of(a) is not None for a in resolve_all(host))
+
+
+def node_address(host: str, peers: tuple[str, ...] = (), alone: bool = False) -> str:
+    """The one address this host listens on for `host`, a name or address of this host: the address the other
+    hosts reach it at.
+
+    An address of its own, or a name that resolves to one, is that address; loopback given as such
+    (`localhost`, 127.0.0.1) stays loopback. Any other name that resolves to loopback here (a stock
+    Debian/Ubuntu host's own name: 127.0.1.1) is reached by the others at another address: the one this host's
+    route to `peers` leaves from, else its only address off loopback; also loopback when the job is `alone`
+    on this host. Anything else is one error naming `host`.
+    """
+    here = socket.gethostname()
+    addrs = resolve_all(host)
+    if not addrs:
+        raise DFlashError(f"{host!r} does not resolve on {here}")
+    own = [a for a in addrs if not _loopback(a) and interface_of(a) is not None]
+    if own:
+        return own[0]
+    looped = [a for a in addrs if _loopback(a)]
+    if not looped:
+        raise DFlashError(f"{host} resolves to {', '.join(addrs)} on {here}, which is no address of this host: "
+                          f"give {host}'s own address instead (RDZV_HOST, MASTER_ADDR, or the node's NodeAddr)")
+    if alone or host == "localhost" or host in looped:
+        return looped[0]
+    for peer in peers:
+        reached = resolve_all(peer)
+        if reached and not _loopback(src := source_address(reached[0])):
+            return src
+    others = sorted({a for found in interface_addresses().values() for a in found
+                     if not _loopback(a) and not ipaddress.ip_address(a).is_link_local})
+    if len(others) == 1:
+        return others[0]
+    raise DFlashError(f"{host} resolves to loopback {looped[0]} on {here}, which the other hosts cannot reach, and "
+                      f"this host has {'no other address' if not others else 'several: ' + ', '.join(others)}: "
+                      f"give the address the other hosts reach {here} at instead of the name (RDZV_HOST)")
+
+
+def route_address(host: str) -> str:
+    """The local address this machine's route to `host` (a name or an address) leaves from."""
+    addrs = resolve_all(host)
+    if not addrs:
+        raise DFlashError(f"{host!r} does not resolve on {socket.gethostname()}")
+    return source_address(addrs[0])
+
+
+def listen_socket(addr: str, port: int, backlog: int = 128) -> tuple[int, int]:
+    """A TCP socket listening on `addr`:`port` (0: a free port) alone: (its descriptor, its port), for a
+    TCPStore's `master_listen_fd` (PyTorch's own store server listens on every address). OSError if it cannot."""
+    sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as PyTorch's own listener
+        sock.bind((addr, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    return sock.detach(), port  # the store owns the descriptor from here on: Python never closes it under it
+
+
 def source_address(dest: str, port: int = 9) -> str:
     """The local address the kernel's routing picks for traffic to `dest` (a UDP connect sends nothing)."""
     family = socket.AF_INET6 if ":" in dest else socket.AF_INET
@@ -82,22 +165,6 @@ def source_address(dest: str, port: int = 9) -> str:
         except OSError as exc:
             raise DFlashError(f"no route from {socket.gethostname()} to MASTER_ADDR {dest}: {exc}") from None
         return s.getsockname()[0]
-
-
-def rendezvous_host_args(host: str) -> list[str]:
-    """Extra torchrun arguments for a c10d rendezvous endpoint `host` given as an address of this machine.
-
-    An agent hosts the rendezvous store when the endpoint matches its host *name*; given as an address
-    (not loopback), no agent does and all time out as clients (measured). The agent that owns the
-    address hosts it (`is_host=1`) and advertises it as rank 0's master address (`--local-addr`).
-    """
-    try:
-        addr = ipaddress.ip_address(host)
-    except ValueError:
-        return []  # a name: torchrun matches it itself
-    if addr.is_loopback or interface_of(str(addr)) is None:
-        return []
-    return ["--rdzv-conf", "is_host=1", "--local-addr", str(addr)]
 
 
 def _user_setting(var: str) -> str | None:
@@ -160,18 +227,25 @@ def choose_socket_ifname(store, rank: int, world_size: int, master_addr: str, cu
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dflash_ds.distributed.netif rdzv-args HOST`: the torchrun arguments the launch scripts add."""
+    """`python -m dflash_ds.distributed.netif node-address HOST [--peer P ...]`: what train_slurm.sbatch binds."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m dflash_ds.distributed.netif",
                                      description="Network helpers for the launch scripts.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("rdzv-args", help="print the extra torchrun arguments for rendezvous host HOST on this "
-                                         "machine: '--rdzv-conf is_host=1 --local-addr HOST' when HOST is an "
-                                         "address of this machine (not loopback), else nothing")
-    p.add_argument("host", help="the rendezvous host (RDZV_HOST): a name or an address")
+    p = sub.add_parser("node-address", help="print the one address this host listens on for HOST, a name or an "
+                                            "address of this host: the address the other hosts reach it at")
+    p.add_argument("host", help="this host's name or address (SLURM's NodeAddr, RDZV_HOST)")
+    p.add_argument("--peer", action="append", default=[],
+                   help="another host of the job: where HOST resolves to loopback here (a stock Debian/Ubuntu "
+                        "host's own name), the address this host's route to a peer leaves from")
+    p.add_argument("--alone", action="store_true", help="the job has no other host: loopback will do")
     args = parser.parse_args(argv)
-    print(" ".join(rendezvous_host_args(args.host)))
+    try:
+        print(node_address(args.host, tuple(args.peer), args.alone))
+    except DFlashError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -5,10 +5,13 @@ with `--standalone` or a c10d rendezvous torchrun picks MASTER_PORT itself, so M
 may belong to any other socket. Without an agent store (the deepspeed launcher) it is
 MASTER_PORT + 1, which must be free.
 
-Where it listens: on MASTER_ADDR alone when that is an address of this host (the deepspeed launcher
-gives the first address of `hostname -I`; torchrun an address given as RDZV_HOST / --local-addr), so
-no other interface reaches it; given a host name (torchrun's c10d rendezvous), on every address, as
-PyTorch does: the name may resolve to loopback here and to another address on the other hosts.
+Where it listens: on MASTER_ADDR's own address alone, so no other interface reaches it. The launch scripts
+always give an address (the deepspeed launcher the first of `hostname -I`; torchrun through
+`dflash_ds.distributed.torchrun` the rank-0 node's --local-addr); a host name is bound to the address of this
+host it resolves to, and one that resolves to no address of this host is an error naming it. Only a name that
+resolves to loopback here and elsewhere to another address (a stock Debian/Ubuntu host's own name, given to a
+plain torchrun) is served on every address, as PyTorch does: no one address serves both this host's ranks
+and the others'.
 """
 
 from __future__ import annotations
@@ -27,38 +30,38 @@ STORE_PORT_OFFSET = 1  # MASTER_PORT + 1 when there is no agent store
 
 
 def listen_address(master_addr: str) -> str | None:
-    """The address the job's store binds to: MASTER_ADDR when it is an address of this host, else None (all)."""
-    from dflash_ds.distributed.netif import interface_of
+    """The address the job's store binds to: MASTER_ADDR's own address on this host, None (all) for a name that
+    resolves to loopback here (see the module docstring)."""
+    from dflash_ds.distributed.netif import interface_of, resolve_all
 
-    try:
-        addr = ipaddress.ip_address(master_addr)
-    except ValueError:
-        return None  # a host name: see the module docstring
-    if addr.is_loopback or interface_of(str(addr)) is not None:
-        return str(addr)
-    return None
+    addrs = resolve_all(master_addr)
+    looped = [a for a in addrs if ipaddress.ip_address(a).is_loopback]
+    own = [a for a in addrs if a not in looped and interface_of(a) is not None]
+    if own:
+        return own[0]
+    if looped:  # loopback given as such stays loopback; a name for it here may be another address elsewhere
+        return looped[0] if master_addr in (*looped, "localhost") else None
+    raise DFlashError(f"MASTER_ADDR {master_addr} resolves to {', '.join(addrs) or 'nothing'} on "
+                      f"{socket.gethostname()}, the job's store's host (global rank 0), which owns no such address: "
+                      "give this host's own address")
 
 
 def _host_store(master_addr: str, port: int, world_size: int, timeout: datetime.timedelta,
                 wait_for_workers: bool) -> dist.TCPStore:
     """The store's server (rank 0), bound to `listen_address(master_addr)` where there is one."""
+    from dflash_ds.distributed.netif import listen_socket
+
     addr = listen_address(master_addr)
     if addr is None:
         return dist.TCPStore(master_addr, port, world_size, is_master=True, timeout=timeout,
                              wait_for_workers=wait_for_workers)
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as PyTorch's own listener
-        sock.bind((addr, port))
-        sock.listen(max(128, 2 * world_size))
+        fd, port = listen_socket(addr, port, max(128, 2 * world_size))
     except OSError as exc:
-        sock.close()
         raise DFlashError(f"the job's store cannot listen on {addr}:{port} ({exc.strerror}): "
                           f"MASTER_PORT + {STORE_PORT_OFFSET} must be free") from None
-    # The store owns the descriptor from here on: detached, Python never closes it under the server.
-    return dist.TCPStore(master_addr, port, world_size, is_master=True, timeout=timeout,
-                         wait_for_workers=wait_for_workers, master_listen_fd=sock.detach())
+    return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=wait_for_workers, master_listen_fd=fd)
 
 
 def job_store(master_addr: str, master_port: int, rank: int, world_size: int, timeout: datetime.timedelta,

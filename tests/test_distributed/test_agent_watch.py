@@ -46,10 +46,12 @@ time.sleep(4 if mode == "barrier" else 60)
 
 @pytest.fixture
 def bin_dir(tmp_path: Path) -> Path:
-    """A folder holding the stand-in `torchrun` and the `python` beside it that the script uses."""
+    """A folder holding the stand-in `torchrun` and the `python` beside it that the script uses (which runs the
+    stand-in for `python -m dflash_ds.distributed.torchrun`, the script's torchrun)."""
     d = tmp_path / "bin"
     d.mkdir()
-    (d / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (d / "python").write_text(f"#!/bin/sh\nif [ \"$1 $2\" = \"-m dflash_ds.distributed.torchrun\" ]; then shift 2; "
+                              f"exec {d / 'torchrun'} \"$@\"; fi\nexec {sys.executable} \"$@\"\n")
     (d / "torchrun").write_text(f"#!{sys.executable}\nCUT_RANK = {CUT_RANK!r}\n{AGENT}")
     for f in d.iterdir():
         f.chmod(0o755)

@@ -12,7 +12,7 @@ from hosts import NETNS_DIR, only_sshd_left
 
 def test_two_hosts_are_real_to_the_software_and_leave_nothing(hosts):
     """Own hostname, own name -> 127.0.1.1, the other's name -> its address, own /dev/shm, no route off the
-    bridge, ssh and pdsh between them; torchrun's rendezvous arguments for an address; a clean close."""
+    bridge, ssh and pdsh between them; a host's own address for its name; a clean close."""
     for h, other in (("h0", "h1"), ("h1", "h0")):
         r = hosts.run(h, ["sh", "-c", f"hostname; getent hosts {h} {other}; ip route; "
                                       f"echo {h} > /dev/shm/dflash-owner; cat /dev/shm/dflash-owner"])
@@ -29,11 +29,14 @@ def test_two_hosts_are_real_to_the_software_and_leave_nothing(hosts):
     assert r.stdout.strip() == "101", r.stdout + r.stderr  # ENETUNREACH
     r = hosts.run("h0", ["pdsh", "-R", "ssh", "-w", "h0,h1", "hostname -I"], env=hosts.env())
     assert sorted(r.stdout.split()) == ["198.18.0.1", "198.18.0.2", "h0:", "h1:"], r.stdout + r.stderr
-    # torchrun hosts a rendezvous given by address only with is_host/--local-addr: on its owner, and only there.
-    rdzv = [sys.executable, "-m", "dflash_ds.distributed.netif", "rdzv-args", "198.18.0.1"]
-    assert hosts.run("h0", rdzv).stdout.split() == ["--rdzv-conf", "is_host=1", "--local-addr", "198.18.0.1"]
-    assert hosts.run("h1", rdzv).stdout.split() == []
-    assert hosts.run("h0", [*rdzv[:-1], "h0"]).stdout.split() == []  # a name: torchrun matches it itself
+    # A host's own address for its name or address (what its stores bind): h0's name is 127.0.1.1 there, so its one
+    # address off loopback; on another host the name is one error naming it.
+    node_address = [sys.executable, "-m", "dflash_ds.distributed.netif", "node-address"]
+    for given, want in (("h0", "198.18.0.1"), ("198.18.0.1", "198.18.0.1"), ("localhost", "127.0.0.1")):
+        assert hosts.run("h0", [*node_address, given]).stdout.split() == [want], given
+    assert hosts.run("h0", [*node_address, "h0", "--alone"]).stdout.split() == ["127.0.1.1"]
+    r = hosts.run("h1", [*node_address, "h0"])
+    assert r.returncode == 2 and "h0 resolves to 198.18.0.1 on h1, which is no address of this host" in r.stderr
     sleeper = hosts.popen("h1", ["sleep", "600"])
     assert only_sshd_left(hosts)["h1"] == ["sleep 600 "]
     pids = [p for h in hosts.names for p in hosts.pids(h)]

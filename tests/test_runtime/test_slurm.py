@@ -106,13 +106,18 @@ def _job_processes(hosts: Hosts) -> dict[str, list[str]]:
             for h, cmds in only_sshd_left(hosts).items()}
 
 
-def _rank_listeners(hosts: Hosts, h: str) -> list[str]:
-    """ADDR:PORT of every listening TCP socket a rank on host `h` owns (not its torchrun agent's)."""
+def _job_listeners(hosts: Hosts, h: str) -> list[str]:
+    """ADDR:PORT of every listening TCP socket the job's processes on host `h` own: its torchrun agent (the
+    rendezvous store, the agents' store) and its ranks (the job's store, gloo's pairs); not SLURM's."""
     found = []
     for line in hosts.run(h, ["ss", "-ltnpH"]).stdout.splitlines():
-        cmds = [Path(f"/proc/{pid}/cmdline").read_bytes() if Path(f"/proc/{pid}").exists() else b""
-                for pid in re.findall(r"pid=(\d+)", line)]
-        if any(b"dflash_ds.train" in c and b"torchrun" not in c and b"torch.distributed.run" not in c for c in cmds):
+        cmds = []
+        for pid in re.findall(r"pid=(\d+)", line):
+            try:
+                cmds.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+            except OSError:
+                pass  # exited meanwhile
+        if any(b"-m\0dflash_ds." in c for c in cmds):  # python -m dflash_ds.distributed.torchrun, -m dflash_ds.train
             found.append(line.split()[3])
     return sorted(found)
 
@@ -131,7 +136,7 @@ def test_a_time_limit_signal_checkpoints_requeues_and_trains_the_reference(setup
     none repeated) with its loss. The time limit goes back to 30 minutes once the stop is seen, before the requeue,
     or the next attempt would be signalled at its start.
 
-    Submitted as README says (credentials by path: HF_TOKEN_PATH, DFLASH_SECRETS_FILE with WANDB_API_KEY,
+    Submitted as docs/TRAINING.md says (credentials by path: HF_TOKEN_PATH, DFLASH_SECRETS_FILE with WANDB_API_KEY,
     MLFLOW_TRACKING_TOKEN, HF_HUB_TOKEN_X, WANDB_KEY, a URL carrying its password and a JSON key): the ranks on
     both hosts read them (an HMAC under the test's salt in their exit records), while no command line on any host
     (sampled all along), the job's log, its records, checkpoints and exit records, or any file written under /tmp
@@ -154,10 +159,13 @@ def test_a_time_limit_signal_checkpoints_requeues_and_trains_the_reference(setup
                        sbatch_args=("--time", "10"))
     sampler = ArgvSampler(secrets.values())
     _wait_step(slurm, job, out, 6)
-    # The ranks' listening sockets (the job's store on rank 0, gloo's pairs) on their node's own address only: the
-    # script hands torchrun h0's NodeAddr, not its name (which would bind the store to every interface).
-    listening = {h: _rank_listeners(slurm.hosts, h) for h in slurm.hosts.names}
-    assert listening["h0"] and all(a.startswith(f"{slurm.hosts.addr[h]}:") for h in listening
+    # Every listening socket of the job (the rendezvous store on RDZV_PORT and the agents' store on h0's agent, the
+    # job's store on rank 0, gloo's pairs) on its node's own address, none on all of them (`*`, 0.0.0.0): the
+    # cluster's NodeAddrs are the nodes' names, which h0 resolves to 127.0.1.1 for itself (tests/slurm_cluster.py).
+    listening = {h: _job_listeners(slurm.hosts, h) for h in slurm.hosts.names}
+    print(f"the job's listening sockets: {listening}")
+    assert f"{slurm.hosts.addr['h0']}:29400" in listening["h0"] and len(listening["h0"]) >= 3, listening
+    assert listening["h1"] and all(a.startswith(f"{slurm.hosts.addr[h]}:") for h in listening
                                    for a in listening[h]), listening
     assert slurm.job(job)["TimeLimit"] == "00:10:00"
     r = slurm.client(["scontrol", "update", f"JobId={job}", "TimeLimit=5"])
