@@ -1,6 +1,6 @@
 """Secrets out of logs: what a log line, a command or a config dump shows of a credential is `***`.
 
-Three rules, applied to every line a rank prints (README: "What is filtered from output"):
+Three rules, applied to every line a rank prints (docs/OPERATIONS.md: "What is filtered from output"):
 1. Known values, anywhere: the value of every secret variable of the environment, and every value of a credential
    file a variable names (`HF_TOKEN_PATH`, `DFLASH_SECRETS_FILE`, any `<secret name>_PATH` / `_FILE`), each of
    8 characters or more; also each line of a multi-line one (a PEM key) and the value as JSON and repr escape it.
@@ -260,6 +260,7 @@ class _RedactedStream:
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self._pending = ""
+        self._gone = False  # the reader closed the pipe (_put)
         # The watchdog and the bridge's threads print too. Reentrant: a signal handler that prints may interrupt a
         # write on the same thread; made anew in a forked child (a data worker), where another thread may hold it.
         self._lock = threading.RLock()
@@ -272,15 +273,31 @@ class _RedactedStream:
         with self._lock:
             head, newline, self._pending = (self._pending + text).rpartition("\n")
             if newline:
-                self._stream.write(redact(head + newline))
+                self._put(redact(head + newline))
         return len(text)
 
     def flush(self) -> None:
         with self._lock:
             if self._pending:
-                self._stream.write(redact(self._pending))
+                self._put(redact(self._pending))
                 self._pending = ""
-            self._stream.flush()
+            self._put("")
+
+    def _put(self, text: str) -> None:
+        """Write `text` (a flush when empty) until the stream's reader is gone, then nothing.
+
+        A rank's console is a pipe to its launcher, under pdsh an ssh session: a SIGTERM to every process of a
+        launch ends that first, and the next print raised BrokenPipeError in the middle of the stop (seen: the
+        leader died before its checkpoint). Whatever it prints after that has no reader anyway."""
+        if self._gone:
+            return
+        try:
+            if text:
+                self._stream.write(text)
+            else:
+                self._stream.flush()
+        except BrokenPipeError:
+            self._gone = True
 
     def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, buffer, ... are the stream's
         return getattr(self._stream, name)

@@ -3,7 +3,7 @@
 #   HOSTFILE=hostfile launch/train_deepspeed.sh --config C --target T --data D --targets-per-node 4
 # Without ssh on a single machine: NO_SSH=1 launch/train_deepspeed.sh ...
 # Paths (this folder, the venv, the model and data) must be the same on every host: the launcher runs
-# `cd <this directory>; <this python> -m deepspeed.launcher.launch` there (README, "Several nodes").
+# `cd <this directory>; <this python> -m deepspeed.launcher.launch` there (docs/TRAINING.md, "The launch routes").
 set -euo pipefail
 # Batch shapes change every step: the caching allocator's fixed-size segments would fragment (docs/MEMORY.md).
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"

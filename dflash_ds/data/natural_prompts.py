@@ -7,7 +7,7 @@ target write about, not a rephrasing of a training question. Which topics are he
 round-robin over the task types so every type is in the held-out set.
 
 Templates ask for a paragraph, steps or a list, so a chat model's answers run past 60 tokens (SmolLM2-135M-
-Instruct, greedy: median 202 of 24 held-out answers, 20 at 60 or more; README, "Natural prompts for it"); the
+Instruct, greedy: median 202 of 24 held-out answers, 20 at 60 or more; docs/USAGE.md, "Natural prompts for it"); the
 answers themselves come from `regenerate`.
 """
 

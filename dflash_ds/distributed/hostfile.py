@@ -203,7 +203,7 @@ def ssh_keepalive(heartbeat_timeout_s: float) -> list[str]:
     deepspeed runner and launch/train_deepspeed.sh waited on it for good after every rank had gone. OpenSSH ends a
     session (status 255) after ServerAliveCountMax unanswered keep-alives, one per ServerAliveInterval seconds of
     silence: C x I to (C + 1) x I seconds after the host went quiet. Over a heartbeat, so a link that pauses for
-    less than the ranks wait out keeps its session; under two, the bound in which the ranks end (README,
+    less than the ranks wait out keeps its session; under two, the bound in which the ranks end (docs/OPERATIONS.md,
     "Reliability")."""
     interval = max(1, int(heartbeat_timeout_s // 8))
     count = max(1, math.ceil(1.25 * heartbeat_timeout_s / interval))

@@ -211,7 +211,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "first token whose running product of confidences falls below P (one token always "
                              "drafted); the JSON's confidence_stop has tau, drafted_per_accepted and "
                              "target_forwards_per_token beside the uncut run's. Not what vLLM does with the head: "
-                             "its adaptive verification ranks the running products across requests (README)")
+                             "its adaptive verification ranks the running products across requests (docs/DRAFTERS.md)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for --temperature > 0 (default 0)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")

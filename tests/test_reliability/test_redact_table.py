@@ -3,7 +3,7 @@
 Recall: every secret below is masked, whichever way it is written (the environment's, a credential file's named
 only by `HF_TOKEN_PATH` / `DFLASH_SECRETS_FILE`, after a secret's name, in a URL, in an Authorization header).
 Precision: the lines that hold none (KeyError keys, config dumps, tokenizer fields, tracebacks) come out as they
-went in. The first column ties a row to the README's list of what is filtered (checked below both ways); a row
+went in. The first column ties a row to docs/OPERATIONS.md's list of what is filtered (checked below both ways); a row
 with none there is another prefix, escape or spelling of a form listed.
 """
 
@@ -42,7 +42,7 @@ TRACEBACK = ('Traceback (most recent call last):\n'
              '    state = {k: shard[k] for k in keys}\n'
              "KeyError: 'model.layers.0.weight'\n")
 
-# (README's form, line printed, line shown)
+# (docs/OPERATIONS.md's form, line printed, line shown)
 TABLE = [
     # 1. Known values, wherever they stand.
     ("", "[dflash-ds] rank 0: logged in with hf_FILEonly_7d2k9q", "[dflash-ds] rank 0: logged in with ***"),
@@ -192,21 +192,21 @@ def inline_code(text: str) -> list[str]:
     return re.findall(r"`([^`]+)`", text)
 
 
-def readme_filter_lists() -> tuple[set[str], set[str]]:
-    """README's "What is filtered from output": the masked forms (its spans that hold *** beside other text) and
+def doc_filter_lists() -> tuple[set[str], set[str]]:
+    """docs/OPERATIONS.md's "What is filtered from output": the masked forms (its spans that hold *** beside other text) and
     the kept ones (its spans after "stay as they are:")."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "OPERATIONS.md").read_text()
     bullet = re.search(r"^- \*\*What is filtered from output\.\*\*(.*?)(?=^- \*\*)", text, re.S | re.M)
-    assert bullet, "README has no 'What is filtered from output' bullet"
+    assert bullet, "docs/OPERATIONS.md has no 'What is filtered from output' bullet"
     body = re.sub(r"\s*\n\s*", " ", bullet.group(1))  # a span or a phrase may be broken over lines
     kept = body.split("stay as they are:", 1)[1].split("It is applied", 1)[0]
     return {s for s in inline_code(body) if "***" in s and s != "***"}, set(inline_code(kept))
 
 
-def test_readme_lists_the_forms_of_the_table():
-    """README names each form the table shows and no other: every masked span of the README is a row's form and
+def test_doc_lists_the_forms_of_the_table():
+    """docs/OPERATIONS.md names each form the table shows and no other: every masked span it lists is a row's form and
     stands in that row's output; every span it says stays is a row's form, unchanged in the row."""
-    masked, kept = readme_filter_lists()
+    masked, kept = doc_filter_lists()
     rows = {form: (line, shown) for form, line, shown in TABLE if form}
     assert masked == {f for f, (line, shown) in rows.items() if line != shown}
     assert kept == {f for f, (line, shown) in rows.items() if line == shown}

@@ -1,4 +1,4 @@
-"""README's Reliability table, row by row, with real torchrun, gloo and DeepSpeed.
+"""docs/OPERATIONS.md's Reliability table, row by row, with real torchrun, gloo and DeepSpeed.
 
 Every rank of these runs writes the status it exits with and the time (DFLASH_EXIT_STATUS_DIR,
 runtime/faults.py; a rank the faults SIGKILL writes -9 and the time of the kill), so each rank's
@@ -6,7 +6,7 @@ status is checked, and where torchrun reports them, checked against what torchru
 launcher had to kill would show -15 or -9 there and nothing, or another status, in its file).
 Times are from the fault: a lost rank from its SIGKILL, a lost launcher from the test's SIGKILL.
 ROWS names the test of each row, here or elsewhere; test_every_row_names_its_tests keeps the two
-in step with the README.
+in step with docs/OPERATIONS.md.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ ROWS = {
         "test_colocated.py::test_one_colocated_rank_sigterm_resume_export_eval"],
     "SIGTERM to `launch/train_deepspeed.sh` (a hostfile job preempted)": [
         "test_multihost_train.py::test_deepspeed_launcher_over_ssh_on_two_hosts"],
+    "SIGTERM to every process of a `launch/train_deepspeed.sh` launch at once (a cgroup-wide kill, systemd)": [
+        "test_multihost_train.py::test_deepspeed_launcher_over_ssh_on_two_hosts"],  # its third launch
     "a SLURM time limit, preemption or `scancel`": [
         "test_slurm.py::test_a_time_limit_signal_checkpoints_requeues_and_trains_the_reference",
         "test_slurm.py::test_scancel_mid_run_leaves_no_rank_on_any_host",
@@ -67,7 +69,7 @@ ROWS = {
     "non-finite loss": ["test_faults.py::test_nan_step_skipped_then_too_many_stop"],
 }
 
-HEARTBEAT_S = 8  # a lost rank's peers are gone within 2 of them (README's "a rank dies")
+HEARTBEAT_S = 8  # a lost rank's peers are gone within 2 of them (docs/OPERATIONS.md's "a rank dies")
 # From a launcher's death to a rank's exit, beyond launcher_grace_s: the watchdog looks once a second, then the
 # rank's teardown (DeepSpeed, the groups, the interpreter: 1-3 s here); doubled, and more, for a loaded 2-core machine.
 MARGIN_S = 12
@@ -308,11 +310,11 @@ def test_launcher_gone_and_a_stuck_peer_every_rank_exits_4_after_the_grace(setup
 
 
 def test_every_row_names_its_tests():
-    """Each row of README's Reliability table is in ROWS, and each test ROWS names exists."""
-    readme = (REPO / "README.md").read_text()
+    """Each row of docs/OPERATIONS.md's Reliability table is in ROWS, and each test ROWS names exists."""
+    doc = (REPO / "docs" / "OPERATIONS.md").read_text()
     table = re.search(r"^## Reliability\n\n\| what happens \| what the job does \|\n\|---\|---\|\n((?:\|.*\n)+)",
-                      readme, flags=re.M)
-    assert table, "README has no Reliability table"
+                      doc, flags=re.M)
+    assert table, "docs/OPERATIONS.md has no Reliability table"
     rows = [line.split("|")[1].strip() for line in table.group(1).splitlines()]
     assert rows == list(ROWS), rows
     here = REPO / "tests" / "test_runtime"
