@@ -223,6 +223,18 @@ class Hosts:
         """Every process on host `h` (sshd included)."""
         return [int(p) for p in _sh(["ip", "netns", "pids", self.netns[h]], check=False).stdout.split()]
 
+    def terminate_all(self) -> None:
+        """SIGTERM to every process on every host but the hosts' sshd (listener and sessions), all at once: what a
+        job's processes get from a cgroup-wide kill (systemd, scancel)."""
+        pids = [pid for h in self.names for pid in self.pids(h)]
+        for pid in pids:
+            try:
+                name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].rsplit(b"/", 1)[-1]
+                if not name.startswith(b"sshd"):
+                    os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass  # exited meanwhile
+
     def link(self, h: str, up: bool) -> None:
         """Cut (`up=False`) or restore host `h`'s link at its bridge port."""
         _sh(["ip", "netns", "exec", self.bridge_ns, "ip", "link", "set", self.port[h], "up" if up else "down"])

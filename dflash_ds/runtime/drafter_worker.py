@@ -34,7 +34,7 @@ from dflash_ds.runtime.resume import ResumePoint, agree_on_resume
 from dflash_ds.runtime.sources import BatchSource, open_source
 from dflash_ds.runtime.step import StepResult, optimizer_step
 from dflash_ds.runtime.step_metrics import StepLog
-from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog
+from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_SAVED_KEY, STOP_STEP_KEY, Watchdog
 
 
 def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watchdog, resume: ResumePoint,
@@ -82,6 +82,8 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watc
             if leader and cfg.train.compile_cache:
                 compile_cache.save(out)
         if result.stopping:
+            if leader:  # save_checkpoint returned on every drafter: the targets, holding no state, may leave now
+                ctx.store.set(STOP_SAVED_KEY, str(done))
             _finish(source, log)
             if leader:
                 print(f"[dflash-ds] stop requested ({watchdog.stop_reason()}): checkpoint at step "

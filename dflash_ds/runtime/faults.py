@@ -7,9 +7,15 @@ DFLASH_FAULT_TERM_AT  send SIGTERM to that rank when it starts this step
 DFLASH_FAULT_HOLD_UNTIL_STOP_AT  every drafter rank (whatever DFLASH_FAULT_RANK) waits as it starts this step
                       until a stop request is visible to it (at most 120 s): a stop lands at a known step, so a
                       test can assert the step the run stops at (this one: it is finished and checkpointed)
+DFLASH_FAULT_TARGET_HOLD_UNTIL_STOP_STEP_AT  every target rank waits as it starts this step until the drafters'
+                      stop step is published (at most 120 s): it meets the stop step as a target slower than its
+                      drafters does, computing its next batch, not blocked sending one (a test of what it does then)
 DFLASH_FAULT_HANG_AT  that rank's main thread stops for good when it starts this step (a stuck rank:
                       its watchdog still beats, so no peer calls it lost)
 DFLASH_FAULT_KILL_IN_SAVE  SIGKILL that rank in the middle of the checkpoint of this step
+DFLASH_FAULT_SLOW_SAVE_AT  every drafter rank (whatever DFLASH_FAULT_RANK) sleeps DFLASH_FAULT_SLOW_SAVE_S seconds in
+                      the checkpoint of these steps (comma-separated), between its shards and the completion: a save
+                      slower than the 30 s a launcher waits between its SIGTERM and its SIGKILL
 DFLASH_FAULT_BUILD_DELAY_S  that (drafter) rank sleeps this long before building its engine (a slow resume)
 DFLASH_INJECT_NAN_STEPS    comma-separated steps at which the leading drafter's loss (its first
                            micro-batch's) becomes NaN
@@ -99,12 +105,16 @@ def _first_attempt() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
-def at_step(step: int, stop_requested: Callable[[], bool] | None = None) -> None:
-    """Called by every rank as it starts a step; `stop_requested`: a drafter's view of the job-wide stop."""
-    if stop_requested is not None and os.environ.get("DFLASH_FAULT_HOLD_UNTIL_STOP_AT") == str(step):
-        deadline = time.monotonic() + 120
-        while not stop_requested() and time.monotonic() < deadline:
-            time.sleep(0.05)
+def at_step(step: int, stop_requested: Callable[[], bool] | None = None,
+            stop_step_agreed: Callable[[], bool] | None = None) -> None:
+    """Called by every rank as it starts a step; `stop_requested`: a drafter's view of the job-wide stop;
+    `stop_step_agreed`: a target's view of the drafters' stop step."""
+    for held, variable in ((stop_requested, "DFLASH_FAULT_HOLD_UNTIL_STOP_AT"),
+                           (stop_step_agreed, "DFLASH_FAULT_TARGET_HOLD_UNTIL_STOP_STEP_AT")):
+        if held is not None and os.environ.get(variable) == str(step):
+            deadline = time.monotonic() + 120
+            while not held() and time.monotonic() < deadline:
+                time.sleep(0.05)
     if not _mine():
         return
     if os.environ.get("DFLASH_FAULT_KILL_AT") == str(step) and _first_attempt():
@@ -124,16 +134,18 @@ def in_save(step: int) -> None:
     """Called by every drafter rank between writing its shards and the checkpoint's completion."""
     if _mine() and os.environ.get("DFLASH_FAULT_KILL_IN_SAVE") == str(step) and _first_attempt():
         _kill_self()
+    if step in _steps(os.environ.get("DFLASH_FAULT_SLOW_SAVE_AT", "")):
+        time.sleep(float(os.environ.get("DFLASH_FAULT_SLOW_SAVE_S", "0")))
 
 
 @functools.cache
-def _nan_steps(spec: str) -> frozenset[int]:
+def _steps(spec: str) -> frozenset[int]:
     return frozenset(int(x) for x in spec.split(",") if x.strip())
 
 
 def poison_loss(step: int, micro: int, leader: bool, loss: torch.Tensor) -> torch.Tensor:
     """Called by every drafter on each micro-batch's loss before it is read: NaN where injected."""
-    if leader and micro == 0 and step in _nan_steps(os.environ.get("DFLASH_INJECT_NAN_STEPS", "")):
+    if leader and micro == 0 and step in _steps(os.environ.get("DFLASH_INJECT_NAN_STEPS", "")):
         return loss * math.nan
     return loss
 

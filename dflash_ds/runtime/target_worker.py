@@ -33,7 +33,8 @@ from dflash_ds.process_exit import say
 from dflash_ds.runtime import faults
 from dflash_ds.runtime.job import last_step, load_run_target
 from dflash_ds.runtime.sources import capture_batch
-from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_STEP_KEY, Watchdog, decide_exit, hard_exit
+from dflash_ds.runtime.watchdog import (EXIT_PREEMPTED, STOP_SAVED_KEY, STOP_STEP_KEY, Watchdog, decide_exit,
+                                        hard_exit)
 
 
 def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watchdog, arch: DrafterArch,
@@ -57,7 +58,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
     for batch in loader:
         step, batch_id = routed.popleft()
         watchdog.step = step
-        faults.at_step(step)
+        faults.at_step(step, stop_step_agreed=lambda: _stop_step(ctx, watchdog) is not None)
         # Keep serving after a stop request: the drafters need this step's batches to reach the step
         # at which they all agree to stop; only what lies past that step is dropped.
         if _past_stop(ctx, watchdog, step):
@@ -80,7 +81,7 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
         # group is aborted now (shutting it down would wait on them, with this rank's watchdog already closed).
         if sender.abort():
             ctx.bridge = None  # aborted: topology.shutdown has nothing left to end on it
-        return EXIT_PREEMPTED
+        return _await_stop_checkpoint(watchdog)
     sender.flush()
     # Every batch served. A short run's targets get here before the drafters finish: wait for their verdict, so
     # that a run they stopped early (a SIGTERM anywhere, after this rank's last batch) ends 75 here too, as on
@@ -89,9 +90,22 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
     drafters_done = [f"dflash/done/{r}" for r in layout.drafter_ranks]
     while time.monotonic() < deadline and not watchdog.store.check(drafters_done):
         if watchdog.store.check([STOP_STEP_KEY]):
-            return EXIT_PREEMPTED
+            return _await_stop_checkpoint(watchdog)
         time.sleep(0.1)
-    return EXIT_PREEMPTED if watchdog.store.check([STOP_STEP_KEY]) else 0
+    return _await_stop_checkpoint(watchdog) if watchdog.store.check([STOP_STEP_KEY]) else 0
+
+
+def _await_stop_checkpoint(watchdog: Watchdog) -> int:
+    """75, once the drafters' leader says the stop checkpoint is committed (on every host: `latest` names it).
+
+    Not sooner: a rank's exit is what its host's launcher acts on. DeepSpeed's launch.py (torchrun likewise) SIGTERMs
+    the host's other ranks once one exits non-zero and SIGKILLs them 30 s later, so a target leaving at the stop
+    step cut a longer save short on the drafters beside it, while the job still ended 75 (pdsh -S reports the
+    largest status). A drafter that dies meanwhile ends this rank through the watchdog (3), never with 75.
+    """
+    while not watchdog.store.check([STOP_SAVED_KEY]):
+        time.sleep(0.1)
+    return EXIT_PREEMPTED
 
 
 def _my_batches(ctx: RoleContext, data: BatchStream, start_step: int, cursor: Cursor, stop_step: int,

@@ -44,6 +44,8 @@ EXIT_LOST_LAUNCHER = 4
 CHECKOUT_STALL_S = 10.0
 STOP_KEY = "dflash/stop"
 STOP_STEP_KEY = "dflash/stop_step"
+# The leader's word that the stop checkpoint is committed: every drafter's shards written, `latest` names it.
+STOP_SAVED_KEY = "dflash/stop_saved"
 
 
 def _parent_of(pid: int) -> int | None:

@@ -37,3 +37,26 @@ def test_the_entry_points_end_through_it():
         assert len(main_blocks) == 1 and ("exit_now(" in ast.unparse(main_blocks[0])
                                           or "entry()" in ast.unparse(main_blocks[0])), name
     assert 'dflash-ds = "dflash_ds.cli:entry"' in (package.parent / "pyproject.toml").read_text()
+
+
+CONSOLE_GONE = """
+import sys
+from dflash_ds.redact import redact_stdio
+redact_stdio()
+sys.stdin.readline()  # the parent has closed the reading end of this process's stdout by now
+for _ in range(3):
+    print("a line nobody reads", flush=True)
+open(sys.argv[1], "w").write("went on")
+raise SystemExit(75)
+"""
+
+
+def test_a_rank_whose_console_is_gone_goes_on(tmp_path):
+    """A rank's prints once its console's reader has gone (an ssh session ended by a SIGTERM to every process of
+    the launch) are dropped: the rank goes on to its checkpoint and its status, not BrokenPipeError."""
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-c", CONSOLE_GONE, str(marker)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    _, err = proc.communicate("\n", timeout=60)
+    assert proc.returncode == 75 and marker.read_text() == "went on", err[-2000:]

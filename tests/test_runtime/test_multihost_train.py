@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import re
 import shutil
 import signal
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest_runtime import COMMON, HEARTBEAT_S, STEPS, assert_reference_losses
+from dflash_ds.runtime.checkpoint import COMPLETE, find_latest, is_complete
 from hosts import only_sshd_left, two_hosts
 from proc_utils import run_bounded
 from runtime_utils import (REPO, command_lines, env_for_children, exit_statuses, files_changed_since, per_batch,
@@ -32,13 +34,22 @@ pytestmark = pytest.mark.timeout(420)
 
 
 hosts = pytest.fixture(two_hosts, name="hosts")
+# A stop held at step 12 (runtime/faults.py) whose checkpoint takes longer than the 30 s DeepSpeed's launch.py waits
+# between its SIGTERM and its SIGKILL, with the target (beside drafter 1 on h1) reaching the stop step's batches
+# after the drafters agreed on it, as a target slower than its drafters does.
+SLOW_STOP_SAVE = {"DFLASH_FAULT_SLOW_SAVE_AT": "12,13", "DFLASH_FAULT_SLOW_SAVE_S": "32",
+                  "DFLASH_FAULT_TARGET_HOLD_UNTIL_STOP_STEP_AT": "13"}
+# A stop held at step 16 whose checkpoint would take a minute: launch.py's SIGKILL, 30 s after its SIGTERM, comes first.
+KILLED_STOP_SAVE = {"DFLASH_FAULT_SLOW_SAVE_AT": "16,17", "DFLASH_FAULT_SLOW_SAVE_S": "60"}
 
 
 def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_path):
     """launch/train_deepspeed.sh on h0 with a 2-host hostfile (pdsh + ssh); the env file it writes carries the
     job's variables (here DFLASH_EXIT_STATUS_DIR: every rank on both hosts records its exit). A SIGTERM to the
-    script mid-run leaves the agreed step's checkpoint and 75 (not the runner's 1 with nothing saved); the same
-    command resumes it, and the two launches train the reference's batches, each once.
+    script mid-run leaves the agreed step's checkpoint and 75 (not the runner's 1 with nothing saved), also when
+    that save takes longer than the 30 s DeepSpeed's launch.py waits before it SIGKILLs a host's ranks once one has
+    exited: no rank (the target beside drafter 1 included) exits before the checkpoint is complete. The same command
+    resumes it, and the launches train the reference's batches, each once.
 
     With sentinel credentials in the launching environment (HF_TOKEN, WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, which
     the deepspeed launcher itself forwards by prefix, and HF_HUB_TOKEN_X and WANDB_KEY, which an HF_* / WANDB_*
@@ -52,7 +63,10 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
     Between the two, another launch resumes the stop with a heartbeat of HEARTBEAT_S and h1's link is cut once it
     has recorded a step past that checkpoint: the script returns within 2 heartbeats of the cut with ssh's 255
     (pdsh's session to h1 ends on its keep-alives, where it waited for good) and says so, and every rank ends
-    within 2 heartbeats. The last launch resumes the same checkpoint again: the records hold each batch once."""
+    within 2 heartbeats. Then a launch that resumes it gets SIGTERM in every process at once (a cgroup-wide kill:
+    the runner pkills and exits 1, launch.py SIGKILLs the ranks 30 s later) while its stop checkpoint is being
+    written, slowed past those 30 s: the status is not 75, the checkpoint cut short stays a .partial folder and the
+    previous one the newest. The last launch resumes that one: the records hold each batch once."""
     target, data = setup
     ref_out, _ = reference
     (tmp_path / "hostfile").write_text("h0 slots=1\nh1 slots=2\n")
@@ -79,15 +93,17 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
     # 1: preempted. The drafters hold at the start of step 12 until they see a stop; SIGTERM to the script then (the
     # deepspeed runner itself would kill every rank on both hosts with no checkpoint) must checkpoint the agreed
     # step and end 75. 2: the same command resumes it (train.resume auto) and h1's link is cut past that
-    # checkpoint. 3: the same command, the link back, resumes the same checkpoint and finishes.
+    # checkpoint. 3: the link back, the same command resumes it, holds at step 16 and every process of the launch
+    # gets SIGTERM (the runner's status, 1). 4: the same command resumes the same checkpoint and finishes.
     stop = cut = None
-    for hold, want in (("12", 75), ("cut", 255), ("", 0)):
+    for hold, want, slow in (("12", 75, SLOW_STOP_SAVE), ("cut", 255, {}), ("16", 1, KILLED_STOP_SAVE), ("", 0, {})):
         extra = ["--train.heartbeat_timeout_s", str(HEARTBEAT_S)] if hold == "cut" else []
         for old in (tmp_path / "exits").glob("rank*.json"):  # this launch's ranks' exits only
             old.unlink()
         proc = hosts.popen("h0", [*cmd, *extra], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, env={**env, "DFLASH_FAULT_HOLD_UNTIL_STOP_AT": "" if hold == "cut" else hold})
-        termed = False
+                           text=True, env={**env, "DFLASH_FAULT_HOLD_UNTIL_STOP_AT": "" if hold == "cut" else hold,
+                                           **slow})
+        termed = armed = False
         with ThreadPoolExecutor(1) as pool:
             reading = pool.submit(proc.communicate, timeout=360)
             while not reading.done():  # every process of the machine: the hosts share one pid namespace
@@ -102,11 +118,17 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
                 if hold == "cut" and cut is None and _last_step(tmp_path / "out") >= stop:  # a step to redo
                     hosts.link("h1", up=False)
                     cut = (time.monotonic(), time.time())
+                armed = armed or (hold == "16" and _last_step(tmp_path / "out") < stop)  # records cut back to it
+                if hold == "16" and armed and not termed and _last_step(tmp_path / "out") >= 15:
+                    hosts.terminate_all()  # every process of the launch on both hosts: the runner's pkill, exit 1
+                    termed = True
                 time.sleep(0.05)
             out, err = reading.result()
         outs.append(out + err)
         assert proc.returncode == want, out[-3000:] + err[-5000:]
-        if hold == "cut":
+        if hold == "16":
+            _assert_the_killed_save_is_not_taken(hosts, tmp_path, stop, out + err)
+        elif hold == "cut":
             _assert_the_cut_ended_the_launch(hosts, tmp_path, cut, stop, out + err)
         elif hold:
             # held at the start of step 12 when the stop comes, they finish it and checkpoint 13 (12 if the stop
@@ -116,10 +138,16 @@ def test_deepspeed_launcher_over_ssh_on_two_hosts(setup, reference, hosts, tmp_p
             assert f"stop requested (stop file {tmp_path}/.dflash-stop." in out, out[-3000:]
             assert sorted(exit_statuses(tmp_path / "exits")) == [0, 1, 2]
             assert {e["status"] for e in exit_statuses(tmp_path / "exits").values()} == {75}
+            # The save took longer than the 30 s h1's launch.py gives its ranks after one exits: none left before
+            # the checkpoint was complete (the target used to, and its launch.py then killed drafter 1 mid-save).
+            complete = (tmp_path / f"out/checkpoints/step_{stop:08d}/{COMPLETE}").stat().st_mtime
+            exits = exit_statuses(tmp_path / "exits")
+            assert all(e["time"] > complete - 0.1 for e in exits.values()), (complete, exits)
             assert not list(tmp_path.glob(".dflash-stop.*"))
     out, err = outs[-1], ""
     assert "h0: [dflash-ds] h0: GLOO_SOCKET_IFNAME=eth0: routes to MASTER_ADDR 198.18.0.1" in out
     assert "h1: [dflash-ds] h1: GLOO_SOCKET_IFNAME=eth0: routes to MASTER_ADDR 198.18.0.1" in out
+    assert f"resuming from {tmp_path}/out/checkpoints/step_{stop:08d} " in out, out[-3000:]
     assert_reference_losses(tmp_path / "out", ref_out)  # every batch, at the reference's step and loss
     records = [r for f in (tmp_path / "out/records").glob("drafter*.jsonl") for r in read_jsonl(f)]
     assert len(records) == 2 * STEPS  # across the stop and the cut: none lost, none repeated
@@ -170,9 +198,26 @@ def _assert_the_cut_ended_the_launch(hosts, tmp_path: Path, cut: tuple[float, fl
     hosts.link("h1", up=True)
 
 
+def _assert_the_killed_save_is_not_taken(hosts, tmp_path: Path, stop: int, text: str) -> None:
+    """After the launch whose every process got SIGTERM in its slowed stop checkpoint: once launch.py has SIGKILLed
+    the ranks, that save is a .partial folder, the checkpoint of `stop` still the newest, and no rank said 75."""
+    deadline = time.monotonic() + 90
+    while only_sshd_left(hosts) != {"h0": [], "h1": []} and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert only_sshd_left(hosts) == {"h0": [], "h1": []}
+    root = tmp_path / "out/checkpoints"
+    assert find_latest(tmp_path / "out") == root / f"step_{stop:08d}"
+    partial = sorted(p.name for p in root.iterdir() if p.name.startswith("step_") and not is_complete(p))
+    exits = exit_statuses(tmp_path / "exits")
+    assert partial in (["step_00000016.partial"], ["step_00000017.partial"]), (os.listdir(root), exits, text[-6000:])
+    assert 75 not in {e["status"] for e in exits.values()}, (exits, text[-4000:])
+
+
 def test_torchrun_on_both_hosts_over_a_slow_lossy_link_that_pauses(setup, reference, hosts, tmp_path):
-    """launch/train_multinode.sh on h0 and h1 with RDZV_HOST=h0, which is 127.0.1.1 on h0 itself: h0's ranks
-    find the interface from the address h1 reaches it at, h1's from their route to h0; nobody names one. h1's
+    """launch/train_multinode.sh on h0 and h1 with RDZV_HOST=h0, which is 127.0.1.1 on h0 itself: h0's agent
+    hosts the rendezvous on h0's one address off loopback, which becomes MASTER_ADDR, and every rank takes the
+    interface that routes there; nobody names one. Every listening socket of the job (the rendezvous store, the
+    agents' store, the job's store, gloo's pairs) is on its host's own address, none on all of them. h1's
     link is slow (tc tbf, 200 Mbit/s out) and drops 1% of its packets both ways (nftables; this kernel has no
     netem for a fixed delay), and is cut for PAUSE_S after step 5 (shorter than every timeout): no step
     completes while it is down (every step crosses it: ZeRO's all-reduce, the target's hidden states), the
@@ -195,6 +240,7 @@ def test_torchrun_on_both_hosts_over_a_slow_lossy_link_that_pauses(setup, refere
             _fail_if_ended(hosts, procs, reading, "before step 5")
             seen.setdefault(_last_step(out), time.monotonic())
             time.sleep(0.1)
+        listening = {h: hosts.listening(h) for h in hosts.names}  # training: every socket of the job is open
         # Long enough for 3 steps at the pace so far (a link that was never cut shows steps), short of every timeout.
         pause = min(20.0, max(PAUSE_S, 3 * (time.monotonic() - seen.get(1, seen[min(seen)])) / 4))
         hosts.link("h1", up=False)
@@ -215,7 +261,11 @@ def test_torchrun_on_both_hosts_over_a_slow_lossy_link_that_pauses(setup, refere
     assert _last_step(out) == STEPS - 1 > stalled_to  # and went on after it
     assert hosts.dropped("h1") > 0  # the loss was real
     text = outs["h0"] + outs["h1"]
-    assert "[dflash-ds] h0: GLOO_SOCKET_IFNAME=eth0: owns 198.18.0.1, the address other hosts reach" in text
+    assert "[dflash-ds] h0: rendezvous store on 198.18.0.1:29400" in text
+    assert "[dflash-ds] h0: GLOO_SOCKET_IFNAME=eth0: routes to MASTER_ADDR 198.18.0.1 = 198.18.0.1" in text
+    print(f"listening: {listening}")
+    assert "198.18.0.1:29400" in listening["h0"] and len(listening["h0"]) >= 3 and listening["h1"], listening
+    assert all(a.startswith(f"{hosts.addr[h]}:") for h in hosts.names for a in listening[h]), listening
     assert re.search(r"\[dflash-ds\] h1: GLOO_SOCKET_IFNAME=eth0: routes to MASTER_ADDR \S+ = 198\.18\.0\.1", text), \
         text[-3000:]
     assert "(the user's)" not in text
