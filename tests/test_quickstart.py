@@ -1,12 +1,15 @@
-"""README's quick start, run as written at a small size.
+"""README's quick start, run as written at a small size: `make real-drafter`, the whole pipeline on the real target.
 
-The one fenced block under "## Quick start" runs in `bash -e` in a fresh folder, with the sizes it reads from the
-environment shrunk (`ANSWERS`, `TOKENS`, `STEPS`, `PROMPTS`) and `TARGET` set to the session's real target
-(SmolLM2-135M-Instruct: nothing is downloaded); a user runs the same lines at their defaults. The folder links the
-checkout's `configs/`, as the block runs from the checkout. Asserted on what it leaves: the target's answers (one
-per prompt, its own token ids), the run's last record at step STEPS, the export loading as a drafter of the
-recipe's shape (`configs/real_smollm2.yaml`), and eval's JSON: every prompt decoded, checked lossless with no
-mismatch, tau a number >= 1. About a minute on 2 cores (2 minutes measured under a load of 8).
+The one fenced block under "## Quick start" runs in `bash -e` from the checkout (its Makefile), with the run folder
+and a small recipe given through the Makefile's own variables (`RECIPE_OUT`, `RECIPE_ARGS`: `?=`, so the
+environment sets them) and `REAL_TARGET` set to the session's target (SmolLM2-135M-Instruct: nothing is
+downloaded; the `make install serve-env real-target` line finds everything built). The small recipe keeps every
+stage: self-instruct and regenerate through one real vLLM server of the target, prepare, `dflash-ds train` under
+torchrun, eval on both held-out sets, and `bench speedup` with our decoder (the vLLM side of the bench has its
+own test, tests/test_serving/test_bench_speedup_vllm.py). Asserted on what it leaves: the prompts and their
+stats, the target's answers, the run's last record, the export, tau per held-out set, the speedup rows and the
+summary; then the same command resumes with nothing to do (no request asked again), and a changed setting of a
+finished stage is refused before anything runs. About 3 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -22,9 +25,13 @@ import pytest
 from proc_utils import run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = {"ANSWERS": 8, "TOKENS": 16, "STEPS": 10, "PROMPTS": 2}  # the block's defaults: 192, 32, 800, 16
+SMALL = {"prompts.count": 24, "prompts.held_out": 4, "prompts.concurrency": 16, "answers.max_new_tokens": 24,
+         "answers.concurrency": 16, "prepare.max_length": 256, "train.steps": 6, "train.set.train.save_interval": 6,
+         "train.set.train.eval_interval": 6, "train.set.data.max_length": 256, "train.set.data.token_budget": 512,
+         "eval.num_prompts": 2, "eval.max_new_tokens": 12, "speedup.num_prompts": 2, "speedup.max_new_tokens": 12,
+         "speedup.concurrency": "1", "speedup.repeats": 1, "speedup.engine": "dflash"}
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1500)
 
 
 def quick_start_block() -> str:
@@ -37,41 +44,69 @@ def quick_start_block() -> str:
     return blocks[0]
 
 
-def test_the_block_takes_its_sizes_from_the_environment():
-    """Each size the test shrinks is a `${NAME:-default}` of the block, so the test runs the user's lines."""
+def test_the_block_is_the_makefile_route():
+    """The block runs `make real-drafter`, whose run folder and settings come from variables the environment sets."""
     block = quick_start_block()
-    missing = [name for name in (*SIZES, "TARGET") if "${" + name + ":-" not in block]
-    assert not missing, missing
+    assert re.search(r"^make real-drafter\b", block, flags=re.M), block
+    makefile = (ROOT / "Makefile").read_text()
+    for name in ("RECIPE_OUT", "RECIPE_ARGS", "REAL_TARGET"):
+        assert re.search(rf"^{name} \?=", makefile, flags=re.M), name
+
+
+def run_block(env: dict, args: dict) -> object:
+    recipe_args = " ".join(f"--set {k}={v}" for k, v in args.items())
+    return run_bounded(["bash", "-e", "-c", quick_start_block()], 1200, cwd=ROOT,
+                       env={**env, "RECIPE_ARGS": recipe_args})
 
 
 def test_quick_start_runs_as_written(real_target: Path, tmp_path: Path):
-    from dflash_ds.models.drafter import DFlashDrafter
-
-    (tmp_path / "configs").symlink_to(ROOT / "configs")
-    env = {**os.environ, **{k: str(v) for k, v in SIZES.items()}, "TARGET": str(real_target),
+    out = tmp_path / "rd"
+    env = {**os.environ, "RECIPE_OUT": str(out), "REAL_TARGET": str(real_target),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            # One thread, as every launched rank in the suite: its forwards are tiny, and two threads on cores
            # that others share spin against each other (eval took 110 s a prompt so under load 8, 8 s with one).
            "OMP_NUM_THREADS": "1"}
-    r = run_bounded(["bash", "-e", "-c", quick_start_block()], 800, cwd=tmp_path, env=env)
-    assert r.returncode == 0, f"stdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-8000:]}"
+    r = run_block(env, SMALL)
+    assert r.returncode == 0, f"stdout:\n{r.stdout[-6000:]}\nstderr:\n{r.stderr[-8000:]}"
 
-    answers = [json.loads(line) for line in (tmp_path / "prompts/train_answers.jsonl").read_text().splitlines()]
-    assert len(answers) == SIZES["ANSWERS"]
-    assert all(0 < len(row["token_ids"][0]) <= SIZES["TOKENS"] for row in answers), answers[0]
+    stats = json.loads((out / "prompts/data_stats.json").read_text())
+    assert stats["kept"] >= SMALL["prompts.count"] and stats["held_out"]["prompts"] >= 1, stats
+    assert stats["requests"] == len((out / "prompts/generated.jsonl").read_text().splitlines())
+    assert stats["requests"] == stats["kept"] + sum(stats["rejected"].values())
+    train_prompts = (out / "prompts/train.jsonl").read_text().splitlines()
+    answers = [json.loads(line) for line in (out / "answers/train.jsonl").read_text().splitlines()]
+    assert len(answers) == len(train_prompts) == stats["train"]["prompts"]
+    assert all(0 < len(row["token_ids"][0]) <= SMALL["answers.max_new_tokens"] for row in answers), answers[0]
 
-    run = tmp_path / "runs/smollm2"
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["step"] == SIZES["STEPS"], records[-1]
+    records = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == SMALL["train.steps"], records[-1]
+    summary = json.loads((out / "summary.json").read_text())
+    export = Path(summary["export"])
+    assert export == out / "run/checkpoints/step_00000006/export"
+    assert (export.parent / "recipe.yaml").is_file() and (out / "recipe.yaml").is_file()
+    from dflash_ds.models.drafter import DFlashDrafter
 
-    export = run / "checkpoints" / (run / "checkpoints/latest").read_text().strip() / "export"
-    drafter = DFlashDrafter.from_pretrained(export)
-    assert (drafter.arch.block_size, drafter.arch.num_hidden_layers, drafter.arch.mask_token_id) == (4, 2, 16)
+    assert DFlashDrafter.from_pretrained(export).arch.block_size == 8
+    for name in ("held_out", "held_out_grid"):
+        result = json.loads((out / f"eval/{name}.json").read_text())
+        assert result["lossless_checked"] and result["mismatches"] == [], result["mismatches"]
+        assert summary["held_out"][name]["tau"] == result["tau"] >= 1.0
+        assert summary["held_out"][name]["by_kind"], summary["held_out"][name]
+    speed = json.loads((out / "speedup/speedup.json").read_text())
+    assert speed["mismatches"] == [] and [(r["engine"], r["concurrency"]) for r in speed["rows"]] == [("dflash", 1)]
+    assert summary["speedup"][0]["speedup"] == speed["rows"][0]["speedup"]["mean"] > 0
+    text = (out / "summary.txt").read_text()
+    assert text in r.stdout and "speedup dflash at concurrency 1" in text
 
-    result = json.loads((run / "eval.json").read_text())
-    assert result["drafter"] == str(export.relative_to(tmp_path)), result["drafter"]
-    assert result["num_prompts"] == SIZES["PROMPTS"] and result["max_new_tokens"] == SIZES["TOKENS"], result
-    assert result["lossless_checked"] and result["mismatches"] == [], result["mismatches"]
-    assert 0 < result["generated_tokens"] <= SIZES["PROMPTS"] * SIZES["TOKENS"], result
-    assert isinstance(result["tau"], float) and result["tau"] >= 1.0, result["tau"]
-    print(f"quick start at {SIZES}: held-out tau {result['tau']:.3f} over {result['decode_steps']} steps")
+    # The same command again: every stage done, nothing asked of a server (no new raw request), the same summary.
+    again = run_block(env, SMALL)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert again.stdout.count(": done (") == 6 and "vllm: starting" not in again.stdout + again.stderr
+    assert len((out / "prompts/generated.jsonl").read_text().splitlines()) == stats["requests"]
+    assert text in again.stdout
+
+    # A finished stage's setting changed: refused, naming it, before anything runs.
+    changed = run_block(env, {**SMALL, "answers.max_new_tokens": 25})
+    assert changed.returncode != 0
+    assert "the answers stage ran with max_new_tokens = 24, the recipe now says 25" in changed.stderr, changed.stderr
+    assert json.loads((out / "summary.json").read_text()) == summary

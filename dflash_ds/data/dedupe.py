@@ -87,7 +87,7 @@ def split_by_topic_words(texts: list[str], held_out: int, seed: int = 0, *, comm
                          max_df: int = 40) -> tuple[list[int], list[int], list[str]]:
     """(train indices, held-out indices, held-out topic words).
 
-    Words in more than `common_share` of the texts are template words and never topics. Topic words are drawn
+    Words in more than `common_share` of the texts (and more than 5) are template words and never topics. Topic words are drawn
     seeded among the rest that appear in 2..`max_df` texts; each adds its texts to the held-out set until
     `held_out` texts. A text with any held-out word is in no training row (a held-out word's texts beyond the
     count are dropped: in neither set)."""
@@ -95,7 +95,7 @@ def split_by_topic_words(texts: list[str], held_out: int, seed: int = 0, *, comm
     per_text = [set(words(t)) for t in texts]
     for w in per_text:
         df.update(w)
-    common = frozenset(w for w, n in df.items() if n > common_share * len(texts))
+    common = frozenset(w for w, n in df.items() if n > max(common_share * len(texts), 5))  # 5: a floor for small sets
     topical = [content_words(t, common) for t in texts]
     any_topical = set().union(*topical)
     candidates = sorted(w for w, n in df.items() if 2 <= n <= max_df and w in any_topical)

@@ -150,7 +150,8 @@ class Generator:
         t0, asked, last = time.perf_counter(), 0, 0.0
         with open(self.log, "a", encoding="utf-8") as sink:
             while len(self.kept) < target and asked < max_requests:
-                count = min(round_size, max_requests - asked)
+                # a round asks for what is missing, with a margin for the filters (~10% rejected)
+                count = min(round_size, max_requests - asked, max(self.concurrency, 2 * (target - len(self.kept))))
                 self.run_round(asked, count, sink)
                 asked += count
                 elapsed = time.perf_counter() - t0
@@ -174,6 +175,9 @@ def finish(gen: Generator, out: Path, held_out: int, seed: int, asked: int) -> d
     """Split the kept prompts by topic word, write the sets and data_stats.json; the stats."""
     texts = [r["messages"][0]["content"] for r in gen.kept]
     train_i, held_i, held_words = split_by_topic_words(texts, held_out, seed)
+    if not held_i:
+        raise DFlashError(f"{out}: none of the {len(texts):,} kept prompts has a topic word to hold out (a word in 2 "
+                          f"to 40 prompts, not a template word): raise --prompts")
     held = [dict(gen.kept[i], topic=next(w for w in held_words if w in set(words(texts[i])))) for i in held_i]
     train = gen.grid_train + [gen.kept[i] for i in train_i]
     train = random.Random(f"self-instruct-shuffle-{seed}").sample(train, len(train))

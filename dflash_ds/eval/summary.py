@@ -75,6 +75,9 @@ def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
     return {
         "tau": sum(per_prompt) / max(len(per_prompt), 1),
         "tau_pooled": sum(lengths) / steps,
+        # each prompt's mean accepted length, in prompt order (None: no decode step), for tau per task type
+        "tau_per_prompt": [sum(o.accept_lengths) / len(o.accept_lengths) if o.accept_lengths else None
+                           for o in outputs],
         "decode_steps": len(lengths),
         "generated_tokens": tokens,
         # histogram[i] = steps that yielded i+1 tokens (i accepted draft tokens + the bonus)
