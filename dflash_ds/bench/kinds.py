@@ -107,7 +107,7 @@ def check_settings(out: Path, settings: dict[str, Any]) -> None:
 
 def prepare_data(args: argparse.Namespace, out: Path) -> None:
     """The split (OUT/train.jsonl, OUT/held_out.jsonl), then the target's own answers (OUT/answers.jsonl)."""
-    from dflash_ds.data.natural_prompts import natural_prompts, split_prompts, write_jsonl
+    from dflash_ds.data.prompt_grid import natural_prompts, split_prompts, write_jsonl
     from dflash_ds.data.regenerate import regenerate
 
     train, held = split_prompts(natural_prompts(seed=args.prompt_seed), seed=args.prompt_seed,

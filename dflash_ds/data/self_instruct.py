@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from dflash_ds.data.dedupe import NearDuplicates, split_by_topic_words, words
-from dflash_ds.data.natural_prompts import natural_prompts, split_prompts, write_jsonl
+from dflash_ds.data.prompt_grid import natural_prompts, split_prompts, write_jsonl
 from dflash_ds.errors import DFlashError
 
 HEADER = "Requests that people sent to an AI assistant:\n"

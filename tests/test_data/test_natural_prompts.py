@@ -6,7 +6,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from dflash_ds.data.natural_prompts import TASKS, natural_prompts, split_prompts
+from dflash_ds.data.prompt_grid import TASKS, natural_prompts, split_prompts
 from dflash_ds.data.regen_io import iter_rows
 
 

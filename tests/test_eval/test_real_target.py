@@ -40,7 +40,7 @@ def real_drafters(real_target, tmp_path_factory):
     """(untrained export, trained export, held-out prompt ids, the target loaded), built once per session."""
     import torch
 
-    from dflash_ds.data.natural_prompts import natural_prompts, split_prompts, write_jsonl
+    from dflash_ds.data.prompt_grid import natural_prompts, split_prompts, write_jsonl
     from dflash_ds.data.regenerate import regenerate
     from dflash_ds.eval.cli import load_prompts
     from dflash_ds.models.target import load_target
