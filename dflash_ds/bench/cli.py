@@ -38,6 +38,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "every drafter kind x depth x seed trained on a target's own answers, held-out tau at each step budget "
         "(the real-target table)",
     ),
+    "long-context": (
+        "dflash_ds.bench.long_context",
+        "one long sequence per micro-batch on CPU at a tiny target: the target forward's and a colocated step's "
+        "peak memory at each length, measured vs memory/long_context.py",
+    ),
     "memory": (
         "dflash_ds.bench.memory",
         "peak memory and time of one drafter micro-step at small widths, measured vs predicted, and the "

@@ -7,11 +7,14 @@ what one sequence of L tokens costs outside that step, counted from the code:
 
 - the target's forward (models/target.capture_layers: inference_mode, use_cache=False, the attention of the
   target's `attn_implementation`, by default transformers' SDPA, whose CUDA kernels keep no L x L scores):
-  the residual stream (a layer's input and output, 2 L H b), one decoder layer's working set, and the
-  captured layers, which the hooks keep until the forward returns (n L H b, + the final hidden L H b with KL).
-  The layer's working set is the larger of the MLP's (its normed input, then silu(gate), up and their
-  product alive at down_proj: L (H + 3 I) b) and attention's (normed input, q and its rotated copy, k and
-  its rotated copy, v, the output: L (H + 3 nh d + 3 nkv d) b);
+  the embeddings (transformers' decoder keeps `inputs_embeds` referenced for the whole forward, L H b), RoPE's
+  cos and sin (2 L d b), the residual stream (a layer's input and its post-attention residual, 2 L H b), one
+  decoder layer's working set, and the captured layers, which the hooks keep until the forward returns (n L H b
+  while a layer after the last one read runs; the final hidden, L H b with KL, comes after the last layer, when
+  its working set is gone). The layer's working set is the larger of the MLP's (its normed input, then
+  silu(gate), up and their product: L (H + 3 I) b) and attention's (normed input, q and its rotated copy, k and
+  its rotated copy, v, the output: L (H + 3 nh d + 3 nkv d) b). Measured on CPU at a tiny target, term by term,
+  by `dflash-ds bench long-context` (docs/MEMORY.md);
 - where the payload goes: a colocated rank concatenates the layers into a fresh tensor while they are still
   referenced (runtime/sources.fresh_payload: n L H b more at the forward's end); a target rank writes them
   into a pooled send buffer (`wire.build_payload`), one of TARGET_SEND_BUFFERS;
@@ -65,28 +68,42 @@ def step_at(seq_len: int, run: LongRun, batch: int = 1) -> mm.StepShape:
 
 
 def payload_bytes(cfg: dict[str, Any], tokens: int, run: LongRun) -> int:
-    """One batch's hidden states on the bridge: n selected layers (+ the final hidden with KL), bf16."""
-    return tokens * (run.layers_read + (1 if run.kl else 0)) * int(cfg["hidden_size"]) * 2
+    """One batch's hidden states: n selected layers (+ the final hidden with KL) in the target's dtype (bf16 on a
+    GPU; fp32 in the CPU check, bench/long_context.py)."""
+    return tokens * (run.layers_read + (1 if run.kl else 0)) * int(cfg["hidden_size"]) * run.dtype_bytes
 
 
 def target_forward_terms(d: mm.DrafterShape, tokens: int, run: LongRun) -> dict[str, int]:
-    """The target forward's peak over `tokens` tokens (above its weights), before the payload is placed.
+    """The target forward's peak over `tokens` tokens (above its weights), before the payload is placed: the MLP
+    (or attention) of a layer after the last layer read, the recipe's default ids (models/drafter_arch.py) leaving
+    two such layers whenever the target has n + 3 layers or more.
 
     `d` is the full-width drafter, whose H, I and heads are the target's (memory/shapes.drafter_shape)."""
     h, i, b, n = d.hidden, d.intermediate, run.dtype_bytes, tokens
     mlp = n * (h + 3 * i) * b
     attention = n * (h + 3 * d.heads * d.head_dim + 3 * d.kv_heads * d.head_dim) * b
-    return {"residual_stream": 2 * n * h * b, "layer_working_set": max(mlp, attention),
-            "captured_layers": n * (run.layers_read + (1 if run.kl else 0)) * h * b}
+    return {"embeddings": n * h * b, "rope_tables": 2 * n * d.head_dim * b, "residual_stream": 2 * n * h * b,
+            "layer_working_set": max(mlp, attention), "captured_layers": n * run.layers_read * h * b}
 
 
 def forward_over_step(d: mm.DrafterShape, tokens: int, run: LongRun, step_peak: float) -> float:
     """A colocated rank: how far the target forward's peak rises above the drafter step's (captured batch +
     micro-step). The forward ends with the captured layers and their concatenation alive (fresh_payload)."""
-    payload = tokens * (run.layers_read + (1 if run.kl else 0)) * d.hidden * 2
-    forward_end = payload + tokens * run.layers_read * d.hidden * 2
+    payload = tokens * (run.layers_read + (1 if run.kl else 0)) * d.hidden * run.dtype_bytes
+    forward_end = payload + tokens * run.layers_read * d.hidden * run.dtype_bytes
     peak = max(sum(target_forward_terms(d, tokens, run).values()), forward_end)
     return max(0.0, peak - payload - step_peak)
+
+
+def colocated_step_terms(cfg: dict[str, Any], seq_len: int, run: LongRun, step: mm.StepShape | None = None,
+                         param_grads: bool = False, kind: str = "dflash") -> dict[str, float]:
+    """A colocated rank's bytes above its weights and model states at one sequence of `seq_len` tokens: the
+    captured batch, the drafter's micro-step on it (`step`; default `step_at`'s, on a GPU) and the target forward's
+    rise above the two. Their sum is the peak of one whole step, target forward included."""
+    d = drafter_at(cfg, run, kind)
+    peak = mm.micro_step_peak(d, step or step_at(seq_len, run), param_grads=param_grads)
+    return {"captured_batch": payload_bytes(cfg, seq_len, run), "micro_step_peak": peak,
+            "target_forward_over_step": forward_over_step(d, seq_len, run, peak)}
 
 
 def rank_terms(cfg: dict[str, Any], seq_len: int, run: LongRun, role: str, ranks: int,
@@ -105,16 +122,14 @@ def rank_terms(cfg: dict[str, Any], seq_len: int, run: LongRun, role: str, ranks
     if role == "target":
         return {"target_weights": target_weight_bytes, "target_forward": fwd,
                 "send_buffers": TARGET_SEND_BUFFERS * BufferPool.size_class(payload)}
-    step = mm.micro_step_peak(d, step_at(seq_len, run), param_grads=False)
-    states = mm.zero_model_state_bytes(mm.drafter_params(d), run.zero_stage, ranks)
     if role == "drafter":
         static = mm.static_terms(d, seq_len, run.zero_stage, ranks, kl=run.kl)
-        return {**static, "micro_step_peak": step}
+        return {**static, "micro_step_peak": mm.micro_step_peak(d, step_at(seq_len, run), param_grads=False)}
+    states = mm.zero_model_state_bytes(mm.drafter_params(d), run.zero_stage, ranks)
     if role != "colocated":
         raise ValueError(f"role {role!r}: expected colocated, drafter or target")
     return {"target_weights": target_weight_bytes, f"model_states_zero{run.zero_stage}": states,
-            "captured_batch": payload, "micro_step_peak": step,
-            "target_forward_over_step": forward_over_step(d, seq_len, run, step)}
+            **colocated_step_terms(cfg, seq_len, run, kind=kind)}
 
 
 def longest_fit(cfg: dict[str, Any], run: LongRun, role: str, ranks: int, target_weight_bytes: float,
