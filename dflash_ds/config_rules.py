@@ -70,6 +70,7 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("train.launcher_grace_s", "must be > 0", lambda v: v > 0),
     ("train.zero_stage", "must be 0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
     ("train.dtype", "must be auto, bf16 or fp32", lambda v: v in ("auto", "bf16", "fp32")),
+    ("train.feature_cache_gb", "must be >= 0 (0 = off)", lambda v: v >= 0),
     ("train.target_attention", "must be auto, sdpa, eager, flash_attention_2, flash_attention_3 or flex_attention",
      lambda v: v in ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")),
     ("train.timeout_s", "must be > 0", lambda v: v > 0),

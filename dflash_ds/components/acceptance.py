@@ -97,10 +97,13 @@ def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: tor
     read = drafter.draft_tables()
     tables = {} if read is None else {"tables": read}
 
+    flat_labels, flat_valid = labels.reshape(r * a, bs - 1), label_valid.reshape(r * a, bs - 1)
+
     def pick(lo: int) -> torch.Tensor:
         h = flat[lo:lo + chunk_blocks]
         if walk is None:  # DFlash drafts its argmax: one set of picks serves both
-            return lm_head(h).argmax(-1)[..., None]
+            hi = lo + h.shape[0]
+            return leading_argmax(h, lm_head, flat_labels[lo:hi], flat_valid[lo:hi])[..., None]
         draft = walk(h, lm_head, anchor_ids[lo:lo + chunk_blocks], **tables)
         if draft.candidates is None:
             # DSpark: the training tau's argmax is teacher-forced on the gold previous token, which the chain
@@ -113,6 +116,25 @@ def accepted_runs(drafter, embed, lm_head, context: torch.Tensor, input_ids: tor
     picks = picks.view(r, a, bs - 1, picks.shape[-1])
     runs = torch.stack([leading_run(picks[..., i] == labels, label_valid) for i in range(picks.shape[-1])], dim=-1)
     return runs.expand(r, a, 2)  # [..., 0] as drafted, [..., 1] by the argmax (a view for DFlash and DSpark)
+
+
+def leading_argmax(hidden: torch.Tensor, lm_head, labels: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[N, K] argmax picks of `lm_head(hidden)` [N, K, H], position by position, only while a block's run is alive.
+
+    A block's leading run ends at its first miss (or invalid label), so position k's logits are needed only for
+    the blocks that hit every position before it: the others get -1 there, which `leading_run` never reads as a
+    hit after a miss. Early in training most blocks stop at position 1, so the head (the walk's largest cost: N x
+    (B - 1) x V) runs on about N x tau positions instead (bitwise the same runs; one host read per position)."""
+    n, k = labels.shape
+    picks = torch.full((n, k), -1, dtype=torch.long, device=hidden.device)
+    alive = torch.arange(n, device=hidden.device)
+    for pos in range(k):
+        if alive.numel() == 0:
+            break
+        chosen = lm_head(hidden[alive, pos]).argmax(-1)
+        picks[alive, pos] = chosen
+        alive = alive[(chosen == labels[alive, pos]) & valid[alive, pos]]
+    return picks
 
 
 def decode_walk(runs: np.ndarray, loss_mask: np.ndarray, length: int) -> list[list[int]]:

@@ -118,8 +118,15 @@ class DrafterTrainModule(nn.Module):
         return F.embedding(ids, self.embed_weight)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's LM head: hidden states -> vocabulary logits."""
-        return F.linear(hidden, self.embed_weight if self.tied_head else self.head_weight)
+        """The target's LM head: hidden states -> vocabulary logits, as one [tokens, H] x [H, V] product.
+
+        A strided 3-D view (the est_tau walk's `hidden[:, :, 1:]` chunks) sent to F.linear as it is runs as a
+        batched matmul over the weight expanded per row: on the CPU that copied the [V, H] head once per block
+        (a 4-row walk of SmolLM2: 82 s, against 2 s flattened; docs/THROUGHPUT_CPU.md)."""
+        weight = self.embed_weight if self.tied_head else self.head_weight
+        if hidden.dim() <= 2:
+            return F.linear(hidden, weight)
+        return F.linear(hidden.reshape(-1, hidden.shape[-1]), weight).view(*hidden.shape[:-1], weight.shape[0])
 
     def forward(self, states: TargetStates, loss_cfg, anchor_seed: int = 0, noise_std: float = 0.0,
                 noise_seed: int = 0, blocks: tuple | None = None):

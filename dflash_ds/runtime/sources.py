@@ -40,6 +40,7 @@ from dflash_ds.distributed.payload import BufferPool
 from dflash_ds.distributed.topology import RoleContext
 from dflash_ds.distributed.wire import batch_meta, payload_specs
 from dflash_ds.models.target import capture_layers
+from dflash_ds.runtime.feature_cache import FeatureCache, open_feature_cache
 
 
 class SourcedBatch(NamedTuple):
@@ -175,8 +176,9 @@ class LocalTargetSource:
 
     def __init__(self, ctx: RoleContext, target: torch.nn.Module, data: BatchStream, start_step: int, cursor: Cursor,
                  stop_step: int, layer_ids: list[int], last_hidden: bool, prefetch: int = 2,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, cache: FeatureCache | None = None) -> None:
         self.ctx, self.target, self.layer_ids, self.last_hidden = ctx, target, list(layer_ids), last_hidden
+        self.cache, self.cache_hits = cache, 0
         d = ctx.role_rank
         self._ids: deque[int] = deque()
 
@@ -203,13 +205,37 @@ class LocalTargetSource:
             return None
         batch_id, dev = self._ids.popleft(), self.ctx.device
         t0 = time.perf_counter()
-        tensors = capture_batch(self.target, batch, self.layer_ids, self.last_hidden, dev)
+        tensors = self._features(batch, dev)
         if dev.type == "cuda" and self._stream is None:
             torch.cuda.current_stream(dev).synchronize()  # a forward time, not a launch time
         fwd = time.perf_counter() - t0
         self.served += 1
         rate = self.served / max(time.perf_counter() - self.t_start, 1e-9)
         return batch_id, tensors, batch_meta(batch.spec, batch.cursor, fwd, rate, 0, self.ctx.global_rank)
+
+    def _features(self, batch: Batch, dev: torch.device) -> dict[str, torch.Tensor]:
+        """The batch's payload: read from the feature cache when every row is there, else the target's forward
+        (then written to the cache, in the bound, when it is on)."""
+        cache, rows = self.cache, batch.spec.sample_ids
+        if cache is None:
+            return capture_batch(self.target, batch, self.layer_ids, self.last_hidden, dev)
+        dtype = self.target.dtype
+        if cache.has(rows):
+            context, last = cache.read(rows, batch.input_ids.shape[1])
+            if self.cache_hits == 0 and self.ctx.global_rank == 0:
+                print(f"[dflash-ds] feature cache: batches whose rows are all cached are read from "
+                      f"{cache.folder} from here on (from this rank's batch {self.served + 1}), not computed", flush=True)
+            self.cache_hits += 1
+            ids = batch.input_ids.to(dev, non_blocking=True)
+            return fresh_payload(ids, batch.loss_mask, batch.lengths, [context.to(dev, dtype)],
+                                 last.to(dev, dtype) if self.last_hidden and last is not None else None)
+        tensors = capture_batch(self.target, batch, self.layer_ids, self.last_hidden, dev)
+        if dtype != torch.bfloat16:  # the cache holds bf16: every batch reads what the cache would give back
+            for key in ("context", "last_hidden"):
+                if key in tensors:
+                    tensors[key] = tensors[key].to(torch.bfloat16).to(dtype)
+        cache.store(rows, tensors["context"], tensors.get("last_hidden"))
+        return tensors
 
     def _work(self) -> None:
         assert self._q is not None
@@ -263,6 +289,10 @@ class LocalTargetSource:
                 except queue.Empty:
                     break
         self.loader.close()
+        if self.cache is not None:
+            if self._q is not None:
+                self._thread.join(timeout=self.ctx.timeout_s)  # it may be writing a batch to the cache
+            self.cache.close()
 
 
 def open_source(ctx: RoleContext, cfg: Config, arch, dtype: torch.dtype, data: BatchStream, start_step: int,
@@ -270,7 +300,10 @@ def open_source(ctx: RoleContext, cfg: Config, arch, dtype: torch.dtype, data: B
     """The colocated rank's own target if it loaded one, else the bridge from the target ranks."""
     kl = cfg.loss.needs_last_hidden  # KL, LK or target labels: carry the final hidden state
     if target is not None:
+        cache, why = open_feature_cache(cfg, arch, dtype, data, ctx.global_rank, ctx.device)
+        if ctx.global_rank == 0:
+            print(f"[dflash-ds] feature cache: {why}", flush=True)
         return LocalTargetSource(ctx, target, data, start_step, cursor, stop_step, arch.target_layer_ids, kl,
-                                 prefetch=cfg.data.prefetch, overlap=cfg.topology.colocate_overlap)
+                                 prefetch=cfg.data.prefetch, overlap=cfg.topology.colocate_overlap, cache=cache)
     return BridgeSource(ctx, data, start_step, cursor, stop_step,
                         lambda spec: payload_specs(spec, arch, dtype, kl), depth=2)

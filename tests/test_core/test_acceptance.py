@@ -299,3 +299,23 @@ def test_est_tau_with_target_labels_reads_the_targets_choices(fitted) -> None:
     data_cfg, target_cfg = Config(), Config()
     target_cfg.loss.labels = "target"
     assert estimate(module, tensors, target_cfg, torch.float32) == estimate(module, tensors, data_cfg, torch.float32)
+
+
+def test_leading_argmax_gives_the_runs_of_the_full_argmax() -> None:
+    """The walk's head runs position by position on the blocks still alive: the leading runs are the full
+    argmax's, and a dead block's later positions are never computed (-1)."""
+    from dflash_ds.components.acceptance import leading_argmax
+    from dflash_ds.components.loss import leading_run
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(40, 5, 8, generator=g)
+    full = head(hidden).argmax(-1)
+    keep = torch.rand(40, 5, generator=g) < 0.8  # labels: the argmax where kept, another token elsewhere
+    labels = torch.where(keep, full, (full + 1) % 11)
+    valid = torch.rand(40, 5, generator=g) < 0.9
+    picks = leading_argmax(hidden, head, labels, valid)
+    runs = leading_run(picks == labels, valid)
+    assert torch.equal(runs, leading_run(full == labels, valid)) and runs.max() >= 3
+    for n, run in enumerate(runs.tolist()):
+        assert torch.equal(picks[n, :run + 1], full[n, :run + 1]) and (picks[n, run + 1:] == -1).all()

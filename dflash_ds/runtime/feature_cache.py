@@ -1,0 +1,250 @@
+"""The target's features kept in the run folder, for a colocated run that sees its rows more than once.
+
+A colocated rank runs the frozen target forward on every batch it trains: on SmolLM2-135M on 2 CPU cores that
+forward was 61-70% of the step, and from the second epoch on it recomputes what the first already computed.
+With the cache a rank writes each row's features (the selected layers' outputs, and the final hidden state when
+the loss reads it) as the first epoch computes them, and a batch whose rows are all cached is read back instead
+of running the target (docs/THROUGHPUT_CPU.md). The drafter step is unchanged.
+
+Layout of `<output_dir>/feature_cache/`:
+- `meta.json`: what the features are of (`cache_key`): the target's fingerprint, the data's, the layers read,
+  whether the final hidden state is kept, the row width and the target's dtype. A run whose key differs is
+  refused, naming what changed; remove the folder to rebuild it.
+- `features.bin`: bf16, row r at a fixed offset (the tokens of the rows before it x the bytes a token takes):
+  its [length, K*H] context, then its [length, H] final hidden state when kept. A sparse file: only rows that
+  were cached take disk. Rows past `train.feature_cache_gb` (in row order) are never cached.
+- `rows.<rank>.log`: the rows each rank wrote, int64, appended after their bytes reached the disk (fdatasync):
+  a row is cached when a log lists it, so a rank killed mid-write leaves no row half-cached (a torn last record
+  is ignored) and a resumed run goes on filling the same cache. Every rank reads every log (D colocated ranks
+  train each other's rows in the next epoch).
+
+Values: the cache holds bf16. With a bf16 target (train.dtype bf16, the GPU default) that is exactly what the
+target produced, so null (auto) turns it on; with fp32 it would change what the drafter reads from the second
+epoch, so only true asks for it, and then every batch's features are rounded to bf16 (cached or not: the run does not
+change numerics at an epoch boundary, and resumes the same with or without the folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_ds.errors import DFlashError
+
+FOLDER = "feature_cache"
+VERSION = 1
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+SAMPLES, SAMPLE_BYTES = 256, 64 * 1024  # per weight file: 16 MiB read, spread evenly over it
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX): bf16 then runs ~2x fp32's speed."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # an older torch: no answer, no claim
+        return False
+
+
+def _hash_file(h, path: Path, sampled: bool) -> None:
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    with open(path, "rb") as fh:
+        if not sampled:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+            return
+        start = 0
+        if path.suffix == ".safetensors":  # its JSON header: every tensor's name, dtype, shape and offsets
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(n))
+            start = 8 + n
+        for i in range(SAMPLES):
+            fh.seek(start + (size - start) * i // SAMPLES)
+            h.update(fh.read(SAMPLE_BYTES))
+
+
+def target_fingerprint(path: str | Path) -> str:
+    """The target folder's config.json, and of each weight file its size, header and 256 evenly spread 64 KiB
+    samples (16 MiB a file, not the whole file: a Qwen3-8B hashed in full took minutes on every rank). A change
+    confined to the bytes between samples is not seen."""
+    folder = Path(path)
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for f in sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES or p.name.endswith(".index.json")):
+        _hash_file(h, f, sampled=f.suffix in WEIGHT_SUFFIXES)
+    return h.hexdigest()[:16]
+
+
+def data_fingerprint(paths: list[str]) -> str:
+    """Every Arrow file of the prepared folders, hashed whole, in the order the run appends them (data.path,
+    then data.val_path): the rows, their tokens and loss masks."""
+    h = hashlib.sha256()
+    for path in paths:
+        folder = Path(path)
+        files = [folder / f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
+        for f in files:
+            _hash_file(h, f, sampled=False)
+    return h.hexdigest()[:16]
+
+
+def cache_key(cfg, arch, target_dtype: torch.dtype) -> dict:
+    """What a cache's features are of; a run with another key cannot read them."""
+    paths = [cfg.data.path] + ([cfg.data.val_path] if cfg.data.val_path else [])
+    return {"version": VERSION, "target": target_fingerprint(cfg.target), "data": data_fingerprint(paths),
+            "target_layer_ids": list(arch.target_layer_ids), "last_hidden": bool(cfg.loss.needs_last_hidden),
+            "hidden_size": int(arch.hidden_size), "target_dtype": str(target_dtype).replace("torch.", ""),
+            "stored_dtype": "bfloat16"}
+
+
+WHAT_CHANGED = {
+    "target": "the target folder's config or weights changed",
+    "data": "the prepared data changed (data.path / data.val_path)",
+    "target_layer_ids": "the drafter reads other target layers",
+    "last_hidden": "the loss now does (or no longer does) read the target's final hidden state",
+    "hidden_size": "the target's width changed",
+    "target_dtype": "the target runs in another dtype (train.dtype)",
+}
+
+
+def check_key(folder: Path, key: dict) -> None:
+    """Refuse a cache made for another target, data or shape, naming what differs; write the key if new."""
+    meta = folder / "meta.json"
+    if meta.is_file():
+        old = json.loads(meta.read_text())
+        diff = [k for k in key if old.get(k) != key[k]]
+        if diff:
+            why = "; ".join(f"{k}: {old.get(k)!r} there, {key[k]!r} now: {WHAT_CHANGED.get(k, 'another format')}"
+                            for k in diff)
+            raise DFlashError(f"train.feature_cache: {folder} holds the features of another run ({why}); remove "
+                              f"that folder to rebuild the cache, or set train.feature_cache off")
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".meta.{os.getpid()}.tmp"  # every rank may write it: the same text, each by an atomic rename
+    tmp.write_text(json.dumps(key, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, meta)
+
+
+class FeatureCache:
+    """One rank's view of the run folder's cache: which rows are in it, reading a batch, writing one."""
+
+    def __init__(self, folder: Path, lengths: np.ndarray, layers_width: int, last_width: int, bound_bytes: int,
+                 rank: int, write: bool) -> None:
+        self.folder, self.write = folder, write
+        self.layers_width, self.last_width = layers_width, last_width
+        self.token_bytes = 2 * (layers_width + last_width)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        ends = np.cumsum(self.lengths * self.token_bytes)
+        self.offsets = ends - self.lengths * self.token_bytes
+        self.in_bound = int(np.searchsorted(ends, bound_bytes, side="right"))  # rows 0..in_bound-1 fit
+        self.bound_bytes = int(ends[self.in_bound - 1]) if self.in_bound else 0
+        self.cached = np.zeros(len(self.lengths), dtype=bool)
+        self._read_upto: dict[Path, int] = {}
+        self._fd = os.open(folder / "features.bin", os.O_RDWR | os.O_CREAT, 0o666)
+        self._log = open(folder / f"rows.{rank}.log", "ab")
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read what the logs added since the last look (every rank's)."""
+        for log in sorted(self.folder.glob("rows.*.log")):
+            start = self._read_upto.get(log, 0)
+            with open(log, "rb") as fh:
+                fh.seek(start)
+                data = fh.read()
+            whole = len(data) // 8 * 8  # a torn last record (a rank killed mid-append) is not a row
+            rows = np.frombuffer(data[:whole], dtype=np.int64)
+            self.cached[rows[(rows >= 0) & (rows < len(self.cached))]] = True
+            self._read_upto[log] = start + whole
+
+    def has(self, rows: list[int]) -> bool:
+        """Whether every row of a batch is cached (looking at the logs again when one is missing)."""
+        if self.cached[rows].all():
+            return True
+        if any(r < self.in_bound for r in rows):
+            self.refresh()
+        return bool(self.cached[rows].all())
+
+    def read(self, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(context [n, width, K*H], final hidden [n, width, H] or None) of cached rows, zero past each row."""
+        n = len(rows)
+        context = torch.zeros((n, width, self.layers_width), dtype=torch.bfloat16)
+        last = torch.zeros((n, width, self.last_width), dtype=torch.bfloat16) if self.last_width else None
+        for k, r in enumerate(rows):
+            length = int(self.lengths[r])
+            raw = os.pread(self._fd, length * self.token_bytes, int(self.offsets[r]))
+            if len(raw) != length * self.token_bytes:
+                raise DFlashError(f"train.feature_cache: {self.folder / 'features.bin'} is shorter than its logs "
+                                  f"say (row {r}); remove {self.folder} to rebuild it")
+            flat = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16)
+            split = length * self.layers_width
+            context[k, :length] = flat[:split].view(length, self.layers_width)
+            if last is not None:
+                last[k, :length] = flat[split:].view(length, self.last_width)
+        return context, last
+
+    def store(self, rows: list[int], context: torch.Tensor, last: torch.Tensor | None) -> None:
+        """Write the rows of a computed batch that are in the bound and not cached yet; then log them."""
+        if not self.write:
+            return
+        todo = [(k, r) for k, r in enumerate(rows) if r < self.in_bound and not self.cached[r]]
+        if not todo:
+            return
+        ctx = context.detach().to("cpu", torch.bfloat16)
+        fin = last.detach().to("cpu", torch.bfloat16) if last is not None and self.last_width else None
+        for k, r in todo:
+            length = int(self.lengths[r])
+            parts = [ctx[k, :length].contiguous()] + ([fin[k, :length].contiguous()] if fin is not None else [])
+            data = b"".join(p.view(torch.int16).numpy().tobytes() for p in parts)
+            os.pwrite(self._fd, data, int(self.offsets[r]))
+        os.fdatasync(self._fd)  # the bytes first, then the log that vouches for them
+        self._log.write(np.asarray([r for _, r in todo], dtype=np.int64).tobytes())
+        self._log.flush()
+        self.cached[[r for _, r in todo]] = True
+
+    def close(self) -> None:
+        """Close the files (the cache stays for the next epoch, a resume or the next run)."""
+        self._log.close()
+        os.close(self._fd)
+
+    def describe(self) -> str:
+        """One line: where, the bound and how much of the data fits, how much is cached."""
+        n = len(self.lengths)
+        return (f"{self.folder}, bf16, {self.token_bytes:,} bytes a token; {self.in_bound} of {n} rows fit "
+                f"train.feature_cache_gb ({self.bound_bytes / 1e9:.3f} GB), {int(self.cached.sum())} cached")
+
+
+def revisits_rows(cfg, data) -> bool:
+    """Whether the run trains a row twice (more steps than an epoch has) or evaluates more than once."""
+    steps_per_epoch = data.sampler(0).batches_per_epoch  # optimizer steps: the sampler's consumers are the G batches
+    evaluations = cfg.train.max_steps // cfg.train.eval_interval if data.val_micro_steps else 0
+    return cfg.train.max_steps > steps_per_epoch or evaluations >= 2
+
+
+def open_feature_cache(cfg, arch, dtype: torch.dtype, data, rank: int,
+                       device: torch.device) -> tuple[FeatureCache | None, str]:
+    """This colocated rank's cache (or None) and the line that says whether it is on and why (train.feature_cache)."""
+    asked, gb = cfg.train.feature_cache, cfg.train.feature_cache_gb
+    if asked is False or gb <= 0:
+        return None, f"off (train.feature_cache {asked}, train.feature_cache_gb {gb:g})"
+    if asked is None and device.type != "cpu":
+        return None, ("off (train.feature_cache null: on a GPU the target's forward is cheap beside reading its "
+                      "features back from the run folder; true asks for it)")
+    if asked is None and dtype != torch.bfloat16:
+        hint = (" On this CPU (native bf16) train.dtype bf16 also runs the target forward ~1.9x faster."
+                if native_bf16_cpu() else "")
+        return None, (f"off (train.feature_cache null: the target runs in {str(dtype).replace('torch.', '')} and "
+                      f"the cache holds bf16: train.dtype bf16 turns it on; true keeps fp32 training, on "
+                      f"bf16-rounded features).{hint}")
+    from dflash_ds.data.loader import load_lengths
+
+    folder = Path(cfg.train.output_dir) / FOLDER
+    check_key(folder, cache_key(cfg, arch, dtype))
+    write = asked is True or revisits_rows(cfg, data)
+    last_width = arch.hidden_size if cfg.loss.needs_last_hidden else 0
+    cache = FeatureCache(folder, load_lengths(data.dataset), len(arch.target_layer_ids) * arch.hidden_size,
+                         last_width, int(gb * 1e9), rank, write)
+    how = "written in the first epoch, read from the second" if write else "read only (the run sees each row once)"
+    return cache, f"on ({how}): {cache.describe()}"
