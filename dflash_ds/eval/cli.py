@@ -169,6 +169,9 @@ def format_table(r: dict) -> str:
     lines.append("accepted length histogram (1.." + str(r["block_size"]) + "): "
                  + " ".join(str(n) for n in r["accept_length_histogram"]))
     lines.append("P(position k accepted), k = 1..: " + " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]))
+    if r.get("tau_by_context"):
+        lines.append("tau by context length (prompt + tokens before the step): " + ", ".join(
+            f"{name} {b['tau']:.3f} ({b['steps']} steps)" for name, b in r["tau_by_context"].items()))
     for name, x in (("", r), ("with --confidence-stop: ", r.get("confidence_stop"))):
         if x and "confidence_calibration" in x:
             c = x["confidence_calibration"]

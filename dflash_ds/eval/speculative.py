@@ -346,7 +346,8 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
     mask_id = 0 if mask_token_id is None else int(mask_token_id)
     with TargetSession(target, list(layer_ids or [])) as tgt:
         logits, new_ctx = tgt.forward(prompt_ids, torch.arange(len(prompt_ids)), last_only=True)
-        out = SpecOutput(tokens=[_pick(logits[-1], temperature, generator)], target_forwards=1)
+        out = SpecOutput(tokens=[_pick(logits[-1], temperature, generator)], target_forwards=1,
+                         prompt_length=len(prompt_ids))
         start = len(prompt_ids)
         while len(out.tokens) < max_new_tokens and not eos & set(out.tokens):
             anchor = out.tokens[-1]

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from dflash_ds.eval.adaptive import simulate
 
 CALIBRATION_BINS = 10  # equal-width bins of the confidence for the expected calibration error
+# Context-length buckets of `tau_by_context`: a step falls in the first bucket whose upper end exceeds its context
+# (the prompt and the tokens before the step's anchor); doubling from 512 to 128K, then one open bucket.
+CONTEXT_EDGES = [512 << k for k in range(9)]  # 512, 1K, ..., 128K
 
 
 @dataclass
@@ -15,6 +18,7 @@ class SpecOutput:
     """One prompt's speculative generation."""
 
     tokens: list[int]  # generated tokens (after the prompt), cut at max_new_tokens and the first eos
+    prompt_length: int = 0  # the prompt's tokens: a decode step's context is these and the tokens before its anchor
     accept_lengths: list[int] = field(default_factory=list)  # tokens per decode step, bonus included
     target_forwards: int = 0  # prefill + one per decode step + replay_forwards
     replay_forwards: int = 0  # forwards that re-ran accepted tokens after restoring a cache that cannot be cut back
@@ -84,6 +88,8 @@ def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
         "accept_length_histogram": hist,
         # per_position_acceptance[k-1] = P(draft position k accepted) = P(accept length >= k + 1)
         "per_position_acceptance": [sum(1 for n in lengths if n >= k + 1) / steps for k in range(1, block_size)],
+        # tokens per step by the step's context length (prompt + tokens before its anchor): {"<512": {steps, tau}}
+        "tau_by_context": tau_by_context(outputs),
         "target_forwards_per_token": sum(o.target_forwards for o in outputs) / max(tokens, 1),
         "replay_forwards": sum(o.replay_forwards for o in outputs),
         "drafted_per_accepted": sum(o.drafted_tokens for o in outputs) / max(accepted, 1),
@@ -92,3 +98,31 @@ def summarize(outputs: list[SpecOutput], block_size: int) -> dict:
         # the top fraction of drafted slots by running confidence product, verified (eval/adaptive.py)
         **({"adaptive_verification": simulate(drafts)} if drafts else {}),
     }
+
+
+def bucket_name(k: int) -> str:
+    """`CONTEXT_EDGES` bucket k's label: "<512", "512-1K", ..., ">=128K"."""
+    def short(n: int) -> str:
+        return f"{n // 1024}K" if n >= 1024 else str(n)
+    if k == 0:
+        return f"<{short(CONTEXT_EDGES[0])}"
+    if k == len(CONTEXT_EDGES):
+        return f">={short(CONTEXT_EDGES[-1])}"
+    return f"{short(CONTEXT_EDGES[k - 1])}-{short(CONTEXT_EDGES[k])}"
+
+
+def tau_by_context(outputs: list[SpecOutput]) -> dict[str, dict]:
+    """Tokens per decode step over the steps whose context length falls in each bucket (non-empty ones, in order):
+    where a drafter trained on short rows falls off as the context grows (issue #56). A step's context is the
+    prompt and every token before its anchor (the anchor is the last token the previous step yielded)."""
+    import bisect
+
+    sums: dict[int, list[int]] = {}
+    for o in outputs:
+        context = o.prompt_length  # the first step's anchor is the prefill's token, at position prompt_length
+        for n in o.accept_lengths:
+            s = sums.setdefault(bisect.bisect_right(CONTEXT_EDGES, context), [0, 0])
+            s[0] += n
+            s[1] += 1
+            context += n
+    return {bucket_name(k): {"steps": s[1], "tau": s[0] / s[1]} for k, s in sorted(sums.items())}

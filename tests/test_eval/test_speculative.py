@@ -90,6 +90,20 @@ def test_summarize_by_hand():
     assert first_mismatch([1, 2], [1, 2, 3]) == 2
 
 
+def test_tau_by_context_buckets_each_step_by_its_context():
+    # Prompt 510: steps at contexts 510 (<512), 511 (<512), 514 and 516 (512-1K); prompt 1023 then 1024: 1K-2K
+    # from its second step; prompt 200,000: the open bucket.
+    outs = [SpecOutput(tokens=[5] * 10, prompt_length=510, accept_lengths=[1, 3, 2, 4]),
+            SpecOutput(tokens=[5] * 5, prompt_length=1023, accept_lengths=[1, 4]),
+            SpecOutput(tokens=[5] * 2, prompt_length=200_000, accept_lengths=[2])]
+    by = summarize(outs, 4)["tau_by_context"]
+    assert list(by) == ["<512", "512-1K", "1K-2K", ">=128K"]
+    assert by["<512"] == {"steps": 2, "tau": 2.0}
+    assert by["512-1K"] == {"steps": 3, "tau": (2 + 4 + 1) / 3}  # 514, 516 and 1023
+    assert by["1K-2K"] == {"steps": 1, "tau": 4.0}
+    assert by[">=128K"] == {"steps": 1, "tau": 2.0}
+
+
 def test_speculative_sampling_keeps_the_target_distribution():
     # First emitted token of a step: the draft token if accepted, else a residual sample. Its law must be p[0].
     gen = torch.Generator().manual_seed(0)
