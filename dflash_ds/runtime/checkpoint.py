@@ -5,7 +5,8 @@ Layout under OUTPUT_DIR/checkpoints/:
         ds/                   engine.save_checkpoint (sharded over drafter ranks)
         trainer_state.json    step, data cursor, config, drafter shape
         export/               HF export of the drafter (docs/DESIGN.md §2)
-        COMPLETE              written last, before the rename
+        MANIFEST.json         each file's size and sampled digest, checked before a resume (checkpoint_manifest.py)
+        COMPLETE              written last, before the rename (every file fsynced first)
     step_00000020.partial/    a save in progress (ignored and removed on the next start)
     latest                    name of the newest complete checkpoint, replaced atomically
     best                      name of the checkpoint with the best val_est_tau so far (with a validation split)
@@ -36,6 +37,7 @@ from dflash_ds.config import Config, to_dict
 from dflash_ds.data.batching import Cursor
 from dflash_ds.errors import DFlashError
 from dflash_ds.runtime import faults
+from dflash_ds.runtime.checkpoint_manifest import check_manifest, sync_tree, write_manifest
 from dflash_ds.runtime.monitor import scrub_secrets
 
 LATEST = "latest"
@@ -73,6 +75,32 @@ def find_latest(output_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def newest_intact(output_dir: str | Path, log=None) -> Path | None:
+    """The newest complete checkpoint that matches its manifest (runtime/checkpoint_manifest.py): the one
+    `latest` names first, then the complete step folders newest first; `log(line)` is told of each one passed
+    over and why."""
+    root = checkpoint_root(output_dir)
+    complete = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial")
+                       and is_complete(p)), reverse=True)
+    first = find_latest(output_dir)
+    for cand in ([first] if first is not None else []) + [p for p in complete if p != first]:
+        problem = check_manifest(cand) or _unreadable_state(cand)
+        if problem is None:
+            return cand
+        if log is not None:
+            log(f"[dflash-ds] checkpoint {cand} fails its manifest: {problem}; passed over for the previous "
+                f"complete checkpoint (remove or move that folder to silence this)")
+    return None
+
+
+def _unreadable_state(path: Path) -> str | None:
+    try:
+        json.loads((path / STATE).read_text())
+    except (OSError, ValueError) as exc:
+        return f"{path / STATE} is unreadable ({type(exc).__name__}: {exc})"
+    return None
+
+
 def find_best(output_dir: str | Path) -> Path | None:
     """The complete checkpoint `checkpoints/best` names, or None."""
     root = checkpoint_root(output_dir)
@@ -96,16 +124,17 @@ def forget_best(output_dir: str | Path) -> None:
     (checkpoint_root(output_dir) / BEST).unlink(missing_ok=True)
 
 
-def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
-    """--resume auto|none|PATH -> checkpoint folder or None (errors name the path)."""
+def resolve_resume(resume: str, output_dir: str | Path, log=None) -> Path | None:
+    """--resume auto|none|PATH -> checkpoint folder or None (errors name the path). auto: the newest complete
+    checkpoint that matches its manifest (`log` is told of any passed over); PATH: an error if it does not."""
     if resume == "none":
         return None
     if resume == "auto":
-        return find_latest(output_dir)
+        return newest_intact(output_dir, log)
     path = Path(resume)
     if is_complete(path):  # a checkpoint folder (DeepSpeed writes a `latest` of its own inside it)
-        return path
-    if path.is_dir() and (path / LATEST).is_file():  # a checkpoints/ root was given
+        pass
+    elif path.is_dir() and (path / LATEST).is_file():  # a checkpoints/ root was given
         path = path / (path / LATEST).read_text().strip()
     elif path.is_dir() and (path / "checkpoints").is_dir():
         found = find_latest(path)
@@ -114,6 +143,10 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
         path = found
     if not is_complete(path):
         raise DFlashError(f"--resume {resume}: {path} is not a complete checkpoint (no {COMPLETE} or {STATE})")
+    problem = check_manifest(path)
+    if problem is not None:
+        raise DFlashError(f"--resume {resume}: {path} fails its manifest: {problem}; resume from an earlier "
+                          f"checkpoint (--resume auto takes the newest intact one)")
     return path
 
 
@@ -194,13 +227,16 @@ def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, 
         engine.save_checkpoint(str(partial), tag=DS_TAG, client_state=universal_info())
         faults.in_save(step)
         export_fn(partial / "export")  # gathers under ZeRO-3: every rank calls it
+        sync_tree(partial)  # what this host wrote there is on the disk before anything calls it complete
         dist.barrier()  # every rank's shards are on disk
         if rank == 0:
-            (partial / STATE).write_text(json.dumps(state, indent=2) + "\n")
-            (partial / COMPLETE).write_text(f"{step}\n")
+            _write_synced(partial / STATE, json.dumps(state, indent=2) + "\n")
+            write_manifest(partial, skip=(COMPLETE, STATE))  # the state is JSON a user may edit: parsed instead
+            _write_synced(partial / COMPLETE, f"{step}\n")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(partial, final)
+            sync_tree_dir(root)
             for pointer in ((BEST,) if best else ()) + (LATEST,):
                 tmp = root / (pointer + ".tmp")
                 tmp.write_text(final.name + "\n")
@@ -254,6 +290,22 @@ def universal_info() -> dict[str, Any]:
                                                 UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
     return {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def sync_tree_dir(folder: Path) -> None:
+    """fsync one folder's entries (a rename in it reaches the disk)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -35,11 +35,11 @@ import numpy as np
 import torch
 
 from dflash_ds.errors import DFlashError
+from dflash_ds.runtime.digest import hash_file
 
 FOLDER = "feature_cache"
-VERSION = 1
+VERSION = 2  # 2: small weight files hashed whole (runtime/digest.py)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-SAMPLES, SAMPLE_BYTES = 256, 64 * 1024  # per weight file: 16 MiB read, spread evenly over it
 
 
 def native_bf16_cpu() -> bool:
@@ -50,24 +50,6 @@ def native_bf16_cpu() -> bool:
         return False
 
 
-def _hash_file(h, path: Path, sampled: bool) -> None:
-    size = path.stat().st_size
-    h.update(f"{path.name}:{size}".encode())
-    with open(path, "rb") as fh:
-        if not sampled:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-            return
-        start = 0
-        if path.suffix == ".safetensors":  # its JSON header: every tensor's name, dtype, shape and offsets
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(fh.read(n))
-            start = 8 + n
-        for i in range(SAMPLES):
-            fh.seek(start + (size - start) * i // SAMPLES)
-            h.update(fh.read(SAMPLE_BYTES))
-
-
 def target_fingerprint(path: str | Path) -> str:
     """The target folder's config.json, and of each weight file its size, header and 256 evenly spread 64 KiB
     samples (16 MiB a file, not the whole file: a Qwen3-8B hashed in full took minutes on every rank). A change
@@ -75,7 +57,7 @@ def target_fingerprint(path: str | Path) -> str:
     folder = Path(path)
     h = hashlib.sha256((folder / "config.json").read_bytes())
     for f in sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES or p.name.endswith(".index.json")):
-        _hash_file(h, f, sampled=f.suffix in WEIGHT_SUFFIXES)
+        hash_file(h, f, sampled=f.suffix in WEIGHT_SUFFIXES)
     return h.hexdigest()[:16]
 
 
@@ -87,7 +69,7 @@ def data_fingerprint(paths: list[str]) -> str:
         folder = Path(path)
         files = [folder / f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
         for f in files:
-            _hash_file(h, f, sampled=False)
+            hash_file(h, f, sampled=False)
     return h.hexdigest()[:16]
 
 

@@ -75,7 +75,7 @@ def run_job(cfg: Config) -> int:
 
     # The checkpoint, its global batch and whether it must be resharded: a drafter count that cannot
     # split the global batch fails here on every rank, before any model loads.
-    resume = choose_resume(cfg, layout.num_drafters)
+    resume = choose_resume(cfg, layout.num_drafters, log=(lambda s: print(s, flush=True)) if env.rank == 0 else None)
     data = open_data(cfg, layout.num_drafters, arch.vocab_size, resume.global_batch)
     if env.rank == 0:  # rank 0 writes metrics and checkpoints: an unwritable run folder fails now
         from dflash_ds.runtime.checkpoint import check_writable

@@ -90,9 +90,10 @@ def resume_mode(path: Path, saved_d: int, saved_stage: int, num_drafters: int, s
                       f"and a ZeRO-1/2/3 one only under ZeRO-1/2/3 (set --zero-stage {saved_stage})")
 
 
-def choose_resume(cfg: Config, num_drafters: int) -> ResumePoint:
-    """The resume decision from the config and the run folder alone (every rank can take it)."""
-    path = ckpt.resolve_resume(cfg.train.resume, cfg.train.output_dir)
+def choose_resume(cfg: Config, num_drafters: int, log=None) -> ResumePoint:
+    """The resume decision from the config and the run folder alone (every rank can take it); `log(line)` is told
+    of a checkpoint passed over (it fails its manifest)."""
+    path = ckpt.resolve_resume(cfg.train.resume, cfg.train.output_dir, log)
     asked = cfg.train.global_batch
     if path is None:
         g = asked or num_drafters
@@ -196,6 +197,16 @@ def convert_to_universal(path: Path, log=print) -> float:
     return seconds
 
 
+def manifest_status(path: Path) -> str:
+    """`ckpt info`'s word on the checkpoint's files against its manifest (runtime/checkpoint_manifest.py)."""
+    from dflash_ds.runtime.checkpoint_manifest import MANIFEST, check_manifest
+
+    if not (path / MANIFEST).is_file():
+        return "none (written before checkpoints had one)"
+    problem = check_manifest(path)
+    return "intact (every file's size and sampled digest)" if problem is None else f"FAILS: {problem}"
+
+
 def checkpoint_info(path: Path, drafters: list[int] | None = None) -> dict[str, Any]:
     """What `dflash-ds ckpt info` prints: where the run is, how it was trained, where it can resume."""
     if not ckpt.is_complete(path):
@@ -222,4 +233,5 @@ def checkpoint_info(path: Path, drafters: list[int] | None = None) -> dict[str, 
             "drafter": {k: arch.get(k) for k in ("hidden_size", "num_hidden_layers", "block_size", "vocab_size",
                                                  "target_layer_ids")},
             "shard_files": len(shards), "shard_bytes": size, "universal_converted": universal_ready(path),
+            "manifest": manifest_status(path),
             "resume_on_drafters": resumable}

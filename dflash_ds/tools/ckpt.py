@@ -63,6 +63,7 @@ def format_info(info: dict) -> str:
         f"{arch['block_size']}, vocab {arch['vocab_size']}, target layers {arch['target_layer_ids']}",
         f"shards          {info['shard_files']} files, {info['shard_bytes'] / 1e9:.3f} GB"
         + (" (universal conversion present)" if info["universal_converted"] else ""),
+        f"manifest        {info['manifest']}",
         "resume on",
     ]
     lines += [f"  {n:>3} drafter rank(s): {v}" for n, v in info["resume_on_drafters"].items()]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -60,3 +62,57 @@ def test_unwritable_output_dir_is_one_clear_error(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(DFlashError, match="output folder .* is not writable"):
         ckpt.check_writable(blocker / "run")
+
+
+class ShardEngine:
+    """Stands in for the DeepSpeed engine's shard writer: one 20 MiB shard (sampled by the manifest) and a small
+    one, seeded bytes."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def save_checkpoint(self, folder: str, tag: str, client_state: dict | None = None) -> None:
+        import random
+
+        rng = random.Random(self.seed)
+        (Path(folder) / tag).mkdir()
+        (Path(folder) / tag / "big_states.pt").write_bytes(rng.randbytes(20 << 20))
+        (Path(folder) / tag / "small_states.pt").write_bytes(rng.randbytes(1000))
+
+
+def test_a_checkpoint_that_fails_its_manifest_is_passed_over_and_refused_by_path(tmp_path, single_rank_group):
+    """Every file of a save is in its manifest (size, sampled digest); a newest checkpoint cut short or with bytes
+    zeroed inside a sample is passed over by --resume auto (named, with the file) for the previous one, refused
+    when named; a checkpoint without a manifest (older) is taken as it is; `ckpt info` says which."""
+    from dflash_ds.runtime.checkpoint_manifest import MANIFEST, check_manifest
+    from dflash_ds.runtime.resume import manifest_status
+
+    out = tmp_path / "run"
+    for step in (10, 20):
+        ckpt.save_checkpoint(ShardEngine(step), step, out, {"step": step}, keep_last=3,
+                             export_fn=lambda folder: (folder.mkdir(), (folder / "config.json").write_text("{}")))
+    old, new = (ckpt.step_dir(ckpt.checkpoint_root(out), s) for s in (10, 20))
+    listed = json.loads((new / MANIFEST).read_text())["files"]
+    assert sorted(listed) == ["ds/big_states.pt", "ds/small_states.pt", "export/config.json"]  # the state: parsed
+    assert listed["ds/big_states.pt"]["size"] == 20 << 20
+    assert check_manifest(new) is None and ckpt.resolve_resume("auto", out) == new
+    big = new / "ds/big_states.pt"
+    intact = big.read_bytes()
+    for how, broken in (("cut short", intact[: 19 << 20]), ("its bytes changed", bytes(4096) + intact[4096:])):
+        big.write_bytes(broken)
+        said = []
+        assert ckpt.resolve_resume("auto", out, log=said.append) == old, how
+        assert len(said) == 1 and str(big) in said[0] and how in said[0], said
+        with pytest.raises(DFlashError, match=f"fails its manifest: {big}"):
+            ckpt.resolve_resume(str(new), out)
+        assert manifest_status(new).startswith(f"FAILS: {big}")
+    big.write_bytes(intact)  # restored: the newest again
+    assert ckpt.resolve_resume("auto", out) == new and manifest_status(new).startswith("intact")
+    state = (new / ckpt.STATE).read_text()
+    (new / ckpt.STATE).write_text(state[:5])  # a state cut short: passed over too
+    said = []
+    assert ckpt.resolve_resume("auto", out, log=said.append) == old and "trainer_state.json is unreadable" in said[0]
+    (new / ckpt.STATE).write_text(state)
+    (new / MANIFEST).unlink()  # as a checkpoint written before manifests: taken as it is
+    big.write_bytes(intact[:100])
+    assert ckpt.resolve_resume("auto", out) == new and manifest_status(new).startswith("none")
