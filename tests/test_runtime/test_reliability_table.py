@@ -30,6 +30,11 @@ ROWS = {
     "restart on the same GPUs": [
         "test_faults.py::test_kill_during_save_then_restart_resumes_from_the_previous_checkpoint",
         "test_colocated.py::test_one_colocated_rank_sigterm_resume_export_eval"],
+    "the newest checkpoint is damaged (a file missing, cut short, zero-filled or rewritten: a disk that lost blocks, "
+    "a copy that stopped)": [
+        "test_chaos_soak.py::test_chaos_soak_ends_with_the_uninterrupted_drafter",  # corrupt_newest, on two hosts
+        "../test_reliability/test_checkpoint_errors.py::"
+        "test_a_checkpoint_that_fails_its_manifest_is_passed_over_and_refused_by_path"],
     "restart on another number of drafter GPUs": [
         "test_reshard.py::test_resume_on_another_drafter_count",  # from ZeRO-2 and ZeRO-3
         "test_reliability_table.py::test_sigterm_to_a_drafter_then_resume_resharded_from_zero1",
