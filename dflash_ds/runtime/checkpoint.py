@@ -37,7 +37,8 @@ from dflash_ds.config import Config, to_dict
 from dflash_ds.data.batching import Cursor
 from dflash_ds.errors import DFlashError
 from dflash_ds.runtime import faults
-from dflash_ds.runtime.checkpoint_manifest import check_manifest, sync_tree, write_manifest
+from dflash_ds.runtime.checkpoint_manifest import (check_manifest, fsync_path, sync_tree, write_manifest,
+                                                    write_synced)
 from dflash_ds.runtime.monitor import scrub_secrets
 
 LATEST = "latest"
@@ -230,13 +231,13 @@ def save_checkpoint(engine, step: int, output_dir: str | Path, state: dict[str, 
         sync_tree(partial)  # what this host wrote there is on the disk before anything calls it complete
         dist.barrier()  # every rank's shards are on disk
         if rank == 0:
-            _write_synced(partial / STATE, json.dumps(state, indent=2) + "\n")
+            write_synced(partial / STATE, json.dumps(state, indent=2) + "\n")
             write_manifest(partial, skip=(COMPLETE, STATE))  # the state is JSON a user may edit: parsed instead
-            _write_synced(partial / COMPLETE, f"{step}\n")
+            write_synced(partial / COMPLETE, f"{step}\n")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(partial, final)
-            sync_tree_dir(root)
+            fsync_path(root)
             for pointer in ((BEST,) if best else ()) + (LATEST,):
                 tmp = root / (pointer + ".tmp")
                 tmp.write_text(final.name + "\n")
@@ -290,22 +291,6 @@ def universal_info() -> dict[str, Any]:
                                                 UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
     return {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def sync_tree_dir(folder: Path) -> None:
-    """fsync one folder's entries (a rename in it reaches the disk)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -28,14 +28,27 @@ def _files(folder: Path, skip: tuple[str, ...]) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() not in skip)
 
 
+def fsync_path(path: Path) -> None:
+    """fsync one file or folder (a folder: its entries, so a rename in it reaches the disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, text: str) -> None:
+    """Write `path` and fsync it."""
+    with open(path, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def sync_tree(folder: Path) -> None:
     """fsync every file and folder under `folder` (and itself): what this host wrote there reaches the disk."""
     for path in [*_files(folder, ()), *sorted(p for p in folder.rglob("*") if p.is_dir()), folder]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
 
 
 def write_manifest(folder: Path, skip: tuple[str, ...] = ()) -> dict:
@@ -46,10 +59,7 @@ def write_manifest(folder: Path, skip: tuple[str, ...] = ()) -> dict:
     manifest = {"version": VERSION, "digest": "sha256 of the size, name and 256 spread 64 KiB samples "
                                               "(whole below 16 MiB), runtime/digest.py", "files": files}
     tmp = folder / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    write_synced(tmp, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, folder / MANIFEST)
     return manifest
 
