@@ -79,14 +79,16 @@ test: install serve-env real-target
 	    DFLASH_REAL_TARGET="$(REAL_TARGET)" DFLASH_REQUIRE_REAL_TARGET=1 \
 	    DFLASH_REQUIRE_VLLM=1 DFLASH_REQUIRE_HOSTS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=40 $(PYTEST_ARGS)
 
-# The chaos soak (tests/test_runtime/test_chaos_soak.py) at its full size: SOAK_FAULTS faults over the deepspeed and
-# torchrun launchers on the two test hosts (root: network namespaces, a tmpfs), each then --resume auto; prints the
-# table docs/OPERATIONS.md keeps. `make test` runs 3 of them. ~40 s a fault on 2 cores.
+# The chaos soak (tests/test_runtime/test_chaos_soak.py) at its full size: SOAK_FAULTS faults over the deepspeed,
+# torchrun and SLURM launchers on the two test hosts (root: network namespaces, a tmpfs, Debian's slurm-wlm), each
+# then --resume auto; prints the table docs/OPERATIONS.md keeps. `make test` runs 3 of them. ~40 s a fault on 2 cores.
+# SOAK_PLAN=kind:launcher,... replays that sequence instead (e.g. SOAK_PLAN=link_cut:slurm).
 SOAK_FAULTS ?= 20
-SOAK_SEED ?= 20
+SOAK_SEED ?= 21
+SOAK_PLAN ?=
 soak: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" OMP_WAIT_POLICY="$(TEST_OMP_WAIT_POLICY)" DFLASH_REQUIRE_HOSTS=1 \
-	    DFLASH_SOAK_FAULTS=$(SOAK_FAULTS) DFLASH_SOAK_SEED=$(SOAK_SEED) $(PY) -m pytest -q -s \
+	    DFLASH_SOAK_FAULTS=$(SOAK_FAULTS) DFLASH_SOAK_SEED=$(SOAK_SEED) DFLASH_SOAK_PLAN="$(SOAK_PLAN)" $(PY) -m pytest -q -s \
 	    tests/test_runtime/test_chaos_soak.py
 
 clean:

@@ -75,6 +75,13 @@ class SlurmCluster:
         self._wait(lambda: self.node_states() == {h: "idle" for h in self.hosts.names}, timeout, "idle nodes")
         return self
 
+    def restart_slurmd(self, h: str, timeout: float = 60) -> None:
+        """Start host `h`'s slurmd again (after a crash that took it) and return once the node is idle again
+        (ReturnToService=2: a node that was down rejoins when its slurmd registers)."""
+        self.procs[f"slurmd-{h}"].wait(timeout=10)
+        self._spawn(f"slurmd-{h}", h, [_daemon("slurmd"), "-D", "-f", str(self.conf)])
+        self._wait(lambda: self.node_states().get(h) == "idle", timeout, f"idle {h} after its slurmd restarted")
+
     def _slurm_conf(self) -> str:
         d, hb = self.dir, self.heartbeat_s
         # No NodeAddr: SLURM's default, the node's name (which a host resolves to 127.0.1.1 for itself, as on a stock
@@ -178,3 +185,35 @@ PartitionName=all Nodes={','.join(self.hosts.names)} Default=YES MaxTime=INFINIT
         """The end of every daemon's log (for a failure's message)."""
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-tail:]}"
                          for p in sorted((self.dir / "log").glob("*")) if p.is_file())
+
+
+class SlurmJob:
+    """A batch job seen as a launch (the chaos soak's third launcher): `send_signal` is SLURM's own signal to the
+    job's steps (`scancel --signal`, as its time limit or a preemption sends it), `communicate` waits for the job to
+    end and returns its log, `returncode` is the batch script's exit status (COMPLETED, FAILED) or the job's state
+    where SLURM ended it (NODE_FAIL, CANCELLED, TIMEOUT)."""
+
+    def __init__(self, cluster: SlurmCluster, job: str, log: Path) -> None:
+        self.cluster, self.job, self.log = cluster, job, Path(log)
+        self.returncode: int | str | None = None
+
+    def send_signal(self, sig: int) -> None:
+        r = self.cluster.client(["scancel", f"--signal={int(sig)}", self.job])
+        if r.returncode != 0:
+            raise RuntimeError(f"scancel --signal={int(sig)} {self.job}: {r.stderr.strip()}")
+
+    def poll(self) -> int | str | None:
+        info = self.cluster.job(self.job)
+        if info.get("JobState") in DONE:
+            code = int(info.get("ExitCode", "0:0").split(":")[0])
+            self.returncode = code if info["JobState"] in ("COMPLETED", "FAILED") else info["JobState"]
+        return self.returncode
+
+    def communicate(self, timeout: float = 600) -> tuple[str, str]:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.job} still {self.cluster.job(self.job).get('JobState')} after "
+                                   f"{timeout}s")
+            time.sleep(0.3)
+        return (self.log.read_text(errors="replace") if self.log.exists() else ""), ""

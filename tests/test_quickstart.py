@@ -25,7 +25,7 @@ import pytest
 from proc_utils import run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = {"prompts.count": 24, "prompts.held_out": 4, "prompts.concurrency": 16, "answers.max_new_tokens": 24,
+SMALL = {"prompts.count": 24, "prompts.held_out": 4, "prompts.grid_train": 24, "prompts.concurrency": 16, "answers.max_new_tokens": 24,
          "answers.concurrency": 16, "prepare.max_length": 256, "train.steps": 6, "train.set.train.save_interval": 6,
          "train.set.train.eval_interval": 6, "train.set.data.max_length": 256, "train.set.data.token_budget": 512,
          "eval.num_prompts": 2, "eval.max_new_tokens": 12, "speedup.num_prompts": 2, "speedup.max_new_tokens": 12,
@@ -76,6 +76,8 @@ def test_quick_start_runs_as_written(real_target: Path, tmp_path: Path):
     train_prompts = (out / "prompts/train.jsonl").read_text().splitlines()
     answers = [json.loads(line) for line in (out / "answers/train.jsonl").read_text().splitlines()]
     assert len(answers) == len(train_prompts) == stats["train"]["prompts"]
+    # prompts.grid_train: the grid's first 24 training prompts beside the generated ones
+    assert stats["train"]["prompts"] == SMALL["prompts.grid_train"] + stats["generated_train"]["prompts"], stats
     assert all(0 < len(row["token_ids"][0]) <= SMALL["answers.max_new_tokens"] for row in answers), answers[0]
 
     records = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]

@@ -171,15 +171,17 @@ def summarize(rows: list[dict]) -> dict:
             "words_p10_p50_p90": [q(0.1), q(0.5), q(0.9)]}
 
 
-def finish(gen: Generator, out: Path, held_out: int, seed: int, asked: int) -> dict:
-    """Split the kept prompts by topic word, write the sets and data_stats.json; the stats."""
+def finish(gen: Generator, out: Path, held_out: int, seed: int, asked: int, grid_train: int | None = None) -> dict:
+    """Split the kept prompts by topic word, write the sets and data_stats.json; the stats. `grid_train`: how many
+    of the grid's training prompts join train.jsonl (its first ones: the split deals task types round-robin);
+    None: all."""
     texts = [r["messages"][0]["content"] for r in gen.kept]
     train_i, held_i, held_words = split_by_topic_words(texts, held_out, seed)
     if not held_i:
         raise DFlashError(f"{out}: none of the {len(texts):,} kept prompts has a topic word to hold out (a word in 2 "
                           f"to 40 prompts, not a template word): raise --prompts")
     held = [dict(gen.kept[i], topic=next(w for w in held_words if w in set(words(texts[i])))) for i in held_i]
-    train = gen.grid_train + [gen.kept[i] for i in train_i]
+    train = gen.grid_train[:grid_train] + [gen.kept[i] for i in train_i]
     train = random.Random(f"self-instruct-shuffle-{seed}").sample(train, len(train))
     write_jsonl(train, out / "train.jsonl")
     write_jsonl(held, out / "held_out.jsonl")
@@ -203,6 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=2000, help="generated prompts to keep, after the filters and "
                         "before the held-out split (default 2000)")
     parser.add_argument("--held-out", type=int, default=64, help="generated prompts held out by topic word (default 64)")
+    parser.add_argument("--grid-train", type=int, default=None, metavar="N", help="how many of make-prompts' "
+                        "training prompts (the template grid, 577 at seed 0) join train.jsonl beside the generated "
+                        "ones, its first N (task types dealt round-robin); 0: the generated prompts only (default: all)")
     parser.add_argument("--max-requests", type=int, default=None, help="stop asking after this many requests even if "
                         "fewer prompts were kept (default 4 x --prompts)")
     parser.add_argument("--round-size", type=int, default=256, help="requests per round: later rounds draw examples "
@@ -228,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
     """CLI entry: generate, filter, split, write; print what the data holds."""
     if args.prompts < 1 or args.held_out < 1 or args.concurrency < 1 or args.round_size < 1:
         raise DFlashError("--prompts, --held-out, --concurrency and --round-size must be >= 1")
+    if args.grid_train is not None and args.grid_train < 0:
+        raise DFlashError(f"--grid-train {args.grid_train}: must be >= 0 (0: no grid prompt in train.jsonl)")
     from dflash_ds.data.chat import load_tokenizer
     from dflash_ds.serving.client import OpenAIClient
     from dflash_ds.serving.vllm_server import VLLMServer
@@ -248,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
                         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                         concurrency=args.concurrency, dedupe=args.dedupe, banned_topics=banned)
         asked = gen.generate(args.prompts, args.max_requests or 4 * args.prompts, args.round_size)
-    stats = finish(gen, out, args.held_out, args.seed, asked)
+    stats = finish(gen, out, args.held_out, args.seed, asked, args.grid_train)
     if stats["kept"] < args.prompts:
         print(f"self-instruct: only {stats['kept']:,} of {args.prompts:,} prompts kept after {asked:,} requests "
               f"(--max-requests): the sets are written with what was kept")

@@ -46,9 +46,21 @@ def write_synced(path: Path, text: str) -> None:
 
 
 def sync_tree(folder: Path) -> None:
-    """fsync every file and folder under `folder` (and itself): what this host wrote there reaches the disk."""
-    for path in [*_files(folder, ()), *sorted(p for p in folder.rglob("*") if p.is_dir()), folder]:
-        fsync_path(path)
+    """fsync every file and folder under `folder` (and itself): what this host wrote there reaches the disk.
+
+    Every drafter rank calls it on the same folder while others may still write there (rank 0's export goes into
+    a temporary folder renamed into place): an entry gone between the listing and its fsync was moved or removed
+    by the rank that wrote it, which syncs it itself once written, so it is passed over (os.walk skips a folder
+    that vanishes the same way)."""
+    dirs, files = [], []
+    for top, _subdirs, names in os.walk(folder):
+        dirs.append(Path(top))
+        files += [Path(top) / n for n in names]
+    for path in [*files, *dirs[::-1]]:  # the folder itself last: its entries' renames
+        try:
+            fsync_path(path)
+        except FileNotFoundError:
+            pass
 
 
 def write_manifest(folder: Path, skip: tuple[str, ...] = ()) -> dict:

@@ -76,3 +76,28 @@ def test_split_by_topic_words_holds_no_topic_word_in_training():
     dropped = set(range(len(texts))) - set(train) - set(held)
     assert all(set(words(texts[i])) & set(held_words) for i in dropped)
     assert split_by_topic_words(texts, 4, seed=3, common_share=0.5) == (train, held, held_words)
+
+
+@pytest.mark.parametrize("take", [None, 5, 0])
+def test_finish_takes_the_grids_first_training_prompts(tmp_path, take):
+    """train.jsonl: the grid's first `take` training prompts (all when None: --grid-train) and the kept generated
+    ones the topic split trains on; the grid's held-out set whole; data_stats.json counts what was written."""
+    import json
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from dflash_ds.data.prompt_grid import natural_prompts, split_prompts
+    from dflash_ds.data.self_instruct import finish
+
+    grid_train, grid_held = split_prompts(natural_prompts(0), 0)
+    texts = ([f"How do I care for a {w} plant at home?" for w in ("cactus", "fern", "orchid")] * 2
+             + [f"Explain the history of {w} in simple terms." for w in ("jazz", "chess", "paper", "bread")] * 2)
+    kept = [{"messages": [{"role": "user", "content": t}], "kind": "explain"} for t in texts]
+    gen = SimpleNamespace(grid_train=grid_train, grid_held=grid_held, kept=kept, rejected=Counter())
+    stats = finish(gen, tmp_path, held_out=2, seed=0, asked=len(kept), grid_train=take)
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    want_grid = grid_train if take is None else grid_train[:take]
+    generated = stats["generated_train"]["prompts"]
+    assert len(rows) == stats["train"]["prompts"] == len(want_grid) + generated and generated > 0
+    assert sorted(json.dumps(r) for r in rows if r not in kept) == sorted(json.dumps(r) for r in want_grid)
+    assert len((tmp_path / "held_out_grid.jsonl").read_text().splitlines()) == len(grid_held) > 0

@@ -116,3 +116,43 @@ def test_a_checkpoint_that_fails_its_manifest_is_passed_over_and_refused_by_path
     (new / MANIFEST).unlink()  # as a checkpoint written before manifests: taken as it is
     big.write_bytes(intact[:100])
     assert ckpt.resolve_resume("auto", out) == new and manifest_status(new).startswith("none")
+
+
+def test_sync_tree_passes_over_what_another_rank_moves_meanwhile(tmp_path):
+    """Every drafter rank fsyncs the whole save folder while rank 0 may still write its export there (a temporary
+    folder renamed into place, as tools/init_drafter.save_atomically does): a file gone between the listing and
+    its fsync is passed over, not an error that fails the save (seen in the chaos soak: rank 1's save failed with
+    ENOENT on the partial checkpoint while rank 0 exported)."""
+    import os
+    import shutil
+    import threading
+    import time
+
+    from dflash_ds.runtime.checkpoint_manifest import sync_tree
+
+    folder = tmp_path / "step_00000012.partial"
+    (folder / "ds").mkdir(parents=True)
+    (folder / "ds" / "shard.pt").write_bytes(b"x" * 4096)
+    done, moves = threading.Event(), [0]
+
+    def export_again_and_again():
+        while not done.is_set():
+            tmp = folder / f".export.tmp{moves[0]}"
+            tmp.mkdir()
+            for i in range(16):
+                (tmp / f"part{i}").write_bytes(b"y" * 512)
+            shutil.rmtree(folder / "export", ignore_errors=True)
+            os.rename(tmp, folder / "export")
+            moves[0] += 1
+
+    writer = threading.Thread(target=export_again_and_again)
+    writer.start()
+    syncs, deadline = 0, time.monotonic() + 2.0
+    try:
+        while time.monotonic() < deadline:
+            sync_tree(folder)
+            syncs += 1
+    finally:
+        done.set()
+        writer.join()
+    assert syncs > 10 and moves[0] > 10, (syncs, moves)

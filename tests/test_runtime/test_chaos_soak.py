@@ -1,15 +1,20 @@
-"""A chaos soak on the two test hosts (tests/hosts.py): a seeded sequence of faults over two launchers, each
+"""A chaos soak on the two test hosts (tests/hosts.py): a seeded sequence of faults over the three launchers, each
 followed by `--resume auto`, and at the end the drafter of an uninterrupted run (issue #58 item 7).
 
 Ranks as in test_multihost_train.py: h0 runs rank 0 (drafter 0), h1 ranks 1 (drafter 1) and 2 (the target). A
-launch is `launch/train_deepspeed.sh` on h0 over pdsh, or `launch/train_multinode.sh` on both hosts (torchrun, c10d
-rendezvous on h0). The faults, drawn by `random.Random(SEED)` (every kind once before any twice):
+launch is `launch/train_deepspeed.sh` on h0 over pdsh, `launch/train_multinode.sh` on both hosts (torchrun, c10d
+rendezvous on h0), or `sbatch --nodes 2 --no-requeue launch/train_slurm.sbatch` on a SLURM cluster of the two hosts
+(tests/slurm_cluster.py, started at the first SLURM launch; --no-requeue: the soak resumes a job itself, as after
+every other fault). The faults, drawn by `random.Random(SEED)` (every kind once before any twice):
 
 - rank_kill: SIGKILL to one rank (any of the three) once a step past the resumed checkpoint is recorded;
-- host_kill: SIGKILL to every process of one host (its launcher included), likewise;
+- host_kill: SIGKILL to every process of one host (its launcher included, and its slurmd once the SLURM cluster
+  runs: SLURM sees the node down and ends the job; the controller's daemons on h0 are spared, standing for a machine
+  of their own; the slurmd is started again once the launch has ended), likewise;
 - link_cut: h1's link cut for good (restored once the launch has ended);
 - launcher_term: SIGTERM to the launch on h0 (the deepspeed script: a preemption, the stop checkpoint and 75; the
-  torchrun agent: its ranks stop and checkpoint as on SIGTERM);
+  torchrun agent: its ranks stop and checkpoint as on SIGTERM); under SLURM the job's steps get SLURM's own SIGTERM
+  (`scancel --signal`, as a time limit sends it): the stop checkpoint, and the script ends 75;
 - kill_in_save: SIGKILL to one drafter inside the checkpoint of a step (DFLASH_FAULT_KILL_IN_SAVE);
 - disk_full: the run folder (a tmpfs of its own) filled while a checkpoint is being written (held open by
   DFLASH_FAULT_SLOW_SAVE_AT), freed once the launch has ended;
@@ -39,12 +44,15 @@ from conftest_runtime import COMMON, HEARTBEAT_S, STEPS, assert_reference_losses
 from dflash_ds.runtime.checkpoint import is_complete, newest_intact
 from hosts import only_sshd_left, two_hosts
 from runtime_utils import REPO, env_for_children, per_batch, torchrun
+from slurm_cluster import DAEMONS, SlurmCluster, SlurmJob, unavailable
 
 FAULTS = int(os.environ.get("DFLASH_SOAK_FAULTS", "3"))
-# Seed 20's first 3 faults: disk_full (torchrun), corrupt_newest, host_kill (deepspeed): both launchers, a save cut
-# by a full disk, a damaged checkpoint passed over, a host gone (a link cut: test_multihost_train.py).
-SEED = int(os.environ.get("DFLASH_SOAK_SEED", "20"))
+# Seed 14's first 3 faults (`make test`): rank_kill (torchrun), kill_in_save (slurm), disk_full (deepspeed): the
+# three launchers and two saves cut short (a corrupt checkpoint passed over: tests/test_reliability/
+# test_checkpoint_errors.py; a link cut: test_multihost_train.py). `make soak` draws 20 with seed 21.
+SEED = int(os.environ.get("DFLASH_SOAK_SEED", "14"))
 KINDS = ("rank_kill", "host_kill", "link_cut", "launcher_term", "kill_in_save", "disk_full", "corrupt_newest")
+LAUNCHERS = ("deepspeed", "torchrun", "slurm")
 SAVE_EVERY = 2
 DISK_MB = 256  # the run folder's own filesystem (a tiny drafter's checkpoint is ~2 MB)
 
@@ -64,14 +72,14 @@ def draw(n: int, seed: int) -> list[tuple[str, str]]:
         if kind == "corrupt_newest" and (not out or out[-1][0] == kind) and kinds:
             kinds.insert(0, kind)
             kind = kinds.pop()
-        out.append((kind, rng.choice(("deepspeed", "torchrun"))))
+        out.append((kind, rng.choice(LAUNCHERS)))
     return out
 
 
-def test_the_fault_sequence_covers_every_kind_and_both_launchers():
+def test_the_fault_sequence_covers_every_kind_and_every_launcher():
     seq = draw(20, SEED)
     assert sorted(k for k, _ in seq[:7]) == sorted(KINDS) and seq[0][0] != "corrupt_newest"
-    assert {launcher for _, launcher in seq} == {"deepspeed", "torchrun"} and seq == draw(20, SEED)
+    assert {launcher for _, launcher in seq} == set(LAUNCHERS) and seq == draw(20, SEED)
     assert len({k for k, _ in draw(3, SEED)}) == 3
 
 
@@ -99,6 +107,7 @@ class Soak:
         self.table: list[dict] = []
         self.saved: dict[str, list[int]] = {}  # checkpoint folder -> sizes of each save of it
         self.launches = 0
+        self.slurm: SlurmCluster | None = None  # started at the first SLURM launch
 
     # -- launches ---------------------------------------------------------------------------------------------
 
@@ -107,7 +116,16 @@ class Soak:
         base = self.hosts.env({**env_for_children(), **(env or {})})
         base.pop("GLOO_SOCKET_IFNAME", None)
         kw = dict(cwd=self.work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if launcher == "deepspeed":
+        if launcher == "slurm":
+            if self.slurm is None:
+                self.slurm = SlurmCluster(self.hosts, self.work / "slurm", heartbeat_s=HEARTBEAT_S // 2).start()
+            n, log = self.launches, self.work / f"slurm-{self.launches}.out"
+            job = self.slurm.sbatch(["--nodes", "2", "--no-requeue", "--output", str(log),
+                                     str(REPO / "launch/train_slurm.sbatch"), *self.args], cwd=self.work,
+                                    env=self.slurm.env({**base, "NPROC": "1,2", "RDZV_PORT": str(29400 + n),
+                                                        "DFLASH_SLURM_DIR": str(self.work / f"job{n}")}))
+            procs = {"h0": SlurmJob(self.slurm, job, log)}
+        elif launcher == "deepspeed":
             cmd = ["bash", str(REPO / "launch/train_deepspeed.sh"), *self.args]
             procs = {"h0": self.hosts.popen("h0", cmd, env={**base, "HOSTFILE": str(self.work / "hostfile"),
                                                               "MASTER_PORT": str(29500 + 2 * self.launches)}, **kw)}
@@ -152,15 +170,31 @@ class Soak:
             time.sleep(0.05)
         return False
 
-    def finish(self, timeout: float = 300) -> dict[str, str]:
-        """The launch's output once every process of it has ended (a hang fails), and nothing left on a host."""
+    def finish(self, timeout: float = 300, ended=None) -> dict[str, str]:
+        """The launch's output once every process of it has ended (a hang fails), and nothing left on a host;
+        `ended()` runs once the launch has returned, before the wait for what it left."""
         outs = {h: f.result(timeout=timeout)[0] for h, f in self._reading.items()}
         self._pool.shutdown()
+        if ended is not None:
+            ended()
         deadline = time.monotonic() + 60
-        while only_sshd_left(self.hosts) != {"h0": [], "h1": []} and time.monotonic() < deadline:
+        while self.left() != {"h0": [], "h1": []} and time.monotonic() < deadline:
             time.sleep(0.25)
-        assert only_sshd_left(self.hosts) == {"h0": [], "h1": []}, (only_sshd_left(self.hosts), outs)
+        assert self.left() == {"h0": [], "h1": []}, (self.left(), outs)
         return outs
+
+    def left(self) -> dict[str, list[str]]:
+        """Per host, what runs there but its sshd and SLURM's daemons: a launch's processes."""
+        return {h: [c for c in cmds if os.path.basename(c.split(" ")[0]).rstrip(":") not in DAEMONS]
+                for h, cmds in only_sshd_left(self.hosts).items()}
+
+    def spared(self, h: str) -> set[int]:
+        """The pids on host `h` a host_kill leaves: its sshd and the SLURM controller's daemons."""
+        keep = {self.hosts.sshd[h].pid}
+        if self.slurm is not None:
+            keep |= {p.pid for name, p in self.slurm.procs.items() if name in ("munged", "slurmctld")}
+            keep |= {pid for pid in self.hosts.pids(h) if _is_scriptd(pid)}  # slurmctld's helper
+        return keep
 
     def note_saves(self, since: float) -> None:
         root = self.out / "checkpoints"
@@ -198,7 +232,7 @@ class Soak:
                                "status": {}, "last_step": self.last_step(), "resumed_from": start, "t_fault": None,
                                "output": ""})
             return
-        env, where = {}, ""
+        env, where, restart = {}, "", None
         # a fault in a save hits the second or third save of the launch (saves fall on multiples of SAVE_EVERY; a
         # stop checkpoint may not): the first completes, so every launch makes progress
         first = (max(start, 0) // SAVE_EVERY + 1) * SAVE_EVERY
@@ -224,8 +258,9 @@ class Soak:
             where = f"rank {rank} on {pids[rank][0]}"
         elif reached and kind == "host_kill":
             h = rng.choice(self.hosts.names)
+            restart, keep = h, self.spared(h)
             for pid in self.hosts.pids(h):
-                if pid != self.hosts.sshd[h].pid:
+                if pid not in keep:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except OSError:
@@ -236,13 +271,16 @@ class Soak:
             where = "h1's link"
         elif reached and kind == "launcher_term":
             procs["h0"].send_signal(signal.SIGTERM)
-            where = f"the {launcher} launch on h0"
+            where = "the job's steps (scancel --signal)" if launcher == "slurm" else f"the {launcher} launch on h0"
         elif reached and kind == "disk_full":
             fill(self.out)
-        outs = self.finish()
-        ended = time.monotonic()
-        if kind == "link_cut":
-            self.hosts.link("h1", up=True)
+        ended = []
+        # the link back once the launch has returned: SLURM's step daemon on h1 reports its end to the controller
+        outs = self.finish(ended=lambda: ended.append(time.monotonic()) or (
+            kind == "link_cut" and self.hosts.link("h1", up=True)))
+        ended = ended[0]
+        if restart is not None and self.slurm is not None:
+            self.slurm.restart_slurmd(restart)
         if kind == "disk_full":
             (self.out / "filler").unlink(missing_ok=True)
         self.note_saves(t0)
@@ -260,6 +298,13 @@ class Soak:
         self.note_saves(t0)
         assert all(p.returncode == 0 for p in procs.values()), {h: o[-3000:] for h, o in outs.items()}
         return "\n".join(outs.values())
+
+
+def _is_scriptd(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"slurmctld: slurmscriptd")
+    except OSError:
+        return False
 
 
 def fill(folder: Path) -> None:
@@ -281,32 +326,44 @@ def test_chaos_soak_ends_with_the_uninterrupted_drafter(setup, reference, disk, 
     small filesystem: the final records hold every batch of the uninterrupted run once, at its step and loss, the
     final export's weights equal the uninterrupted run's, no process is left on either host, and each fault's
     launch ended by itself (none hung)."""
-    if FAULTS <= 3:
+    # DFLASH_SOAK_PLAN=kind:launcher,...: that sequence instead of the draw (to replay one fault or a failing run)
+    plan = [tuple(f.split(":")) for f in os.environ.get("DFLASH_SOAK_PLAN", "").split(",") if f]
+    faults = len(plan) or FAULTS
+    if faults <= 3:
         steps, ref_out = STEPS, reference[0]
     else:
-        steps = max(STEPS, 4 * FAULTS)
+        steps = max(STEPS, 4 * faults)
         ref_out = tmp_path / "ref"
         target, data = setup
         r = torchrun(3, [*COMMON, "--target", str(target), "--data", str(data), "--output-dir", str(ref_out),
                          "--zero-stage", "2", "--max-steps", str(steps)], cwd=tmp_path)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    why = unavailable()
+    if why is not None:
+        (pytest.fail if os.environ.get("DFLASH_REQUIRE_HOSTS") == "1" else pytest.skip)(f"SLURM: {why}")
     soak = Soak(hosts, setup, disk / "run", steps, tmp_path)
     rng, t0 = random.Random(SEED), time.monotonic()
-    for kind, launcher in draw(FAULTS, SEED):
+    for kind, launcher in plan or draw(FAULTS, SEED):
         if soak.resumes_from() >= steps - SAVE_EVERY:
             break  # too close to the end for another fault to land before the run finishes
         soak.fault(kind, launcher, rng)
-    last = soak.complete(rng.choice(("deepspeed", "torchrun")))
+    last = soak.complete(rng.choice(LAUNCHERS))
     wall = time.monotonic() - t0
     rows = [{k: v for k, v in row.items() if k != "output"} for row in soak.table]
     rewritten = sum(sum(sizes[:-1]) for sizes in soak.saved.values())
     print(json.dumps({"faults": rows, "wall_s": round(wall, 1), "launches": soak.launches,
                       "checkpoint_bytes_rewritten": rewritten,
                       "saves": {k: len(v) for k, v in soak.saved.items()}}, indent=1))
-    assert len(soak.table) == FAULTS, rows
+    print(markdown(rows))
+    assert len(soak.table) == faults, rows
     assert all(row["reached"] for row in rows if row["fault"] != "corrupt_newest"), rows  # each fault landed
     assert all(row["status"] and all(s != 0 for s in row["status"].values())
                for row in rows if row["fault"] != "corrupt_newest"), rows  # and ended its launch
+    for row in soak.table:  # a preemption: the stop checkpoint and 75 (a job that may not requeue says so)
+        if row["fault"] == "launcher_term" and row["launcher"] != "torchrun":
+            assert row["status"] == {"h0": 75}, row["output"][-3000:]
+        if row["fault"] == "launcher_term" and row["launcher"] == "slurm":
+            assert "was not requeued (submitted with --no-requeue?): the checkpoint is complete" in row["output"]
     outputs = [row["output"] for row in soak.table[1:]] + [last]
     for i, row in enumerate(soak.table):  # the launch after a damaged checkpoint passed over it, naming the file
         if row["fault"] == "corrupt_newest":
@@ -316,6 +373,17 @@ def test_chaos_soak_ends_with_the_uninterrupted_drafter(setup, reference, disk, 
     else:
         _same_losses(soak.out, ref_out, steps)
     _same_weights(soak.out / f"checkpoints/step_{steps:08d}/export", ref_out / f"checkpoints/step_{steps:08d}/export")
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table docs/OPERATIONS.md keeps, one row a fault."""
+    lines = ["| # | fault | launcher | where | launch status | last step recorded | resumed from | launch ended (s "
+             "after the fault) |", "|---:|---|---|---|---|---:|---:|---:|"]
+    for i, r in enumerate(rows, 1):
+        status = ", ".join(f"{h} {s}" for h, s in r["status"].items()) or "-"
+        lines.append(f"| {i} | {r['fault']} | {r['launcher']} | {r['where']} | {status} | {r['last_step']} | "
+                     f"{r['resumed_from']} | {r.get('ended_s', '-')} |")
+    return "\n".join(lines)
 
 
 def _same_losses(out: Path, ref_out: Path, steps: int) -> None:

@@ -32,7 +32,9 @@ ROWS = {
         "test_colocated.py::test_one_colocated_rank_sigterm_resume_export_eval"],
     "the newest checkpoint is damaged (a file missing, cut short, zero-filled or rewritten: a disk that lost blocks, "
     "a copy that stopped)": [
-        "test_chaos_soak.py::test_chaos_soak_ends_with_the_uninterrupted_drafter",  # corrupt_newest, on two hosts
+        # corrupt_newest on two hosts, under `make soak` (the suite's 3 faults: a rank killed, a drafter killed in a
+        # save and a save cut by a full disk: the .partial each leaves is passed over)
+        "test_chaos_soak.py::test_chaos_soak_ends_with_the_uninterrupted_drafter",
         "../test_reliability/test_checkpoint_errors.py::"
         "test_a_checkpoint_that_fails_its_manifest_is_passed_over_and_refused_by_path"],
     "restart on another number of drafter GPUs": [
