@@ -165,7 +165,7 @@ def served_stages(runner: Runner, recipe: dict, target: str, out: Path, vllm_pyt
         runner.run("prompts", [cli("self-instruct", "--target", target, "--out", out / "prompts", "--server", url,
                                    "--prompts", p["count"], "--held-out", p["held_out"], "--seed",
                                    recipe.get("seed", 0), "--concurrency", p["concurrency"],
-                                   *([] if p.get("grid_train") is None else ["--grid-train", p["grid_train"]])])])
+                                   *([] if p.get("grid_train") is None else ["--grid-train", p["grid_train"]]))])
         runner.run("answers", [cli("regenerate", "--target", target, "--data", out / "prompts" / f"{name}.jsonl",
                                    "--out", out / "answers" / f"{name}.jsonl", "--server", url, "--max-new-tokens",
                                    a["max_new_tokens"], "--concurrency", a["concurrency"])

@@ -1,0 +1,57 @@
+"""`init-drafter --layers-from-target`: the draft layers start as the target's last layers (models/
+target_layers_init.py), read from the target's safetensors, on the tiny Qwen3 target (q/k norms copied too) and
+the real Llama one (SmolLM2: its q/k norms stay at one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+
+def _target_tensors(target: Path) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("model."): v.float() for k, v in load_file(str(target / "model.safetensors")).items()}
+
+
+@pytest.mark.parametrize("which", ["tiny", "real"])
+def test_draft_layers_are_the_targets_last_layers(which, tiny_target, real_target, cli_here, tmp_path):
+    from dflash_ds.models.drafter import DFlashDrafter
+    from dflash_ds.models.target import read_target_config
+
+    target = tiny_target if which == "tiny" else real_target
+    r = cli_here("init-drafter", "--target", target, "--out", tmp_path / "d", "--num-layers", "2",
+                 "--block-size", "8", "--layers-from-target", *(["--mask-token-id", "16"] if which == "real" else []))
+    assert r.returncode == 0, r.stderr
+    d = DFlashDrafter.from_pretrained(tmp_path / "d").float()
+    t, total = _target_tensors(target), int(read_target_config(target)["num_hidden_layers"])
+    got = {k: v.float() for k, v in d.state_dict().items()}
+    copied = 0
+    for i, src in enumerate((total - 2, total - 1)):
+        for name, value in got.items():
+            if name.startswith(f"layers.{i}."):
+                theirs = t.get(name.replace(f"layers.{i}.", f"layers.{src}.", 1))
+                if theirs is None:  # a norm the Llama target does not have: at one
+                    assert name.endswith(("q_norm.weight", "k_norm.weight")) and which == "real", name
+                    assert torch.equal(value, torch.ones_like(value)), name
+                else:
+                    assert torch.equal(value, theirs), name
+                    copied += 1
+    assert copied == 2 * (11 if which == "tiny" else 9), copied  # Qwen3's q/k norms too
+    assert torch.equal(got["hidden_norm.weight"], t[f"layers.{total - 2}.input_layernorm.weight"])
+    assert torch.equal(got["norm.weight"], t["norm.weight"])
+    h = d.arch.hidden_size
+    want_fc = torch.zeros_like(got["fc.weight"])
+    want_fc[:, -h:] = torch.eye(h)
+    assert torch.equal(got["fc.weight"], want_fc)  # the last context layer passed through
+    assert d.arch.target_layer_ids[-1] == total - 3 or which == "tiny", d.arch.target_layer_ids
+
+
+def test_a_drafter_of_other_widths_is_refused_naming_the_tensor(tiny_target, cli_here, tmp_path):
+    r = cli_here("init-drafter", "--target", tiny_target, "--out", tmp_path / "d", "--num-layers", "1",
+                 "--layers-from-target", "--intermediate-size", "24")
+    assert r.returncode != 0 and not (tmp_path / "d").exists()
+    assert "layers.0.mlp.gate_proj.weight is (24," in r.stderr and "need the target's widths" in r.stderr, r.stderr
+    r = cli_here("init-drafter", "--from", tmp_path, "--out", tmp_path / "e", "--layers-from-target")
+    assert r.returncode != 0 and "drop --target and --layers-from-target" in r.stderr, r.stderr
