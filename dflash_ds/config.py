@@ -64,6 +64,11 @@ class DrafterConfig(KindSection, section="model"):
     """MLP width of each draft layer; null = the target's."""
     attention_backend: str = "auto"
     """Training attention: auto (flex_attention on CUDA, dense mask + SDPA on CPU), dense, or flex (CUDA only)."""
+    init: str = "random"
+    """A fresh drafter's weights: random (seeded by train.seed), or target: its layers start as the target's last
+    layers, fc passing the last context layer through (models/target_layers_init.py; the draft layers need the
+    target's widths; on SmolLM2-135M est_tau 1.26 instead of 1.19 after 400 steps, docs/QUALITY.md). Not read
+    with --drafter or on a resume."""
     kind: str = "dflash"
     """dflash, or a kind registered in models/kinds.py: DFlash plus parts of its own, which its module describes
     with why its defaults (kinds.BUILTIN_MODULES; `dflash-ds init-drafter --help` lists the kinds). Its own model.*

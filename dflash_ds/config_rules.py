@@ -30,6 +30,7 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     *((f"model.{name}", "must be >= 1 (or null: the target's)", lambda v: v is None or v >= 1)
       for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")),
     ("model.attention_backend", "must be auto, dense or flex", lambda v: v in ("auto", "dense", "flex")),
+    ("model.init", "must be random or target", lambda v: v in ("random", "target")),
     ("model.checkpoint_layers", "must be >= 1 (or null: all, or the fewest that fit)", lambda v: v is None or v >= 1),
     ("loss.gamma", "must be > 0", lambda v: v > 0),
     ("loss.num_anchors", "must be >= 1", lambda v: v >= 1),

@@ -220,7 +220,12 @@ def load_drafter(cfg: Config, arch: DrafterArch, resuming: bool = False) -> DFla
         return DFlashDrafter.empty(arch)
     if cfg.drafter:
         return DFlashDrafter.from_pretrained(cfg.drafter)
-    return DFlashDrafter.seeded(arch, cfg.train.seed)
+    drafter = DFlashDrafter.seeded(arch, cfg.train.seed)
+    if cfg.model.init == "target":
+        from dflash_ds.models.target_layers_init import copy_target_layers
+
+        copy_target_layers(drafter, cfg.target)
+    return drafter
 
 
 def frozen_head(target: nn.Module) -> tuple[nn.Module, nn.Module]:

@@ -55,3 +55,32 @@ def test_a_drafter_of_other_widths_is_refused_naming_the_tensor(tiny_target, cli
     assert "layers.0.mlp.gate_proj.weight is (24," in r.stderr and "need the target's widths" in r.stderr, r.stderr
     r = cli_here("init-drafter", "--from", tmp_path, "--out", tmp_path / "e", "--layers-from-target")
     assert r.returncode != 0 and "drop --target and --layers-from-target" in r.stderr, r.stderr
+
+
+def test_model_init_target_gives_the_trainer_the_same_drafter(tiny_target, cli_here, tmp_path):
+    """`model.init: target` (the trainer's fresh drafter, runtime/engine.load_drafter) starts where `init-drafter
+    --layers-from-target` does; a value other than random or target is refused naming the field."""
+    from pathlib import Path
+
+    from dflash_ds.config import load_config
+    from dflash_ds.errors import DFlashError
+    from dflash_ds.models.drafter import DFlashDrafter
+    from dflash_ds.runtime.engine import load_drafter
+    from dflash_ds.runtime.job import resolve_arch
+
+    tiny = Path(__file__).resolve().parents[2] / "configs/tiny.yaml"
+    cfg = load_config(tiny, {"target": str(tiny_target), "model": {"init": "target"}})
+    arch = resolve_arch(cfg)
+    trained_from = {k: v.float() for k, v in load_drafter(cfg, arch).state_dict().items()}
+    r = cli_here("init-drafter", "--target", tiny_target, "--out", tmp_path / "d", "--num-layers",
+                 arch.num_hidden_layers, "--block-size", arch.block_size, "--mask-token-id", arch.mask_token_id,
+                 "--seed", cfg.train.seed, "--layers-from-target")
+    assert r.returncode == 0, r.stderr
+    exported = {k: v.float() for k, v in DFlashDrafter.from_pretrained(tmp_path / "d").state_dict().items()}
+    assert sorted(trained_from) == sorted(exported)
+    assert all(torch.equal(trained_from[k], exported[k]) for k in exported)  # the tiny target is fp32
+    random = load_config(tiny, {"target": str(tiny_target)})
+    assert not torch.equal(load_drafter(random, arch).state_dict()["layers.0.mlp.up_proj.weight"].float(),
+                           trained_from["layers.0.mlp.up_proj.weight"])
+    with pytest.raises(DFlashError, match="model.init"):
+        load_config(tiny, {"target": str(tiny_target), "model": {"init": "targets"}})
