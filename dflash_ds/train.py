@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import textwrap
 import traceback
@@ -136,6 +137,18 @@ def _merge(into: dict, other: dict) -> None:
             into[k] = v
 
 
+STACKS_SIGNAL = signal.SIGUSR2
+
+
+def _stacks_on_signal() -> None:
+    """`kill -USR2 PID` prints every thread's Python stack of that rank to its stderr and it goes on (a rank that
+    seems stuck: where it waits). Written by the interpreter to fd 2 directly: file names, lines and function names
+    only, no values, so nothing for the redaction filter to hide."""
+    import faulthandler
+
+    faulthandler.register(STACKS_SIGNAL, file=sys.__stderr__, all_threads=True)
+
+
 def main(argv: list[str] | None = None, as_rank: bool = False) -> int:
     """Validate everything cheap, then join the role groups and run this rank's role; `as_rank`: this process is the
     rank (python -m dflash_ds.train), whose output is filtered and whose files take train.umask."""
@@ -154,6 +167,7 @@ def main(argv: list[str] | None = None, as_rank: bool = False) -> int:
             from dflash_ds.config_rules import umask_of
 
             w_and_b = cfg.wandb.enabled and rank == "0"
+            _stacks_on_signal()
             redact_stdio(["wandb.sdk.lib.console_capture"] if w_and_b else [])
             os.umask(umask_of(cfg.train.umask))
         from dflash_ds.runtime.launch import run_job

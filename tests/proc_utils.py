@@ -246,3 +246,26 @@ def reap(pid: int, timeout: float) -> int | None:
 
 if __name__ == "__main__":
     _guard(int(sys.argv[1]), sys.argv[2])
+
+
+def dump_rank_stacks(wait_s: float = 1.0, pids: list[int] | None = None) -> list[int]:
+    """Each training rank in `pids`, or every one of this machine (`python -m dflash_ds.train`, any host namespace),
+    prints its threads' stacks to its own stderr and goes on (SIGUSR2: dflash_ds/train.py); the pids signalled.
+    For a test about to fail on a stuck job: the stacks land in the job's log, which the test then prints."""
+    if pids is None:
+        pids = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            launcher = any(b"torchrun" in a or b"distributed.run" in a or b"launcher" in a for a in argv)
+            if b"dflash_ds.train" in argv and b"-m" in argv and not launcher:
+                pids.append(int(entry))
+    signalled = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR2)
+            signalled.append(pid)
+    time.sleep(wait_s)
+    return signalled

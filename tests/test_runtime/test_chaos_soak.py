@@ -43,6 +43,7 @@ import pytest
 from conftest_runtime import COMMON, HEARTBEAT_S, STEPS, assert_reference_losses
 from dflash_ds.runtime.checkpoint import is_complete, newest_intact
 from hosts import only_sshd_left, two_hosts
+from proc_utils import dump_rank_stacks
 from runtime_utils import REPO, env_for_children, per_batch, torchrun
 from slurm_cluster import DAEMONS, SlurmCluster, SlurmJob, unavailable
 
@@ -170,6 +171,12 @@ class Soak:
             time.sleep(0.05)
         return False
 
+    def ends_within(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while not all(f.done() for f in self._reading.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return all(f.done() for f in self._reading.values())
+
     def finish(self, timeout: float = 300, ended=None) -> dict[str, str]:
         """The launch's output once every process of it has ended (a hang fails), and nothing left on a host;
         `ended()` runs once the launch has returned, before the wait for what it left."""
@@ -274,6 +281,9 @@ class Soak:
             where = "the job's steps (scancel --signal)" if launcher == "slurm" else f"the {launcher} launch on h0"
         elif reached and kind == "disk_full":
             fill(self.out)
+        if reached and kind == "launcher_term" and not self.ends_within(45):  # measured 1-5 s: stuck
+            print(f"launch {self.launches}: still running 45 s after its stop; stacks of the ranks "
+                  f"{dump_rank_stacks(2.0)} in its output")
         ended = []
         # the link back once the launch has returned: SLURM's step daemon on h1 reports its end to the controller
         outs = self.finish(ended=lambda: ended.append(time.monotonic()) or (

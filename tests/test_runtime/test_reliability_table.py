@@ -22,7 +22,7 @@ import time
 import pytest
 
 from conftest_runtime import COMMON, STEPS
-from proc_utils import children, process_group, reap, subreaper
+from proc_utils import children, dump_rank_stacks, process_group, reap, subreaper
 from runtime_utils import (REPO, env_for_children, exit_statuses, free_port, per_batch, read_jsonl, torchrun,
                            torchrun_exit_codes)
 
@@ -300,6 +300,7 @@ def test_launcher_gone_and_a_stuck_peer_every_rank_exits_4_after_the_grace(setup
         assert wait_for(lambda: (tmp_path / "status" / "rank1.hang").exists(), 240, proc), log_of(tmp_path)[-4000:]
         ranks += children(proc.pid)
         assert len(ranks) == 3, ranks
+        assert dump_rank_stacks(1.0, ranks) == ranks  # `kill -USR2`: each rank prints where it waits and goes on
         killed = time.time()  # before: a rank's exit is never timed from later than the kill
         os.kill(proc.pid, signal.SIGKILL)
         seen = {pid: reap(pid, GRACE_S + MARGIN_S + 15) for pid in ranks}  # orphaned: this process's children
@@ -313,6 +314,8 @@ def test_launcher_gone_and_a_stuck_peer_every_rank_exits_4_after_the_grace(setup
     assert all(GRACE_S <= t <= GRACE_S + MARGIN_S for t in took.values()), (took, log[-4000:])
     assert f"launcher gone {GRACE_S}s ago; exiting" in log, log[-4000:]
     assert not (tmp_path / "checkpoints" / "latest").exists()
+    # The stacks: the stuck rank in the fault's hang, the leader in the step's agreement waiting for it
+    assert log.count("in _run_module_as_main") == 3 and "in at_step" in log and "in agree" in log, log[-6000:]
     print(f"launcher SIGKILL with a stuck peer: seconds from the kill {took}")
 
 

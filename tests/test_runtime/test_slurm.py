@@ -23,6 +23,7 @@ import pytest
 
 from conftest_runtime import COMMON, HEARTBEAT_S, STEPS, assert_reference_losses
 from hosts import Hosts, hosts_or_skip, only_sshd_left
+from proc_utils import dump_rank_stacks
 from runtime_utils import (REPO, command_lines, env_for_children, exit_statuses, files_changed_since, per_batch,
                            read_jsonl)
 from slurm_cluster import SlurmCluster, unavailable
@@ -174,6 +175,8 @@ def test_a_time_limit_signal_checkpoints_requeues_and_trains_the_reference(setup
     while "[dflash-ds] stop requested (SIGTERM" not in _log(tmp_path, job) and time.monotonic() - limited < 120:
         time.sleep(0.1)
     signalled = time.monotonic() - limited
+    if signalled >= 120:  # stuck: every rank's stacks into the job's log, printed whole below the failure
+        print(f"ranks signalled for their stacks: {dump_rank_stacks(2.0)}\n{_log(tmp_path, job)}")
     r = slurm.client(["scontrol", "update", f"JobId={job}", "TimeLimit=30"])
     assert r.returncode == 0 and signalled < 120, (r.stderr, _log(tmp_path, job)[-4000:])
     print(f"time limit near: every rank stopped with its checkpoint {signalled:.1f} s later")
