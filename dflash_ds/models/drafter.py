@@ -74,20 +74,23 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(ctx).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return k.transpose(1, 2), v
 
+    def block_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries, keys and values of the block tokens x [B, L, H]: [B, heads, L, D] each (keys as the context's)."""
+        q = rope(self.q_norm(self.q_proj(x).view(*x.shape[:2], self.num_heads, self.head_dim)), cos, sin)
+        return (q.transpose(1, 2), *self.context_kv(x, cos, sin))
+
+    @staticmethod
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        """q [B, heads, L, D] over k, v [B, kv_heads, S, D] (grouped when fewer) -> [B, heads, L, D]."""
+        flex = mask is not None and not isinstance(mask, torch.Tensor)  # a flex_attention BlockMask
+        attention = run_flex if flex else F.scaled_dot_product_attention
+        return attention(q, k, v, mask, enable_gqa=k.shape[1] != q.shape[1])
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
                 ctx_v: torch.Tensor, mask: Any) -> torch.Tensor:
-        b, q_len, _ = x.shape
-        q = rope(self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)), cos, sin).transpose(1, 2)
-        k = rope(self.k_norm(self.k_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)), cos, sin).transpose(1, 2)
-        v = self.v_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        k = torch.cat([ctx_k, k], dim=2)
-        v = torch.cat([ctx_v, v], dim=2)
-        if mask is not None and not isinstance(mask, torch.Tensor):  # a flex_attention BlockMask
-            out = run_flex(q, k, v, mask, enable_gqa=self.num_kv_heads != self.num_heads)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                 enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        q, k, v = self.block_qkv(x, cos, sin)
+        out = self.attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
 class DrafterMLP(nn.Module):
@@ -355,9 +358,8 @@ class DFlashDrafter(nn.Module):
         w = int(self.arch.sliding_window)
         keep = min(k.shape[2], max(w - 1, 0))
         k, v = k[:, :, k.shape[2] - keep:], v[:, :, v.shape[2] - keep:]
-        dev = k.device
-        qpos = torch.arange(start, start + bs, device=dev)[:, None]
-        kpos = torch.arange(start - keep, start + bs, device=dev)[None, :]
+        qpos = torch.arange(start, start + bs, device=k.device)[:, None]
+        kpos = torch.arange(start - keep, start + bs, device=k.device)[None, :]
         return k, v, (kpos <= qpos) & (kpos > qpos - w)
 
     # ---- export format -------------------------------------------------------------------------
@@ -365,8 +367,7 @@ class DFlashDrafter(nn.Module):
         """Write config.json and model.safetensors in the reference layout (docs/DESIGN.md §2), in the weights' dtype."""
         from safetensors.torch import save_file
 
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        (out := Path(out_dir)).mkdir(parents=True, exist_ok=True)
         cfg = self.arch.to_json_dict()
         # The weights' dtype: serving engines take it under --dtype auto (SGLang turns a float32
         # config into float16); transformers 4.x loaders read torch_dtype.
@@ -384,8 +385,7 @@ class DFlashDrafter(nn.Module):
         from safetensors.torch import load_file
 
         path = Path(path)
-        arch = read_drafter_arch(path)
-        model = cls.empty(arch)  # every parameter is loaded below (checked)
+        model = cls.empty(read_drafter_arch(path))  # every parameter is loaded below (checked)
         weights = path / SAFETENSORS_NAME
         if not weights.is_file():
             raise DFlashError(f"drafter folder {path} has no {SAFETENSORS_NAME}")

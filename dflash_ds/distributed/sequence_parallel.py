@@ -1,0 +1,129 @@
+"""Sequence-parallel drafter forward (DeepSpeed's Ulysses all-to-all): one long sequence over N ranks (issue #56).
+
+A DFlash drafter's attention has two kinds of positions: the context (the target's hidden states, S positions,
+projected by `fc` and turned into keys/values by each layer; no query of its own) and the anchor blocks (A blocks of
+`bs` tokens: the queries, which also read each other's keys under the block mask). Everything but attention is per
+position, so under sequence parallelism each of N ranks holds 1/N of the context positions and 1/N of the anchor
+blocks, and runs fc, the norms, the projections, RoPE and the MLP on its share alone. For attention, DeepSpeed's
+Ulysses all-to-all (`deepspeed.sequence.layer._SeqAllToAll`, the exchange under its `DistributedAttention`) turns
+the sequence split into a head split: after it each rank holds every position of kv_heads/N key/value heads (and
+their query heads), attends under the same block mask as one rank would (built from every anchor: [A*bs, S+A*bs]),
+and a second all-to-all gives each rank its own positions back with every head. Context and block keys are
+exchanged separately, so the gathered order is [all context; all blocks], the order of the one-rank forward, and
+the mask is the one-rank mask. The result on each rank: its blocks' final hidden states, equal (fp32 round-off) to
+the one-rank forward's rows; gradients summed over the group equal the one-rank gradients when each rank's loss is
+its blocks' share of the global loss (`global_share`).
+
+What each N does: N must divide the key/value heads (Qwen3-8B preset: 8 -> N 1, 2, 4, 8; Qwen3.6-27B preset: 4 ->
+1, 2, 4; SmolLM2's drafter: 3 -> 1, 3); DeepSpeed's uneven-heads exchange (N > kv heads not allowed, N not dividing
+them) is not used here: the caller is refused with the head counts. The context and the anchors are padded to a
+multiple of N (`shard`): padded context positions lie past every anchor (never visible), padded anchors are 0 and
+their blocks are dropped by the caller (invalid: no label).
+
+Memory per rank at N (bf16, per layer): the context's projected states and keys/values S/N x (H + 2 kv D), the
+exchanged keys/values S x 2 (kv/N) D, and the dense mask (CPU and SDPA: A*bs x (S + A*bs) bytes, the same on every
+rank; flex on GPU builds a block mask instead). Qwen3-8B preset (H 4096, kv 8 x 128), S = 128K, N = 8: 128K/8 x
+(4096 + 2048) x 2 B = 201 MB of per-position states and 128K x 2 x 128 x 2 B = 64 MB exchanged a layer, against
+1.6 GB and 512 MB on one rank. Not yet here: the trainer's `topology` setting, the bridge sending each drafter rank
+its shard, activation checkpointing under SP (see issue #56).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dflash_ds.errors import DFlashError
+from dflash_ds.models.drafter_arch import SLIDING
+
+
+def _exchange(group, x: torch.Tensor, to_heads: bool, kv_heads: int) -> torch.Tensor:
+    """[B, L/N, heads, D] -> [B, L, heads/N, D] (`to_heads`), or back; differentiable (the reverse in backward)."""
+    from deepspeed.sequence.layer import _SeqAllToAll
+
+    scatter, gather = (2, 1) if to_heads else (1, 2)
+    return _SeqAllToAll.apply(group, x.contiguous(), scatter, gather, 0, None, None, None, True, kv_heads)
+
+
+def check_heads(num_kv_heads: int, size: int) -> None:
+    """The head split Ulysses needs: N divides the key/value heads (each rank one group of query heads)."""
+    if size < 1 or num_kv_heads % size:
+        raise DFlashError(f"sequence parallel size {size}: the drafter's {num_kv_heads} key/value heads must divide "
+                          f"by it (valid sizes: {[n for n in range(1, num_kv_heads + 1) if num_kv_heads % n == 0]})")
+
+
+def padded(n: int, size: int) -> int:
+    """`n` rounded up to a multiple of `size`."""
+    return math.ceil(n / size) * size
+
+
+def shard(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous 1/size of `t` along `dim`, zero-padded at the end to a multiple of `size`."""
+    n = t.shape[dim]
+    extra = padded(n, size) - n
+    if extra:
+        pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
+        t = F.pad(t, pad)
+    return t.chunk(size, dim=dim)[rank]
+
+
+def _layer(layer, x, cos, sin, ctx, ccos, csin, mask, group) -> torch.Tensor:
+    """One draft layer on this rank's blocks, its attention over every position of the sequence (see module doc)."""
+    attn = layer.self_attn
+    b, length, _ = x.shape
+    kv = attn.num_kv_heads
+    q, k, v = attn.block_qkv(layer.input_layernorm(x), cos, sin)  # [B, heads, L/N, D]
+    ck, cv = attn.context_kv(ctx, ccos, csin)  # [B, kv, S/N, D]
+    q, k, v, ck, cv = (_exchange(group, t.transpose(1, 2), True, kv) for t in (q, k, v, ck, cv))  # [B, *, h/N, D]
+    keys = torch.cat([ck, k], dim=1).transpose(1, 2)
+    values = torch.cat([cv, v], dim=1).transpose(1, 2)
+    out = attn.attend(q.transpose(1, 2), keys, values, mask)  # [B, heads/N, L, D]
+    out = _exchange(group, out.transpose(1, 2), False, kv)  # [B, L/N, heads, D]
+    x = x + attn.o_proj(out.reshape(b, length, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def forward_train_sp(drafter, context_shard: torch.Tensor, block_shard: torch.Tensor, anchors: torch.Tensor,
+                     group) -> torch.Tensor:
+    """This rank's blocks' final hidden states [B, A/N, bs, H] under sequence parallelism over `group`.
+
+    context_shard [B, S_pad/N, n*H]: this rank's contiguous share of the context features (`shard`, dim 1);
+    block_shard [B, A_pad/N, bs, H]: the embeddings of its share of the anchor blocks (`shard`, dim 1);
+    anchors [B, A_pad]: every anchor of the batch (padded with 0 to a multiple of N), the same on every rank.
+    DFlash's drafter (its attention reads [context, blocks]); other kinds are refused.
+    """
+    arch = drafter.arch
+    if arch.kind != "dflash":
+        raise DFlashError(f"sequence parallelism: kind {arch.kind!r} is not supported (DFlash only so far)")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    check_heads(arch.num_key_value_heads, size)
+    b, s_local, _ = context_shard.shape
+    _, a_local, bs, h = block_shard.shape
+    if anchors.shape[1] != a_local * size:
+        raise DFlashError(f"sequence parallelism: {anchors.shape[1]} anchors for {size} ranks of {a_local} blocks")
+    ctx = drafter.project_context(context_shard)
+    x = block_shard.reshape(b, a_local * bs, h)
+    offs = torch.arange(bs, device=anchors.device)
+    mine = anchors[:, rank * a_local:(rank + 1) * a_local]
+    pos = (mine[:, :, None] + offs).reshape(b, a_local * bs)
+    ctx_pos = torch.arange(rank * s_local, (rank + 1) * s_local, device=anchors.device).expand(b, s_local)
+    cos, sin = drafter._cos_sin(x, pos)
+    ccos, csin = drafter._cos_sin(x, ctx_pos)
+    use_flex = drafter.mask_backend == "flex" or (drafter.mask_backend == "auto" and block_shard.is_cuda)
+    masks = {kind: drafter.block_mask(anchors, s_local * size, bs, use_flex=use_flex,
+                                      sliding_window=arch.sliding_window if kind == SLIDING else None)
+             for kind in set(arch.layer_types)}
+    for layer, kind in zip(drafter.layers, arch.layer_types):
+        x = _layer(layer, x, cos, sin, ctx, ccos, csin, masks[kind], group)
+    return drafter.norm(x).view(b, a_local, bs, h)
+
+
+def global_share(loss: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+    """A rank's weighted-mean loss over its blocks -> its share of the group's weighted mean (sums to it over the
+    ranks, and so do the gradients): loss x (this rank's weight / every rank's weight)."""
+    total = weight.detach().clone()
+    dist.all_reduce(total, group=group)
+    return loss * (weight.detach() / total.clamp(min=1e-12))

@@ -1,0 +1,130 @@
+"""Sequence parallelism over gloo ranks (distributed/sequence_parallel.py, issue #56): N = 2 and 4 give the one-rank
+forward's hidden states, loss and gradients on one sequence of 16,411 context positions (a length no N divides)
+with 30 anchor blocks (no N divides either), a sliding-window layer among the full ones, at a tiny width."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import free_port_block, run_ranks
+
+S_CTX, N_ANCHORS, BS, H, V = 16_411, 30, 4, 32, 64
+TOL = 2e-5  # fp32: the same sums in another order (attention over exchanged heads, gradients summed over ranks)
+
+
+def _drafter():
+    from dflash_ds.models.drafter import DFlashDrafter
+    from dflash_ds.models.drafter_arch import DrafterArch
+
+    arch = DrafterArch(hidden_size=H, intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=8, vocab_size=V, rms_norm_eps=1e-6,
+                       max_position_embeddings=32_768, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                       block_size=BS, num_target_layers=8, mask_token_id=V - 1, target_layer_ids=[1, 5],
+                       layer_types=["full_attention", "sliding_attention", "full_attention"], sliding_window=512)
+    d = DFlashDrafter(arch)
+    d.init_weights(0, std=0.1)
+    return d.float().train()
+
+
+def _batch():
+    """Context features, block embeddings, anchors (sorted, spread over the sequence), labels, label validity."""
+    g = torch.Generator().manual_seed(1)
+    ctx = torch.randn(1, S_CTX, 2 * H, generator=g)
+    emb = torch.randn(1, N_ANCHORS, BS, H, generator=g)
+    anchors = torch.sort(torch.randperm(S_CTX - BS, generator=g)[:N_ANCHORS]).values[None]
+    labels = torch.randint(0, V, (N_ANCHORS, BS - 1), generator=g)
+    valid = torch.rand(N_ANCHORS, BS - 1, generator=g) > 0.2
+    head = torch.nn.Linear(H, V, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g) * 0.3)
+    return ctx, emb, anchors, labels, valid, head
+
+
+def _loss(hidden, head, labels, valid):
+    from dflash_ds.components.loss import chunked_dflash_loss
+
+    n = hidden.shape[0] * hidden.shape[1]
+    terms = chunked_dflash_loss(hidden[:, :, 1:].reshape(n, BS - 1, H), head, labels, valid, gamma=4.0, chunk_blocks=8)
+    return terms.loss, terms.weight_sum
+
+
+def _reference():
+    """The one-rank forward: hidden states, loss, gradients by parameter name."""
+    d = _drafter()
+    ctx, emb, anchors, labels, valid, head = _batch()
+    hidden = d.forward_train(ctx, emb, anchors, pad=False)
+    loss, _ = _loss(hidden, head, labels, valid)
+    loss.backward()
+    return hidden.detach(), loss.detach(), {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+
+
+def _sp_run(group, out: Path) -> None:
+    """This rank's share of the batch through `group` (SP = its size): its blocks' hidden states, the group's loss
+    and the gradients summed over the group, saved as out."""
+    import torch.distributed as dist
+
+    from dflash_ds.distributed.sequence_parallel import forward_train_sp, global_share, padded, shard
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    d = _drafter()
+    ctx, emb, anchors, labels, valid, head = _batch()
+    padded_anchors = torch.nn.functional.pad(anchors, (0, padded(N_ANCHORS, size) - N_ANCHORS))
+    labels, valid = shard(labels, 0, size, rank), shard(valid, 0, size, rank)  # padded blocks: no valid label
+    hidden = forward_train_sp(d, shard(ctx, 1, size, rank), shard(emb, 1, size, rank), padded_anchors, group)
+    loss, weight = _loss(hidden, head, labels, valid)
+    share = global_share(loss, weight, group)
+    share.backward()
+    grads = {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+    for g in grads.values():
+        dist.all_reduce(g, group=group)
+    total = share.detach().clone()
+    dist.all_reduce(total, group=group)
+    torch.save({"hidden": hidden.detach(), "loss": total, "grads": grads}, out)
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    """Four ranks: SP = 4 over all of them, then SP = 2 over the pairs (0, 1) and (2, 3)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    deepspeed.init_distributed("gloo")  # DeepSpeed's comm layer over the group (the exchange calls it)
+    try:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        _sp_run(None, Path(out) / f"sp4_{rank}.pt")
+        _sp_run(pairs[rank // 2], Path(out) / f"sp2_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(600)
+def test_sequence_parallel_equals_one_rank(tmp_path):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    torch.set_num_threads(1)
+    ref_hidden, ref_loss, ref_grads = _reference()
+    run_ranks(_rank, 4, (free_port_block(1), str(tmp_path)), tmp_path, timeout_s=300)
+    for size, ranks in ((4, [0, 1, 2, 3]), (2, [0, 1]), (2, [2, 3])):
+        per = [torch.load(tmp_path / f"sp{size}_{r}.pt") for r in ranks]
+        hidden = torch.cat([p["hidden"] for p in per], dim=1)[:, :N_ANCHORS]  # the ranks' blocks in order, unpadded
+        assert (hidden - ref_hidden).abs().max().item() < TOL, size
+        for p in per:  # every rank holds the same global loss and summed gradients
+            assert abs(p["loss"].item() - ref_loss.item()) < TOL, (size, p["loss"], ref_loss)
+            assert p["grads"].keys() == ref_grads.keys()
+            worst = {k: (p["grads"][k] - g).abs().max().item() / max(g.abs().max().item(), 1e-8)
+                     for k, g in ref_grads.items()}
+            assert max(worst.values()) < 1e-4, (size, worst)
+    assert ref_grads["layers.0.self_attn.k_proj.weight"].abs().max() > 0  # the context path carries gradient
+
+
+def test_sizes_the_heads_do_not_divide_are_refused():
+    from dflash_ds.errors import DFlashError
+    from dflash_ds.distributed.sequence_parallel import check_heads
+
+    check_heads(4, 2)
+    with pytest.raises(DFlashError, match=r"3 key/value heads must divide by it \(valid sizes: \[1, 3\]\)"):
+        check_heads(3, 2)
