@@ -82,6 +82,8 @@ def test_quick_start_runs_as_written(real_target: Path, tmp_path: Path):
 
     records = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == SMALL["train.steps"], records[-1]
+    # the recipe's model.init: target, said as the run starts (SmolLM2: 30 layers, the recipe's 2 draft layers)
+    assert "the draft layers start as the target's layers 28-29 of 30 (model.init: target)" in r.stdout, r.stdout[-6000:]
     summary = json.loads((out / "summary.json").read_text())
     export = Path(summary["export"])
     assert export == out / "run/checkpoints/step_00000006/export"

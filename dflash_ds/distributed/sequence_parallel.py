@@ -127,3 +127,40 @@ def global_share(loss: torch.Tensor, weight: torch.Tensor, group) -> torch.Tenso
     total = weight.detach().clone()
     dist.all_reduce(total, group=group)
     return loss * (weight.detach() / total.clamp(min=1e-12))
+
+
+def sp_objective(drafter, embed, lm_head, input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
+                 context_shard: torch.Tensor, loss_cfg, *, anchor_gen: torch.Generator, group):
+    """DFlash's objective (components/objective.drafter_objective) of one batch under sequence parallelism.
+
+    Every rank holds the batch's token ids, loss mask and lengths whole (S x 8 bytes: 1 MB at 128K) and its shard of
+    the context features (`shard(context, 1, N, rank)`). The anchors are drawn by the same sampler from the same
+    seed on every rank, so they are the one-rank anchors at every N; each rank runs its 1/N of the blocks and their
+    labels, and its loss is its share of the global weighted mean (`global_share`): every label counted once.
+    Returns the LossTerms of this rank's blocks with `loss` = that share. DFlash's cross-entropy terms; the terms
+    that read the target's distribution (KL, LK, target labels: the final hidden at every anchor) and context noise
+    are refused for now.
+    """
+    from dflash_ds.components.anchors import block_inputs_and_labels, sample_anchors
+    from dflash_ds.components.loss import chunked_dflash_loss, loss_knobs
+
+    if loss_cfg.needs_last_hidden:
+        raise DFlashError("sequence parallelism: the loss terms that read the target's distribution (KL, LK, "
+                          "target labels) are not supported yet")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    bs = drafter.arch.block_size
+    anchors, valid = sample_anchors(loss_mask, lengths, bs, loss_cfg.num_anchors, anchor_gen,
+                                    max_total=loss_cfg.max_anchors_per_batch)
+    blocks, labels, label_valid = block_inputs_and_labels(input_ids, loss_mask, lengths, anchors, valid, bs,
+                                                          drafter.arch.mask_token_id)
+    all_anchors = F.pad(anchors, (0, padded(anchors.shape[1], size) - anchors.shape[1]))
+    blocks, labels, label_valid = (shard(t, 1, size, rank) for t in (blocks, labels, label_valid))
+    with torch.no_grad():
+        block_embeds = embed(blocks)
+    hidden = forward_train_sp(drafter, context_shard, block_embeds.to(context_shard.dtype), all_anchors, group)
+    n = hidden.shape[0] * hidden.shape[1]
+    terms = chunked_dflash_loss(hidden[:, :, 1:].reshape(n, bs - 1, -1), lm_head, labels.reshape(n, bs - 1),
+                                label_valid.reshape(n, bs - 1), chunk_blocks=loss_cfg.chunk_blocks,
+                                **loss_knobs(loss_cfg))
+    terms.loss = global_share(terms.loss, terms.weight_sum, group)
+    return terms

@@ -166,7 +166,7 @@ def _announce_start(ctx: RoleContext, engine, resume: ResumePoint, start_step: i
     how = {"direct": "", "universal": f" (resharded from {resume.saved_drafters} drafter rank(s))"}
     print(f"[dflash-ds] {layout.describe()}; ZeRO-{engine.zero_optimization_stage()}; "
           f"{'resuming from ' + str(resume.path) + how[resume.mode] if resume.path else 'fresh start'} "
-          f"at step {start_step}", flush=True)
+          f"at step {start_step}{engine.module.init_note}", flush=True)
 
 
 def _open_monitor(cfg: Config, out: Path, start_step: int) -> Monitor:

@@ -253,6 +253,10 @@ def build_drafter_engine(cfg: Config, arch: DrafterArch, dtype: torch.dtype, dev
     set_fuse_mode(cfg.train.fuse)
     module = DrafterTrainModule(drafter, embed, head)
     module.checkpointing_reason = ckpt.why
+    fresh_from_target = not resuming and not cfg.drafter and cfg.model.init == "target"
+    n, total = arch.num_hidden_layers, arch.num_target_layers
+    module.init_note = (f"; the draft layers start as the target's layers {total - n}-{total - 1} of {total} "
+                        f"(model.init: target)") if fresh_from_target else ""
     ds = load_ds_config(resolve_ds_config(cfg), cfg, bf16=dtype == torch.bfloat16, accumulation=accumulation,
                         load_universal=universal)
     return build_engine(module, cfg, ds)

@@ -1,6 +1,8 @@
 """Sequence parallelism over gloo ranks (distributed/sequence_parallel.py, issue #56): N = 2 and 4 give the one-rank
 forward's hidden states, loss and gradients on one sequence of 16,411 context positions (a length no N divides)
-with 30 anchor blocks (no N divides either), a sliding-window layer among the full ones, at a tiny width."""
+with 30 anchor blocks (no N divides either), a sliding-window layer among the full ones, at a tiny width; and the
+whole objective (anchors drawn by the real sampler on every rank, blocks and labels sharded) gives
+components/objective.drafter_objective's loss and gradients."""
 
 from __future__ import annotations
 
@@ -44,6 +46,19 @@ def _batch():
     return ctx, emb, anchors, labels, valid, head
 
 
+def _objective_inputs():
+    """Token ids, loss mask (the first 300 positions a prompt), lengths, the embedding, the loss settings."""
+    from dflash_ds.config import LossConfig
+
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V - 1, (1, S_CTX), generator=g)
+    mask = (torch.arange(S_CTX) >= 300).long()[None]
+    embed = torch.nn.Embedding(V, H)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(V, H, generator=g))
+    return ids, mask, torch.tensor([S_CTX]), embed, LossConfig(num_anchors=N_ANCHORS, chunk_blocks=8)
+
+
 def _loss(hidden, head, labels, valid):
     from dflash_ds.components.loss import chunked_dflash_loss
 
@@ -52,14 +67,26 @@ def _loss(hidden, head, labels, valid):
     return terms.loss, terms.weight_sum
 
 
+def _grads(d) -> dict:
+    return {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+
+
 def _reference():
-    """The one-rank forward: hidden states, loss, gradients by parameter name."""
+    """The one-rank forward: hidden states, loss, gradients by parameter name; the objective's loss and gradients."""
+    from dflash_ds.components.objective import TargetStates, drafter_objective
+
     d = _drafter()
     ctx, emb, anchors, labels, valid, head = _batch()
     hidden = d.forward_train(ctx, emb, anchors, pad=False)
     loss, _ = _loss(hidden, head, labels, valid)
     loss.backward()
-    return hidden.detach(), loss.detach(), {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+    forward = hidden.detach(), loss.detach(), _grads(d)
+    d = _drafter()
+    ids, mask, lengths, embed, loss_cfg = _objective_inputs()
+    terms, _ = drafter_objective(d, embed, head, TargetStates(ids, mask, lengths, ctx, None), loss_cfg,
+                                 anchor_gen=torch.Generator().manual_seed(7))
+    terms.loss.backward()
+    return forward, (terms.loss.detach(), _grads(d))
 
 
 def _sp_run(group, out: Path) -> None:
@@ -78,12 +105,33 @@ def _sp_run(group, out: Path) -> None:
     loss, weight = _loss(hidden, head, labels, valid)
     share = global_share(loss, weight, group)
     share.backward()
-    grads = {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
+    grads = _grads(d)
     for g in grads.values():
         dist.all_reduce(g, group=group)
     total = share.detach().clone()
     dist.all_reduce(total, group=group)
     torch.save({"hidden": hidden.detach(), "loss": total, "grads": grads}, out)
+
+
+def _sp_objective_run(group, out: Path) -> None:
+    """The whole objective under SP over `group`: the group's loss and its summed gradients, saved as out."""
+    import torch.distributed as dist
+
+    from dflash_ds.distributed.sequence_parallel import shard, sp_objective
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    d = _drafter()
+    ctx, *_, head = _batch()
+    ids, mask, lengths, embed, loss_cfg = _objective_inputs()
+    terms = sp_objective(d, embed, head, ids, mask, lengths, shard(ctx, 1, size, rank), loss_cfg,
+                         anchor_gen=torch.Generator().manual_seed(7), group=group)
+    terms.loss.backward()
+    grads = _grads(d)
+    for g in grads.values():
+        dist.all_reduce(g, group=group)
+    total = terms.loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    torch.save({"loss": total, "grads": grads}, out)
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -98,6 +146,8 @@ def _rank(rank: int, port: int, out: str) -> None:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         _sp_run(None, Path(out) / f"sp4_{rank}.pt")
         _sp_run(pairs[rank // 2], Path(out) / f"sp2_{rank}.pt")
+        _sp_objective_run(None, Path(out) / f"obj4_{rank}.pt")
+        _sp_objective_run(pairs[rank // 2], Path(out) / f"obj2_{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -106,19 +156,25 @@ def _rank(rank: int, port: int, out: str) -> None:
 def test_sequence_parallel_equals_one_rank(tmp_path):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(1)
-    ref_hidden, ref_loss, ref_grads = _reference()
+    (ref_hidden, ref_loss, ref_grads), (obj_loss, obj_grads) = _reference()
     run_ranks(_rank, 4, (free_port_block(1), str(tmp_path)), tmp_path, timeout_s=300)
     for size, ranks in ((4, [0, 1, 2, 3]), (2, [0, 1]), (2, [2, 3])):
         per = [torch.load(tmp_path / f"sp{size}_{r}.pt") for r in ranks]
         hidden = torch.cat([p["hidden"] for p in per], dim=1)[:, :N_ANCHORS]  # the ranks' blocks in order, unpadded
         assert (hidden - ref_hidden).abs().max().item() < TOL, size
         for p in per:  # every rank holds the same global loss and summed gradients
-            assert abs(p["loss"].item() - ref_loss.item()) < TOL, (size, p["loss"], ref_loss)
-            assert p["grads"].keys() == ref_grads.keys()
-            worst = {k: (p["grads"][k] - g).abs().max().item() / max(g.abs().max().item(), 1e-8)
-                     for k, g in ref_grads.items()}
-            assert max(worst.values()) < 1e-4, (size, worst)
+            _same(p, ref_loss, ref_grads, size)
+        for r in ranks:  # the whole objective: the sampler's anchors, the labels sharded, each counted once
+            _same(torch.load(tmp_path / f"obj{size}_{r}.pt"), obj_loss, obj_grads, f"objective at {size}")
     assert ref_grads["layers.0.self_attn.k_proj.weight"].abs().max() > 0  # the context path carries gradient
+    assert obj_loss.item() > 0 and obj_grads["fc.weight"].abs().max() > 0
+
+
+def _same(got: dict, loss: torch.Tensor, grads: dict, what) -> None:
+    assert abs(got["loss"].item() - loss.item()) < TOL, (what, got["loss"], loss)
+    assert got["grads"].keys() == grads.keys(), what
+    worst = {k: (got["grads"][k] - g).abs().max().item() / max(g.abs().max().item(), 1e-8) for k, g in grads.items()}
+    assert max(worst.values()) < 1e-4, (what, worst)
 
 
 def test_sizes_the_heads_do_not_divide_are_refused():
