@@ -249,7 +249,7 @@ if __name__ == "__main__":
 
 
 def dump_rank_stacks(wait_s: float = 1.0, pids: list[int] | None = None) -> list[int]:
-    """Each training rank in `pids`, or every one of this machine (`python -m dflash_ds.train`, any host namespace),
+    """Each training rank in `pids` (`wait_s` after each), or every one of this machine (`python -m dflash_ds.train`, any host namespace),
     prints its threads' stacks to its own stderr and goes on (SIGUSR2: dflash_ds/train.py); the pids signalled.
     For a test about to fail on a stuck job: the stacks land in the job's log, which the test then prints."""
     if pids is None:
@@ -263,9 +263,9 @@ def dump_rank_stacks(wait_s: float = 1.0, pids: list[int] | None = None) -> list
             if b"dflash_ds.train" in argv and b"-m" in argv and not launcher:
                 pids.append(int(entry))
     signalled = []
-    for pid in pids:
+    for pid in pids:  # one at a time: ranks sharing a log would interleave their stacks line by line
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGUSR2)
             signalled.append(pid)
-    time.sleep(wait_s)
+            time.sleep(wait_s)
     return signalled
