@@ -42,6 +42,7 @@ class AblationConfig:
     block_size: int = 8
     seed: int = 0  # drafter init and anchor draws
     mask_token_id: int | None = None  # None: init-drafter's choice (a target without a mask token needs one)
+    layers_from_target: bool = False  # the draft layers start as the target's last ones (the trainer's model.init: target)
 
 
 def encode_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
@@ -110,7 +111,8 @@ def train_drafter(target, target_dir: str | Path, seqs: list[tuple[list[int], li
     # Trained in fp32 whatever the export's dtype (a bf16 target's drafter is saved in bf16): AdamW on bf16 weights
     # loses small updates.
     drafter = init_drafter(target_dir, out_dir, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                           mask_token_id=cfg.mask_token_id, seed=cfg.seed, force=True, options=options).float()
+                           mask_token_id=cfg.mask_token_id, seed=cfg.seed, force=True, options=options,
+                           layers_from_target=cfg.layers_from_target).float()
     if states is None:
         states = target_states(target, seqs, drafter.arch.target_layer_ids, shift)
     device = states.context.device
@@ -160,11 +162,13 @@ def held_out_tau(target, drafter: DFlashDrafter, prompts: list[list[int]], refer
 
 
 def context_ablation(target_dir: str | Path, work_dir: str | Path, cfg: AblationConfig | None = None,
-                     prompt_rows: Callable[..., list[dict]] | None = None) -> dict:
+                     prompt_rows: Callable[..., list[dict]] | None = None,
+                     run_map: Callable[[Callable, list], list] | None = None) -> dict:
     """Held-out tau of the normal, zeroed-fc and shifted-context drafters, and seconds per phase.
 
     `prompt_rows(num, seed)` gives prompt rows (default: `quality_prompts`); training uses seed 1000 + cfg.seed,
-    evaluation seed 0, so the held-out prompts never train.
+    evaluation seed 0, so the held-out prompts never train. `run_map(work, parts)`: how the two trainings (normal,
+    shifted; each with its evaluations) run, e.g. one forked process each (default: in order, here).
     """
     from transformers import AutoTokenizer
 
@@ -183,17 +187,28 @@ def context_ablation(target_dir: str | Path, work_dir: str | Path, cfg: Ablation
     seqs = list(zip(train, greedy_answers(target, train, cfg.max_new_tokens, eos)))
     references = [greedy_generate(target, p, cfg.max_new_tokens, eos) for p in held_out]
     seconds = {"answers": time.perf_counter() - clock}
-    result: dict = {}
-    for name, shift in (("normal", 0), ("shifted", 1)):
-        clock = time.perf_counter()
+
+    def one(run: tuple[str, int]) -> tuple[dict, dict]:
+        name, shift = run
+        taus, clock = {}, time.perf_counter()
         drafter = train_drafter(target, target_dir, seqs, cfg, work / name, shift=shift)
-        seconds[f"train_{name}"] = time.perf_counter() - clock
+        secs = {f"train_{name}": time.perf_counter() - clock}
         clock = time.perf_counter()
-        result[name] = held_out_tau(target, drafter, held_out, references, cfg.max_new_tokens)
+        taus[name] = held_out_tau(target, drafter, held_out, references, cfg.max_new_tokens)
         if name == "normal":
             with torch.no_grad():
                 drafter.fc.weight.zero_()
-            result["zero_fc"] = held_out_tau(target, drafter, held_out, references, cfg.max_new_tokens)
-        seconds[f"eval_{name}"] = time.perf_counter() - clock
+            taus["zero_fc"] = held_out_tau(target, drafter, held_out, references, cfg.max_new_tokens)
+        secs[f"eval_{name}"] = time.perf_counter() - clock
+        return taus, secs
+
+    result: dict = {}
+    for taus, secs in (run_map or _in_order)(one, [("normal", 0), ("shifted", 1)]):
+        result.update(taus)
+        seconds.update(secs)
     result["seconds"] = seconds
     return result
+
+
+def _in_order(work: Callable, parts: list) -> list:
+    return [work(part) for part in parts]

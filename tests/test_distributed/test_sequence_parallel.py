@@ -1,7 +1,8 @@
 """Sequence parallelism over gloo ranks (distributed/sequence_parallel.py, issue #56): N = 2 and 4 give the one-rank
 forward's hidden states, loss and gradients on one sequence of 16,411 context positions (a length no N divides)
-with 30 anchor blocks (no N divides either), a sliding-window layer among the full ones, at a tiny width; and the
-whole objective (anchors drawn by the real sampler on every rank, blocks and labels sharded) gives
+with 30 anchor blocks (no N divides either), a sliding-window layer among the full ones, at a tiny width, the
+memory a rank keeps for backward falling as 1/N (measured: autograd's saved tensors); and the whole objective
+(anchors drawn by the real sampler on every rank, blocks and labels sharded) gives
 components/objective.drafter_objective's loss and gradients."""
 
 from __future__ import annotations
@@ -16,6 +17,30 @@ from dist_utils import free_port_block, run_ranks
 
 S_CTX, N_ANCHORS, BS, H, V = 16_411, 30, 4, 32, 64
 TOL = 2e-5  # fp32: the same sums in another order (attention over exchanged heads, gradients summed over ranks)
+
+
+class SavedBytes:
+    """The bytes autograd keeps for backward while active (each storage once): a rank's activation memory."""
+
+    def __init__(self):
+        self.storages: dict[int, int] = {}
+
+    def __enter__(self):
+        def pack(t):
+            if t.device.type == "cpu" and t.untyped_storage().nbytes():
+                self.storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
 
 
 def _drafter():
@@ -77,10 +102,11 @@ def _reference():
 
     d = _drafter()
     ctx, emb, anchors, labels, valid, head = _batch()
-    hidden = d.forward_train(ctx, emb, anchors, pad=False)
+    with SavedBytes() as saved:
+        hidden = d.forward_train(ctx, emb, anchors, pad=False)
     loss, _ = _loss(hidden, head, labels, valid)
     loss.backward()
-    forward = hidden.detach(), loss.detach(), _grads(d)
+    forward = hidden.detach(), loss.detach(), _grads(d), saved.total
     d = _drafter()
     ids, mask, lengths, embed, loss_cfg = _objective_inputs()
     terms, _ = drafter_objective(d, embed, head, TargetStates(ids, mask, lengths, ctx, None), loss_cfg,
@@ -101,7 +127,10 @@ def _sp_run(group, out: Path) -> None:
     ctx, emb, anchors, labels, valid, head = _batch()
     padded_anchors = torch.nn.functional.pad(anchors, (0, padded(N_ANCHORS, size) - N_ANCHORS))
     labels, valid = shard(labels, 0, size, rank), shard(valid, 0, size, rank)  # padded blocks: no valid label
-    hidden = forward_train_sp(d, shard(ctx, 1, size, rank), shard(emb, 1, size, rank), padded_anchors, group)
+    # clones: a rank receives its shard alone (a view would keep the whole sequence's storage)
+    ctx, emb = shard(ctx, 1, size, rank).clone(), shard(emb, 1, size, rank).clone()
+    with SavedBytes() as saved:
+        hidden = forward_train_sp(d, ctx, emb, padded_anchors, group)
     loss, weight = _loss(hidden, head, labels, valid)
     share = global_share(loss, weight, group)
     share.backward()
@@ -110,7 +139,7 @@ def _sp_run(group, out: Path) -> None:
         dist.all_reduce(g, group=group)
     total = share.detach().clone()
     dist.all_reduce(total, group=group)
-    torch.save({"hidden": hidden.detach(), "loss": total, "grads": grads}, out)
+    torch.save({"hidden": hidden.detach(), "loss": total, "grads": grads, "saved": saved.total}, out)
 
 
 def _sp_objective_run(group, out: Path) -> None:
@@ -156,7 +185,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 def test_sequence_parallel_equals_one_rank(tmp_path):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(1)
-    (ref_hidden, ref_loss, ref_grads), (obj_loss, obj_grads) = _reference()
+    (ref_hidden, ref_loss, ref_grads, ref_saved), (obj_loss, obj_grads) = _reference()
     run_ranks(_rank, 4, (free_port_block(1), str(tmp_path)), tmp_path, timeout_s=300)
     for size, ranks in ((4, [0, 1, 2, 3]), (2, [0, 1]), (2, [2, 3])):
         per = [torch.load(tmp_path / f"sp{size}_{r}.pt") for r in ranks]
@@ -164,10 +193,26 @@ def test_sequence_parallel_equals_one_rank(tmp_path):
         assert (hidden - ref_hidden).abs().max().item() < TOL, size
         for p in per:  # every rank holds the same global loss and summed gradients
             _same(p, ref_loss, ref_grads, size)
+        # The memory a rank keeps for backward falls as 1/N but for the dense masks (one a layer, the same on
+        # every rank: CPU's SDPA path; see distributed/sequence_parallel.py). Measured 2026-12-06, without the masks:
+        # 39.0 MB at one rank, 19.6 at SP 2, 9.9 at SP 4; the masks 23.8-25.4 MB (fp32, one a layer).
+        saved = max(p["saved"] for p in per)
+        assert saved - _mask_bytes(size) < (ref_saved - _mask_bytes(1)) * 1.1 / size, (size, saved, ref_saved)
+        print(f"SP {size}: {saved / 1e6:.1f} MB kept for backward a rank, {_mask_bytes(size) / 1e6:.1f} MB of it masks "
+              f"(one rank: {ref_saved / 1e6:.1f}, {_mask_bytes(1) / 1e6:.1f})")
         for r in ranks:  # the whole objective: the sampler's anchors, the labels sharded, each counted once
             _same(torch.load(tmp_path / f"obj{size}_{r}.pt"), obj_loss, obj_grads, f"objective at {size}")
     assert ref_grads["layers.0.self_attn.k_proj.weight"].abs().max() > 0  # the context path carries gradient
     assert obj_loss.item() > 0 and obj_grads["fc.weight"].abs().max() > 0
+
+
+def _mask_bytes(size: int) -> int:
+    """The masks' bytes autograd keeps at SP `size`: SDPA's fp32 copy of the boolean [A*bs, S + A*bs] mask in each of
+    the 3 layers (memory/model.py's "attention_mask"), A and S padded to `size`."""
+    from dflash_ds.distributed.sequence_parallel import padded
+
+    queries = padded(N_ANCHORS, size) * BS
+    return 3 * queries * (padded(S_CTX, size) + queries) * 4
 
 
 def _same(got: dict, loss: torch.Tensor, grads: dict, what) -> None:
