@@ -136,9 +136,13 @@ def longest_fit(cfg: dict[str, Any], run: LongRun, role: str, ranks: int, target
                 limit_bytes: float, step: int = 1024, cap: int = 1 << 21, kind: str = "dflash") -> int:
     """The longest multiple of `step` tokens (<= cap) whose rank total fits `limit_bytes`; 0 when none does.
     Every term grows with L, so the search bisects."""
-    def fits(n: int) -> bool:
-        return sum(rank_terms(cfg, n, run, role, ranks, target_weight_bytes, kind).values()) <= limit_bytes
+    return bisect_length(lambda n: sum(rank_terms(cfg, n, run, role, ranks, target_weight_bytes, kind).values())
+                         <= limit_bytes, step, cap)
 
+
+def bisect_length(fits, step: int = 1024, cap: int = 1 << 21) -> int:
+    """The longest multiple of `step` (<= cap) for which `fits(length)` holds, `fits` falling once false (every
+    term grows with L); 0 when none does."""
     lo, hi = 0, cap // step
     while lo < hi:
         mid = (lo + hi + 1) // 2

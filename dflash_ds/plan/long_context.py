@@ -12,6 +12,7 @@ from typing import Any
 
 from dflash_ds.config import DrafterConfig, LossConfig
 from dflash_ds.memory import long_context as lc
+from dflash_ds.memory import sequence_parallel as lsp
 from dflash_ds.memory import shapes
 
 GB = 1e9
@@ -55,6 +56,9 @@ def long_context(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: in
         longest = lc.longest_fit(cfg, run, role, ranks, w, limit, kind=kind)
         rows.append({"role": role, "ranks": ranks, "bytes": total, "terms": terms, "longest": longest,
                      "fits": total <= limit})
+        if role == "drafter":  # what sequence parallelism over these ranks would hold (model only, not built)
+            rows[-1]["sp_longest"] = {n: lsp.longest_fit(cfg, run, n, ranks, limit, kind)
+                                      for n in lsp.sp_sizes(lc.drafter_at(cfg, run, kind).kv_heads, ranks)}
         if total > limit:
             warnings.append(f"{_name(role, ranks)} does NOT hold {L:,} tokens: {total / GB:,.2f} GB > "
                             f"{args.gpu_memory_gb:g} - {args.headroom_gb:g} GB headroom; it holds "
@@ -86,5 +90,8 @@ def long_context_lines(lc_out: dict[str, Any]) -> list[str]:
         lines.append(f"  {_name(r['role'], r['ranks']):<34} {r['bytes'] / GB:8.2f} GB: {verdict}; longest that fits "
                      f"{r['longest']:,} tokens")
         lines += [f"      {name:<28} {v / GB:8.2f}" for name, v in r["terms"].items()]
+        if len(r.get("sp_longest") or {}) > 1:
+            lines.append("      with sequence parallelism over these ranks, kl off (by the model; the trainer does not "
+                         "run it yet): longest " + ", ".join(f"SP {n} {v:,}" for n, v in r["sp_longest"].items()))
     lines += [f"  warning: {w}" for w in lc_out["warnings"]]
     return lines

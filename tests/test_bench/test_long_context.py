@@ -118,3 +118,41 @@ def test_the_model_meets_the_measured_cpu_peaks_at_a_tiny_target(tmp_path) -> No
         assert r["forward_predicted"] == 13 * n * hb + 2 * n * 32 * 4
         assert abs(r["forward_predicted"] / r["forward_measured"] - 1) < 0.10, r
         assert abs(r["step_predicted"] / r["step_measured"] - 1) < 0.10, r
+
+
+def test_a_drafter_rank_under_sequence_parallelism_by_hand(capsys) -> None:
+    """memory/sequence_parallel.py: SP 1 is the one-rank drafter (kl off); SP 2 at 64K halves the per-position and
+    per-block terms (the micro-step at S = 32K, A = 256) and adds the whole mask, the exchanged heads and the ids."""
+    from dataclasses import replace
+
+    from dflash_ds.errors import DFlashError
+    from dflash_ds.memory import sequence_parallel as sp
+
+    plain = replace(RUN, kl=False)
+    assert sp.drafter_rank_terms(Q8, L, RUN, 1, 8) == lc.rank_terms(Q8, L, plain, "drafter", 8, 0.0)
+    two = sp.drafter_rank_terms(Q8, L, RUN, 2, 8)
+    d = lc.drafter_at(Q8, plain)
+    half = mm.StepShape(batch=1, seq_len=L // 2, anchors_per_row=256, chunk_blocks=64, kl=False, dtype_bytes=2,
+                        checkpointing=True, dense_mask=False, cuda=True)
+    assert two["micro_step_peak"] == mm.micro_step_peak(d, half, param_grads=False)
+    assert two["payload_buffers"] == 8 * (L // 2) * 5 * 4096 * 2  # 8 receive buffers of 32K x 5 layers, bf16
+    t = 512 * 16
+    # keys/values of every position (4 of 8 kv heads), queries and output of every block token (16 of 32 heads),
+    # and their gradients: 2 x ((65,536 + 8,192) x 2 x 4 + 2 x 8,192 x 16) x 128 x 2 bytes
+    assert two["sp_exchange"] == 2 * ((L + t) * 2 * 4 + 2 * t * 16) * 128 * 2
+    assert two["sequence_ids"] == 16 * L
+    assert two["block_mask_whole"] == mm.flex_block_mask_bytes(1, t, L + t) - mm.flex_block_mask_bytes(
+        1, t // 2, L // 2 + t // 2)
+    # what a rank holds falls with N and the longest sequence grows: Qwen3-8B, 8 drafter ranks, 72 GB
+    totals = [sum(sp.drafter_rank_terms(Q8, 131072, RUN, n, 8).values()) / 1e9 for n in (1, 2, 4, 8)]
+    assert [round(x, 1) for x in totals] == [58.6, 33.2, 20.5, 14.4]  # docs/MEMORY.md, "Sequence parallelism"
+    longest = [sp.longest_fit(Q8, RUN, n, 8, 72e9) for n in (1, 2, 4, 8)]
+    assert longest == sorted(longest) and longest[0] == 156672 and longest[-1] > 8 * 131072
+    assert sp.sp_sizes(4, 8) == [1, 2, 4]  # Qwen3.6-27B's drafter: 4 key/value heads, no SP 8
+    with pytest.raises(DFlashError, match="4 key/value heads must divide by it"):
+        sp.drafter_rank_terms(PRESETS["qwen3.6-27b"], L, RUN, 8, 8)
+    # plan's drafter row: the longest per SP size its drafter ranks allow (9 GPUs, no rates: 8 drafter ranks)
+    assert main(["plan", "--gpus", "9", "--preset", "qwen3-8b", "--target-params-b", "8.2", "--seq-len", "131072",
+                 "--json"]) == 0
+    rows = {r["role"]: r for r in json.loads(capsys.readouterr().out)["long_context"]["rows"]}
+    assert rows["drafter"]["sp_longest"] == {str(n): v for n, v in zip((1, 2, 4, 8), longest)}

@@ -1,0 +1,68 @@
+"""A drafter rank's bytes at one long sequence split over N ranks (distributed/sequence_parallel.py, issue #56).
+
+By the model only: the trainer does not run sequence parallelism yet. What N changes, counted from
+`forward_train_sp` and `sp_objective` at the GPU shape `long_context.step_at` prices (bf16, flex, every layer
+recomputed):
+
+- per position, 1/N: the bridge's receive buffers (each rank receives its L/N positions), the RoPE tables, the
+  projected context, the context keys/values of the recomputed layer, the context's gradient; per block, 1/N:
+  the block tokens' activations and the chunked loss (each rank its A/N anchor blocks): memory/model.py's
+  micro-step at S = ceil(L/N), A = ceil(A_total/N);
+- not split: the flex block mask, which every rank builds over every anchor and the whole sequence, and the
+  batch's token ids and loss mask, held whole on every rank for the anchor sampler (2 x 8 bytes a position);
+- added: the all-to-all's gathered tensors in the recomputed layer, every position's keys and values of kv/N
+  heads and every block token's queries and output of nh/N heads, and as much again in their gradients in the
+  layer's backward: 2 x ((L + T) x 2 kv/N + 2 T x nh/N) x d x b, T = A_total x bs.
+
+KL and the other terms that read the target's distribution are not run under SP (`sp_objective` refuses them), so
+an SP rank is priced without the final hidden (`kl` off) whatever `run.kl` says; compare SP sizes at kl off.
+Qwen3-8B preset at 128K, 8 drafter ranks, ZeRO-2, kl off: a drafter rank holds 58.6 GB at SP 1 (43.0 of it the
+bridge's 8 receive buffers), 33.2 at SP 2, 20.5 at SP 4, 14.4 at SP 8 (docs/MEMORY.md, "Sequence parallelism")."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+from dflash_ds.memory import long_context as lc
+from dflash_ds.memory import model as mm
+
+ID_BYTES = 16  # a position's token id and loss-mask entry, int64 each, held whole on every SP rank
+
+
+def sp_sizes(kv_heads: int, most: int) -> list[int]:
+    """The SP sizes a drafter of `kv_heads` key/value heads allows up to `most` ranks (N divides the heads)."""
+    return [n for n in range(1, min(kv_heads, most) + 1) if kv_heads % n == 0]
+
+
+def drafter_rank_terms(cfg: dict[str, Any], seq_len: int, run: lc.LongRun, sp: int, ranks: int,
+                       kind: str = "dflash") -> dict[str, float]:
+    """Named bytes of one drafter rank (ZeRO over `ranks` drafter ranks) at one sequence of `seq_len` tokens split
+    over `sp` of them. At sp = 1 with `run.kl` off, `long_context.rank_terms`' drafter terms exactly."""
+    from dflash_ds.distributed.sequence_parallel import check_heads
+
+    run = replace(run, kl=False)
+    d = lc.drafter_at(cfg, run, kind)
+    check_heads(d.kv_heads, sp)
+    full = lc.step_at(seq_len, run)
+    local = replace(full, seq_len=math.ceil(seq_len / sp), anchors_per_row=math.ceil(full.anchors_per_row / sp))
+    terms = {**mm.static_terms(d, local.seq_len, run.zero_stage, ranks, kl=False),
+             "micro_step_peak": mm.micro_step_peak(d, local, param_grads=False)}
+    if sp == 1:
+        return terms
+    s_pad, t_all = local.seq_len * sp, local.anchors_per_row * sp * d.block_size
+    # the mask over every anchor and the whole sequence, in place of the micro-step's local one
+    terms["block_mask_whole"] = (mm.flex_block_mask_bytes(1, t_all, s_pad + t_all)
+                                 - mm.flex_block_mask_bytes(1, local.anchors_per_row * d.block_size,
+                                                            local.seq_len + local.anchors_per_row * d.block_size))
+    gathered = ((s_pad + t_all) * 2 * d.kv_heads + 2 * t_all * d.heads) // sp * d.head_dim * run.dtype_bytes
+    terms["sp_exchange"] = 2 * gathered
+    terms["sequence_ids"] = ID_BYTES * seq_len
+    return terms
+
+
+def longest_fit(cfg: dict[str, Any], run: lc.LongRun, sp: int, ranks: int, limit_bytes: float,
+                kind: str = "dflash") -> int:
+    """The longest multiple of 1,024 tokens a drafter rank holds at SP `sp` within `limit_bytes` (0: none)."""
+    return lc.bisect_length(lambda n: sum(drafter_rank_terms(cfg, n, run, sp, ranks, kind).values()) <= limit_bytes)
