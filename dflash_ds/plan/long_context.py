@@ -56,13 +56,19 @@ def long_context(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: in
         longest = lc.longest_fit(cfg, run, role, ranks, w, limit, kind=kind)
         rows.append({"role": role, "ranks": ranks, "bytes": total, "terms": terms, "longest": longest,
                      "fits": total <= limit})
+        sp_note = ""
         if role == "drafter":  # what sequence parallelism over these ranks would hold (model only, not built)
-            rows[-1]["sp_longest"] = {n: lsp.longest_fit(cfg, run, n, ranks, limit, kind)
-                                      for n in lsp.sp_sizes(lc.drafter_at(cfg, run, kind).kv_heads, ranks)}
+            sp_longest = {n: lsp.longest_fit(cfg, run, n, ranks, limit, kind)
+                          for n in lsp.sp_sizes(lc.drafter_at(cfg, run, kind).kv_heads, ranks)}
+            needed = next((n for n, most in sp_longest.items() if most >= L), None)
+            rows[-1].update(sp_longest=sp_longest, sp_needed=needed)
+            sp_note = ("" if needed is None else "; without KL it would hold it" if needed == 1 else
+                       f"; by the model, sequence parallelism of {needed} over these ranks would hold it without KL "
+                       "(not in the trainer yet, issue 56)")
         if total > limit:
             warnings.append(f"{_name(role, ranks)} does NOT hold {L:,} tokens: {total / GB:,.2f} GB > "
                             f"{args.gpu_memory_gb:g} - {args.headroom_gb:g} GB headroom; it holds "
-                            + (f"up to {longest:,}" if longest else "no sequence at all"))
+                            + (f"up to {longest:,}" if longest else "no sequence at all") + sp_note)
     fit = {r["role"]: r["fits"] for r in rows}
     if fit.get("colocated") is False and (fit.get("drafter") is False or fit.get("target") is False):
         warnings.append(f"no layout trains {L:,}-token sequences on {args.gpu_memory_gb:g} GB GPUs today: sequence "

@@ -156,3 +156,12 @@ def test_a_drafter_rank_under_sequence_parallelism_by_hand(capsys) -> None:
                  "--json"]) == 0
     rows = {r["role"]: r for r in json.loads(capsys.readouterr().out)["long_context"]["rows"]}
     assert rows["drafter"]["sp_longest"] == {str(n): v for n, v in zip((1, 2, 4, 8), longest)}
+    assert rows["drafter"]["sp_needed"] == 1  # the smallest SP size that holds 128K: 1, none needed
+    # Qwen3.6-27B at 128K on 8 GPUs: its 7 drafter ranks do not (87,040 tokens with KL, 114,688 without); SP 2 would
+    assert main(["plan", "--gpus", "8", "--preset", "qwen3.6-27b", "--target-params-b", "27", "--seq-len", "131072",
+                 "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["long_context"]
+    drafter = {r["role"]: r for r in p["rows"]}["drafter"]
+    assert drafter["sp_needed"] == 2 and drafter["sp_longest"] == {"1": 114688, "2": 230400, "4": 460800}
+    assert any("up to 87,040; by the model, sequence parallelism of 2 over these ranks would hold it" in w
+               for w in p["warnings"])
