@@ -42,7 +42,7 @@ class AblationConfig:
     block_size: int = 8
     seed: int = 0  # drafter init and anchor draws
     mask_token_id: int | None = None  # None: init-drafter's choice (a target without a mask token needs one)
-    layers_from_target: bool = False  # the draft layers start as the target's last ones (the trainer's model.init: target)
+    layers_from_target: bool = False  # the draft layers start as the target's last (the trainer's model.init: target)
 
 
 def encode_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
