@@ -299,6 +299,13 @@ class TopologyConfig:
     """Every rank loads the frozen target and trains the drafter (target forward, then the drafter step, on the
     same GPU; all ranks in the ZeRO group, no bridge). One GPU works. num_target_ranks and targets_per_node are
     not used."""
+    sequence_parallel: int = 1
+    """Drafter ranks that split each batch's sequences between them (Ulysses: each holds 1/N of the context
+    positions and of the anchor blocks, attention exchanges heads; distributed/sequence_parallel.py). N consecutive
+    ranks form a group that trains one batch together: D ranks train D/N batches per micro-step, ZeRO still spans
+    all D. N must divide D and the drafter's key/value heads. For sequences one rank cannot hold: `dflash-ds plan
+    --seq-len L` gives the smallest N (docs/MEMORY.md "Long sequences"). Colocated runs, DFlash drafters, losses
+    without the target's distribution (no KL / LK / target labels) for now (issue 56)."""
     colocate_overlap: bool = False
     """Colocated only: compute the next batch's target forward on a side thread (its own CUDA stream on GPU)
     while the drafter step runs. Off by default: see docs/BENCHMARKS.md "Colocated training"."""

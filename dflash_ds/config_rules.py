@@ -88,6 +88,7 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("topology.num_target_ranks", "must be >= 1", lambda v: v >= 1),
     ("topology.targets_per_node", "must be >= 0", lambda v: v >= 0),
     ("topology.target_parallel", "must be >= 1", lambda v: v >= 1),
+    ("topology.sequence_parallel", "must be >= 1", lambda v: v >= 1),
 ]
 
 
@@ -148,6 +149,13 @@ def validate(cfg: Config) -> Config:
                           "shard it: use target ranks (--num-target-ranks) for a target larger than one GPU")
     if t.colocate_overlap and not t.colocate:
         raise DFlashError("config: topology.colocate_overlap = true needs topology.colocate = true (--colocate)")
+    if t.sequence_parallel > 1 and not t.colocate:
+        raise DFlashError(f"config: topology.sequence_parallel = {t.sequence_parallel} runs on colocated ranks only "
+                          "so far (--colocate; target ranks sending each drafter its shard: issue 56)")
+    if t.sequence_parallel > 1 and cfg.loss.needs_last_hidden:
+        raise DFlashError(f"config: topology.sequence_parallel = {t.sequence_parallel} does not yet carry the "
+                          "target's distribution: loss.kl_weight > 0, loss.lk and loss.labels = target need "
+                          "sequence_parallel 1 (issue 56)")
     return cfg
 
 

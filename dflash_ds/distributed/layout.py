@@ -33,6 +33,9 @@ class Layout:
     # Ranks per target replica (topology.target_parallel): consecutive target ranks hold one copy of the target
     # between them, on one node; the first of each replica (its leader) sends the batches. 1: every target rank.
     target_parallel: int = 1
+    # Drafter ranks per sequence-parallel group (topology.sequence_parallel): N consecutive drafter ranks train one
+    # batch together, each on 1/N of its positions; the D drafters are D / N data-parallel replicas.
+    sequence_parallel: int = 1
     _index: dict[int, tuple[Role, int]] = field(init=False, repr=False, compare=False)
     _local: dict[int, tuple[list[int], int, int]] | None = field(init=False, repr=False, compare=False)
 
@@ -60,6 +63,10 @@ class Layout:
             if replica != list(range(replica[0], replica[0] + k)):
                 raise DFlashError(f"target replica {replica} (topology.target_parallel {k}) is not {k} consecutive "
                                   f"ranks")
+        n = self.sequence_parallel
+        if n < 1 or len(self.drafter_ranks) % n:
+            raise DFlashError(f"topology.sequence_parallel {n} does not divide the {len(self.drafter_ranks)} drafter "
+                              f"ranks: every group of consecutive drafter ranks needs exactly {n}")
         self._index = {r: (TARGET, i) for i, r in enumerate(self.target_ranks)}
         self._index.update({r: (DRAFTER, i) for i, r in enumerate(self.drafter_ranks)})
         self._local = self._node_routes() if self.ranks_per_node else None
@@ -135,6 +142,20 @@ class Layout:
         """Number of drafter ranks (D)."""
         return len(self.drafter_ranks)
 
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel drafter replicas (D / N): the batches a micro-step trains, one per sequence-parallel group."""
+        return self.num_drafters // self.sequence_parallel
+
+    def data_rank(self, drafter_idx: int) -> int:
+        """Which batch of a micro-step drafter `drafter_idx` trains (its sequence-parallel group's index)."""
+        return drafter_idx // self.sequence_parallel
+
+    def sequence_groups(self) -> list[list[int]]:
+        """Drafter indices of each sequence-parallel group, in order (one group of one per drafter when N = 1)."""
+        n = self.sequence_parallel
+        return [list(range(i, i + n)) for i in range(0, self.num_drafters, n)]
+
     def role_name(self, rank: int) -> str:
         """What a rank does, for messages: target, drafter or colocated."""
         return "colocated" if self.colocated else self.role_of(rank)
@@ -153,9 +174,11 @@ class Layout:
 
     def describe(self) -> str:
         """One line for the console: which ranks do what."""
+        sp = (f"; sequence parallel over {self.sequence_parallel} ranks: {self.data_parallel} batch(es) a "
+              f"micro-step" if self.sequence_parallel > 1 else "")
         if self.colocated:
             return (f"{self.world_size} colocated rank(s): each runs the target forward and trains the drafter "
-                    f"(ranks {self.drafter_ranks})")
+                    f"(ranks {self.drafter_ranks}){sp}")
         targets = (f"targets {self.target_ranks}" if self.target_parallel == 1 else
                    f"{self.num_targets} target replica(s) of {self.target_parallel} ranks {self.replicas}")
         return (f"{self.world_size} ranks: {targets}, "

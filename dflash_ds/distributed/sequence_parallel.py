@@ -130,38 +130,54 @@ def global_share(loss: torch.Tensor, weight: torch.Tensor, group) -> torch.Tenso
     return loss * (weight.detach() / total.clamp(min=1e-12))
 
 
-def sp_objective(drafter, embed, lm_head, input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
-                 context_shard: torch.Tensor, loss_cfg, *, anchor_gen: torch.Generator, group):
-    """DFlash's objective (components/objective.drafter_objective) of one batch under sequence parallelism.
+def sp_objective(drafter, embed, lm_head, states, loss_cfg, *, anchor_gen: torch.Generator, group,
+                 noise_std: float = 0.0, noise_gen: torch.Generator | None = None):
+    """DFlash's objective (components/objective.drafter_objective) of one batch under sequence parallelism:
+    (LossTerms of this rank's blocks with `loss` = its share of the group's loss, their statistics).
 
-    Every rank holds the batch's token ids, loss mask and lengths whole (S x 8 bytes: 1 MB at 128K) and its shard of
-    the context features (`shard(context, 1, N, rank)`). The anchors are drawn by the same sampler from the same
-    seed on every rank, so they are the one-rank anchors at every N; each rank runs its 1/N of the blocks and their
-    labels, and its loss is its share of the global weighted mean (`global_share`): every label counted once.
-    Returns the LossTerms of this rank's blocks with `loss` = that share. DFlash's cross-entropy terms; the terms
-    that read the target's distribution (KL, LK, target labels: the final hidden at every anchor) and context noise
-    are refused for now.
+    Every rank holds the batch whole (`states`, components/objective.TargetStates: a colocated rank computed it;
+    token ids, loss mask and lengths are S x 8 bytes, 1 MB at 128K) and keeps its shard of the context features
+    (`shard(context, 1, N, rank)`) past the projection. The anchors are drawn by the same sampler from the same
+    seed on every rank, and the context noise from the same generator over the whole context before the shard, so
+    both are the one-rank ones at every N; each rank runs its 1/N of the blocks and their labels, and its loss is
+    its share of the global weighted mean (`global_share`): every label counted once, and so is every statistic
+    (the sums over the group's ranks are the one-rank sums). The terms that read the target's distribution (KL, LK,
+    target labels: the final hidden at every anchor) are refused for now.
     """
     from dflash_ds.components.anchors import block_inputs_and_labels, sample_anchors
-    from dflash_ds.components.loss import chunked_dflash_loss, loss_knobs
+    from dflash_ds.components.loss import acceptance_sums, chunked_dflash_loss, loss_knobs, metric_sums
 
     if loss_cfg.needs_last_hidden:
         raise DFlashError("sequence parallelism: the loss terms that read the target's distribution (KL, LK, "
                           "target labels) are not supported yet")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     bs = drafter.arch.block_size
-    anchors, valid = sample_anchors(loss_mask, lengths, bs, loss_cfg.num_anchors, anchor_gen,
+    anchors, valid = sample_anchors(states.loss_mask, states.lengths, bs, loss_cfg.num_anchors, anchor_gen,
                                     max_total=loss_cfg.max_anchors_per_batch)
-    blocks, labels, label_valid = block_inputs_and_labels(input_ids, loss_mask, lengths, anchors, valid, bs,
-                                                          drafter.arch.mask_token_id)
+    blocks, labels, label_valid = block_inputs_and_labels(states.input_ids, states.loss_mask, states.lengths,
+                                                          anchors, valid, bs, drafter.arch.mask_token_id)
+    context = states.context
+    if noise_std > 0:  # drawn over the whole context, as one rank would, then sharded
+        noise = torch.randn(context.shape, generator=noise_gen, device=context.device, dtype=torch.float32)
+        context = context + (noise * noise_std).to(context.dtype)
+    context = shard(context, 1, size, rank).contiguous()  # a copy: the whole context is not kept for backward
     all_anchors = F.pad(anchors, (0, padded(anchors.shape[1], size) - anchors.shape[1]))
-    blocks, labels, label_valid = (shard(t, 1, size, rank) for t in (blocks, labels, label_valid))
+    blocks, labels, label_valid, valid = (shard(t, 1, size, rank) for t in (blocks, labels, label_valid, valid))
     with torch.no_grad():
         block_embeds = embed(blocks)
-    hidden = forward_train_sp(drafter, context_shard, block_embeds.to(context_shard.dtype), all_anchors, group)
+    hidden = forward_train_sp(drafter, context, block_embeds.to(context.dtype), all_anchors, group)
     n = hidden.shape[0] * hidden.shape[1]
     terms = chunked_dflash_loss(hidden[:, :, 1:].reshape(n, bs - 1, -1), lm_head, labels.reshape(n, bs - 1),
                                 label_valid.reshape(n, bs - 1), chunk_blocks=loss_cfg.chunk_blocks,
                                 **loss_knobs(loss_cfg))
+    sums = {**metric_sums(terms), **acceptance_sums(terms), "anchors": valid.sum().float()}
     terms.loss = global_share(terms.loss, terms.weight_sum, group)
-    return terms
+    return terms, sums
+
+
+def check_supported(arch, size: int) -> None:
+    """What the trainer checks before any group forms: a DFlash drafter whose key/value heads N divides."""
+    if arch.kind != "dflash":
+        raise DFlashError(f"topology.sequence_parallel {size}: the drafter kind {arch.kind!r} is not supported "
+                          f"(DFlash only so far; issue 56)")
+    check_heads(arch.num_key_value_heads, size)

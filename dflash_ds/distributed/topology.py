@@ -73,6 +73,14 @@ class RoleContext:
     replica_rank: int = 0
     abort_bridge: bool = False  # receives are still posted at exit: abort the bridge, do not shut it down
     bridge_timeout_s: float = 1800.0  # transfers between targets and drafters (train.bridge_timeout_s)
+    # Drafter ranks under topology.sequence_parallel N > 1: the process group of this rank's N-rank group (the
+    # Ulysses all-to-all runs in it); None otherwise.
+    sp_group: dist.ProcessGroup | None = None
+
+    @property
+    def data_rank(self) -> int:
+        """Which batch of a micro-step this drafter trains: its role rank, or its sequence-parallel group's index."""
+        return self.layout.data_rank(self.role_rank)
 
     @property
     def is_target(self) -> bool:
@@ -153,13 +161,18 @@ def init_role_groups(
         device = torch.device("cpu")
     dist.init_process_group(ROLE_BACKENDS[backend], store=dist.PrefixStore(group_prefix, store),
                             rank=group_rank, world_size=len(role_ranks), timeout=timeout)
+    sp_group = None
+    if role == DRAFTER and layout.sequence_parallel > 1:  # every drafter makes every group, in one order
+        for members in layout.sequence_groups():
+            group = dist.new_group(ranks=members)
+            sp_group = group if role_rank in members else sp_group
     # A colocated job has nothing to carry between ranks but the ZeRO group's collectives.
     bridge_timeout = datetime.timedelta(seconds=bridge_timeout_s or timeout_s)
     bridge = None if layout.colocated else make_bridge(BRIDGE_BACKENDS[backend], dist.PrefixStore("dflash/bridge", store),
                                                         rank, layout.world_size, bridge_timeout)
     return RoleContext(layout, rank, role, role_rank, len(layout.ranks_of(role)), bridge, store, device, backend,
                        timeout_s, replica=replica, replica_rank=replica_rank,
-                       bridge_timeout_s=bridge_timeout_s or timeout_s)
+                       bridge_timeout_s=bridge_timeout_s or timeout_s, sp_group=sp_group)
 
 
 def warm_up_bridge(ctx: RoleContext, timeout_s: float) -> float:

@@ -57,23 +57,25 @@ def long_context(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: in
         rows.append({"role": role, "ranks": ranks, "bytes": total, "terms": terms, "longest": longest,
                      "fits": total <= limit})
         sp_note = ""
-        if role == "drafter":  # what sequence parallelism over these ranks would hold (model only, not built)
+        if role == "drafter":  # what sequence parallelism over these ranks would hold (by the model)
             sp_longest = {n: lsp.longest_fit(cfg, run, n, ranks, limit, kind)
                           for n in lsp.sp_sizes(lc.drafter_at(cfg, run, kind).kv_heads, ranks)}
             needed = next((n for n, most in sp_longest.items() if most >= L), None)
             rows[-1].update(sp_longest=sp_longest, sp_needed=needed)
             sp_note = ("" if needed is None else "; without KL it would hold it" if needed == 1 else
                        f"; by the model, sequence parallelism of {needed} over these ranks would hold it without KL "
-                       "(not in the trainer yet, issue 56)")
+                       "(the trainer runs it colocated: --colocate --topology.sequence_parallel N; from target "
+                       "ranks: issue 56)")
         if total > limit:
             warnings.append(f"{_name(role, ranks)} does NOT hold {L:,} tokens: {total / GB:,.2f} GB > "
                             f"{args.gpu_memory_gb:g} - {args.headroom_gb:g} GB headroom; it holds "
                             + (f"up to {longest:,}" if longest else "no sequence at all") + sp_note)
     fit = {r["role"]: r["fits"] for r in rows}
     if fit.get("colocated") is False and (fit.get("drafter") is False or fit.get("target") is False):
-        warnings.append(f"no layout trains {L:,}-token sequences on {args.gpu_memory_gb:g} GB GPUs today: sequence "
-                        "parallelism over the drafter ranks is not built yet (issue 56 point 2); shorten "
-                        "data.max_length, or lower the drafter's memory (more drafter ranks, ZeRO-3)")
+        warnings.append(f"no layout trains {L:,}-token sequences on {args.gpu_memory_gb:g} GB GPUs without sequence "
+                        "parallelism (the drafter row's SP sizes; the trainer runs it on colocated ranks, "
+                        "topology.sequence_parallel); else shorten data.max_length, or lower the drafter's memory "
+                        "(more drafter ranks, ZeRO-3)")
     return {"seq_len": L, "anchors_per_row": lc.step_at(L, run).anchors_per_row, "limit_bytes": limit,
             "rows": rows, "warnings": warnings}
 
@@ -97,7 +99,7 @@ def long_context_lines(lc_out: dict[str, Any]) -> list[str]:
                      f"{r['longest']:,} tokens")
         lines += [f"      {name:<28} {v / GB:8.2f}" for name, v in r["terms"].items()]
         if len(r.get("sp_longest") or {}) > 1:
-            lines.append("      with sequence parallelism over these ranks, kl off (by the model; the trainer does not "
-                         "run it yet): longest " + ", ".join(f"SP {n} {v:,}" for n, v in r["sp_longest"].items()))
+            lines.append("      with sequence parallelism over these ranks, kl off (by the model; "
+                         "topology.sequence_parallel): longest " + ", ".join(f"SP {n} {v:,}" for n, v in r["sp_longest"].items()))
     lines += [f"  warning: {w}" for w in lc_out["warnings"]]
     return lines

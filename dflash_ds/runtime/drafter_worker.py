@@ -40,7 +40,7 @@ from dflash_ds.runtime.watchdog import EXIT_PREEMPTED, STOP_SAVED_KEY, STOP_STEP
 def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watchdog, resume: ResumePoint,
                 arch: DrafterArch, dtype: torch.dtype) -> int:
     """Train until the last step (or a stop request), checkpoint, and return the exit status."""
-    d, leader = ctx.role_rank, ctx.role_rank == 0
+    d, leader = ctx.data_rank, ctx.role_rank == 0  # d: which batch of a micro-step (its SP group's, if any)
     out, stop = Path(cfg.train.output_dir), last_step(cfg)
     if leader:
         _prepare_output(out, resume)
@@ -78,7 +78,7 @@ def run_drafter(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watc
         best = {"step": done, "val_est_tau": figures["val_est_tau"]} if new_best else best
         if (done % cfg.train.save_interval == 0 and consecutive_bad == 0) or done == stop or result.stopping \
                 or new_best:
-            _save(engine, cfg, out, arch, dtype, data, done, result.cursor, figures, best, new_best)
+            _save(engine, cfg, out, arch, dtype, data, ctx.role_world, done, result.cursor, figures, best, new_best)
             if leader and cfg.train.compile_cache:
                 compile_cache.save(out)
         if result.stopping:
@@ -131,14 +131,16 @@ def _build_engine(ctx: RoleContext, cfg: Config, data: BatchStream, resume: Resu
     if leader:
         print(f"[dflash-ds] {'loading the target on every rank, ' if layout.colocated else ''}building the "
               f"DeepSpeed engine on {layout.num_drafters} drafter rank(s); global batch "
-              f"{data.global_batch} = {layout.num_drafters} x {data.accumulation} accumulated micro-batch(es)...",
+              f"{data.global_batch} = {layout.data_parallel} x {data.accumulation} accumulated micro-batch(es)"
+              f"{f' (one per group of {layout.sequence_parallel})' if layout.sequence_parallel > 1 else ''}...",
               flush=True)
     target = None
     if layout.colocated:
         target = load_run_target(cfg, dtype, ctx.device, ctx.global_rank)
     engine = build_drafter_engine(cfg, arch, dtype, ctx.device, data.accumulation,
                                   universal=resume.mode == "universal", target=target,
-                                  num_drafters=layout.num_drafters, resuming=resume.path is not None)
+                                  num_drafters=layout.num_drafters, resuming=resume.path is not None,
+                                  sp_group=ctx.sp_group)
     if leader:
         print(f"[dflash-ds] activation checkpointing {engine.module.checkpointing_reason}", flush=True)
     if target is not None and leader:
@@ -188,13 +190,13 @@ def _report_bad_step(cfg: Config, out: Path, d: int, step: int, result: StepResu
                           f"(last at step {step}); stopping. Last good checkpoint: {ckpt.find_latest(out)}")
 
 
-def _save(engine, cfg: Config, out: Path, arch: DrafterArch, dtype: torch.dtype, data: BatchStream, step: int,
-          cursor: Cursor, figures: dict, best: dict | None, new_best: bool) -> None:
-    """The checkpoint of step `step` (collective over the drafters; the HF export gathered on the leader).
+def _save(engine, cfg: Config, out: Path, arch: DrafterArch, dtype: torch.dtype, data: BatchStream, ranks: int,
+          step: int, cursor: Cursor, figures: dict, best: dict | None, new_best: bool) -> None:
+    """The checkpoint of step `step` (collective over the `ranks` drafters; the HF export gathered on the leader).
 
     Its state keeps this step's validation figures and the best so far; `new_best` makes it checkpoints/best."""
     val = {k: v for k, v in figures.items() if k.startswith("val_")}
-    state = ckpt.trainer_state(cfg, arch, data.num_drafters, data.global_batch, engine.zero_optimization_stage(),
+    state = ckpt.trainer_state(cfg, arch, ranks, data.global_batch, engine.zero_optimization_stage(),
                                dtype, step, cursor, val=val, best=best)
     ckpt.save_checkpoint(engine, step, out, state, cfg.train.keep_last,
                          lambda folder: export_drafter(engine, arch, dtype, folder, notes=export_notes(cfg)),

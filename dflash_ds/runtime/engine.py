@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -112,6 +113,7 @@ class DrafterTrainModule(nn.Module):
         self.tied_head = head_w.data_ptr() == embed_w.data_ptr()
         if not self.tied_head:
             self.register_buffer("head_weight", head_w, persistent=False)
+        self.sp_group = None  # topology.sequence_parallel > 1: this rank's group (set by build_drafter_engine)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The target's token embedding."""
@@ -139,8 +141,24 @@ class DrafterTrainModule(nn.Module):
         dev = states.context.device
         anchor_gen = torch.Generator(device=dev).manual_seed(anchor_seed)  # anchors are drawn on the batch's device
         noise_gen = torch.Generator(device=dev).manual_seed(noise_seed) if noise_std > 0 else None
+        if self.sp_group is not None:
+            return self._sequence_parallel(states, loss_cfg, anchor_gen, noise_std, noise_gen)
         return drafter_objective(self.drafter, self.embed, self.lm_head, states, loss_cfg,
                                  anchor_gen=anchor_gen, noise_std=noise_std, noise_gen=noise_gen)
+
+
+    def _sequence_parallel(self, states: TargetStates, loss_cfg, anchor_gen, noise_std: float, noise_gen):
+        """The objective over this rank's sequence-parallel group (distributed/sequence_parallel.sp_objective).
+
+        Its loss is this rank's share of the group's loss times N: DeepSpeed averages gradients over all D ranks,
+        and the group's N ranks are one of D / N data-parallel replicas, so N x (the shares' sum) / D is the mean
+        over the replicas, as without sequence parallelism (and so is the reported loss, a mean over ranks)."""
+        from dflash_ds.distributed.sequence_parallel import sp_objective
+
+        terms, sums = sp_objective(self.drafter, self.embed, self.lm_head, states, loss_cfg, anchor_gen=anchor_gen,
+                                   group=self.sp_group, noise_std=noise_std, noise_gen=noise_gen)
+        terms.loss = terms.loss * dist.get_world_size(self.sp_group)
+        return terms, sums
 
 
 def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
@@ -236,7 +254,7 @@ def frozen_head(target: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 def build_drafter_engine(cfg: Config, arch: DrafterArch, dtype: torch.dtype, device: torch.device,
                          accumulation: int = 1, universal: bool = False, target: nn.Module | None = None,
-                         num_drafters: int = 1, resuming: bool = False):
+                         num_drafters: int = 1, resuming: bool = False, sp_group=None):
     """The DeepSpeed engine over the drafter, with the target's frozen embedding and LM head.
 
     Those two are read from the target's safetensors, or shared with the loaded target (colocated). Activation
@@ -252,6 +270,7 @@ def build_drafter_engine(cfg: Config, arch: DrafterArch, dtype: torch.dtype, dev
     drafter.mask_backend = cfg.model.attention_backend
     set_fuse_mode(cfg.train.fuse)
     module = DrafterTrainModule(drafter, embed, head)
+    module.sp_group = sp_group
     module.checkpointing_reason = ckpt.why
     fresh_from_target = not resuming and not cfg.drafter and cfg.model.init == "target"
     n, total = arch.num_hidden_layers, arch.num_target_layers

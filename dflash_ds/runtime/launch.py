@@ -23,7 +23,8 @@ def job_layout(cfg: Config, world_size: int, local_world_size: int | None) -> La
     (topology.colocate): every rank is a drafter that runs the target itself, one rank is enough.
     """
     if cfg.topology.colocate:
-        return Layout(world_size, [], list(range(world_size)), colocated=True)
+        return Layout(world_size, [], list(range(world_size)), colocated=True,
+                      sequence_parallel=cfg.topology.sequence_parallel)
     per_node = cfg.topology.targets_per_node or None
     return make_layout(world_size, None if per_node else cfg.topology.num_target_ranks,
                        nproc_per_node=local_world_size, targets_per_node=per_node,
@@ -65,6 +66,10 @@ def run_job(cfg: Config) -> int:
     from dflash_ds.runtime.job import resolve_arch, torch_dtype
 
     arch = resolve_arch(cfg)  # before any group: a bad drafter/target pair fails fast on every rank
+    if layout.sequence_parallel > 1:
+        from dflash_ds.distributed.sequence_parallel import check_supported
+
+        check_supported(arch, layout.sequence_parallel)
     if env.rank == 0:  # which defaults of the kind this run trains on (config_recipe.py)
         from dflash_ds.config_recipe import recipe_report
 
@@ -75,8 +80,9 @@ def run_job(cfg: Config) -> int:
 
     # The checkpoint, its global batch and whether it must be resharded: a drafter count that cannot
     # split the global batch fails here on every rank, before any model loads.
-    resume = choose_resume(cfg, layout.num_drafters, log=(lambda s: print(s, flush=True)) if env.rank == 0 else None)
-    data = open_data(cfg, layout.num_drafters, arch.vocab_size, resume.global_batch)
+    resume = choose_resume(cfg, layout.num_drafters, log=(lambda s: print(s, flush=True)) if env.rank == 0 else None,
+                           data_parallel=layout.data_parallel)
+    data = open_data(cfg, layout.data_parallel, arch.vocab_size, resume.global_batch)
     if env.rank == 0:  # rank 0 writes metrics and checkpoints: an unwritable run folder fails now
         from dflash_ds.runtime.checkpoint import check_writable
 

@@ -90,14 +90,16 @@ def resume_mode(path: Path, saved_d: int, saved_stage: int, num_drafters: int, s
                       f"and a ZeRO-1/2/3 one only under ZeRO-1/2/3 (set --zero-stage {saved_stage})")
 
 
-def choose_resume(cfg: Config, num_drafters: int, log=None) -> ResumePoint:
+def choose_resume(cfg: Config, num_drafters: int, log=None, data_parallel: int | None = None) -> ResumePoint:
     """The resume decision from the config and the run folder alone (every rank can take it); `log(line)` is told
-    of a checkpoint passed over (it fails its manifest)."""
+    of a checkpoint passed over (it fails its manifest). `num_drafters`: the ZeRO ranks (how the shards load);
+    `data_parallel`: the batches a micro-step trains (the drafters over topology.sequence_parallel; default all)."""
     path = ckpt.resolve_resume(cfg.train.resume, cfg.train.output_dir, log)
     asked = cfg.train.global_batch
+    dp = data_parallel or num_drafters
     if path is None:
-        g = asked or num_drafters
-        check_global_batch(g, num_drafters, where="config: train.global_batch: ")
+        g = asked or dp
+        check_global_batch(g, dp, where="config: train.global_batch: ")
         return ResumePoint(None, g, "fresh")
     state = ckpt.read_state(path)
     saved_d, saved_g, saved_stage, _ = saved_facts(state)
@@ -105,7 +107,7 @@ def choose_resume(cfg: Config, num_drafters: int, log=None) -> ResumePoint:
         raise DFlashError(f"checkpoint {path} trains a global batch of {saved_g} micro-batches per step; this run "
                           f"asks train.global_batch = {asked}: a run keeps its global batch (leave it unset "
                           f"to take the checkpoint's, or start a new run with --resume none)")
-    check_global_batch(saved_g, num_drafters, where=f"checkpoint {path} ({saved_d} drafter rank(s)): ")
+    check_global_batch(saved_g, dp, where=f"checkpoint {path} ({saved_d} drafter rank(s)): ")
     mode = resume_mode(path, saved_d, saved_stage, num_drafters, run_zero_stage(cfg))
     return ResumePoint(path, saved_g, mode, saved_d, saved_stage, best_so_far(state, cfg.train.output_dir))
 

@@ -179,7 +179,7 @@ class LocalTargetSource:
                  overlap: bool = False, cache: FeatureCache | None = None) -> None:
         self.ctx, self.target, self.layer_ids, self.last_hidden = ctx, target, list(layer_ids), last_hidden
         self.cache, self.cache_hits = cache, 0
-        d = ctx.role_rank
+        d = ctx.data_rank  # under sequence parallelism every rank of a group computes its group's batch
         self._ids: deque[int] = deque()
 
         def mine():

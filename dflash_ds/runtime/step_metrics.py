@@ -66,6 +66,10 @@ class MetricWindow:
     num_positions: int
     num_drafters: int
     drafter: int
+    # 1 / topology.sequence_parallel: the N ranks of a group trained one batch and walked the same rows, so each
+    # adds 1/N of the batch (its count, loss, tokens, rates) and of its walks: the record's means and totals are
+    # the batches', as without SP. The loss statistics are already this rank's blocks' own, added whole.
+    share: float = 1.0
     sums: dict[str, float] = field(default_factory=dict)
     buckets: list[float] = field(default_factory=list)
     pos_correct: list[float] = field(default_factory=list)
@@ -89,32 +93,32 @@ class MetricWindow:
         self._device_sums: torch.Tensor | None = None
 
     @property
-    def steps(self) -> int:
-        """Steps this drafter added since the last record."""
-        return int(self.sums["steps"])
+    def steps(self) -> float:
+        """Micro-batches this drafter added since the last record (a share of one under sequence parallelism)."""
+        return self.sums["steps"]
 
     def add_step(self, loss: float, loss_sums: dict[str, torch.Tensor], meta: dict, queue_depth: int,
                  grad_norm: float, lr: float, noise_std: float) -> None:
         """One micro-step's loss, statistics and batch facts."""
-        s = self.sums
-        s["loss"] += loss if math.isfinite(loss) else 0.0
-        s["steps"] += 1
+        s, w = self.sums, self.share
+        s["loss"] += (loss if math.isfinite(loss) else 0.0) * w
+        s["steps"] += w
         zero = torch.zeros_like(loss_sums["anchors"])  # another kind's statistics: this step has none
         stats = torch.cat([torch.stack([loss_sums.get(k, zero) for k in self.loss_sums]), loss_sums["pos_correct"],
                            loss_sums["pos_valid"]]).detach().double()  # one device vector, no host read
         self._device_sums = stats if self._device_sums is None else self._device_sums + stats
         for key in ("real_tokens", "padded_tokens", "num_seqs", "tgt_batch_per_s", "tgt_forward_s"):
-            s[key] += float(meta[key])
-        s["queue_depth"] += queue_depth
-        s["grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
-        s["lr"] += lr
-        s["noise_std"] += noise_std
-        self.buckets[int(meta["bucket"])] += 1
+            s[key] += float(meta[key]) * w
+        s["queue_depth"] += queue_depth * w
+        s["grad_norm"] += (grad_norm if math.isfinite(grad_norm) else 0.0) * w
+        s["lr"] += lr * w
+        s["noise_std"] += noise_std * w
+        self.buckets[int(meta["bucket"])] += w
 
     def add_walk(self, kind: str, sums: dict[str, float] | None) -> None:
         """Walk sums of est_tau ("est", the pooled walks) or of the validation batches ("val"), on the host."""
         for key, value in (sums or {}).items():
-            self.sums[f"{kind}_{key}"] += value
+            self.sums[f"{kind}_{key}"] += value * self.share
 
     def _read_device_sums(self) -> None:
         """Move the window's device statistics into the host sums (once per window: one host read)."""
@@ -310,10 +314,12 @@ class StepLog:
         self.uniform = UniformHistory.read(records / f"uniform{d}.jsonl", start_step)
         self.uniform_file = (records / f"uniform{d}.jsonl").open("a")
         self.est_tau_interval = max(1, est_tau_interval)
-        self.window = MetricWindow(len(data.boundaries), block_size - 1, layout.num_drafters, d)
+        self.window = MetricWindow(len(data.boundaries), block_size - 1, layout.num_drafters, d,
+                                   share=1.0 / layout.sequence_parallel)
         self.device, self.monitor, self.max_steps, self.start_step = ctx.device, monitor, max_steps, start_step
         self.global_batch, self.num_drafters = data.global_batch, layout.num_drafters
-        self.num_targets = layout.num_targets or layout.num_drafters  # colocated: every rank ran a target
+        # colocated: every rank ran a target, the N ranks of a sequence-parallel group on the same batch
+        self.num_targets = layout.num_targets or layout.data_parallel
         reset_peak_memory(ctx.device)
         self.t_last = self.run_start = time.perf_counter()
 

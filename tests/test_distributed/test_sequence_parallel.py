@@ -16,6 +16,7 @@ import torch
 from dist_utils import free_port_block, run_ranks
 
 S_CTX, N_ANCHORS, BS, H, V = 16_411, 30, 4, 32, 64
+NOISE = 0.05  # the objective's context noise: drawn whole on every rank, then sharded
 TOL = 2e-5  # fp32: the same sums in another order (attention over exchanged heads, gradients summed over ranks)
 
 
@@ -92,6 +93,10 @@ def _loss(hidden, head, labels, valid):
     return terms.loss, terms.weight_sum
 
 
+def _host(sums: dict) -> dict:
+    return {k: v.detach().double().reshape(-1) for k, v in sums.items()}
+
+
 def _grads(d) -> dict:
     return {k: p.grad.clone() for k, p in d.named_parameters() if p.grad is not None}
 
@@ -109,10 +114,11 @@ def _reference():
     forward = hidden.detach(), loss.detach(), _grads(d), saved.total
     d = _drafter()
     ids, mask, lengths, embed, loss_cfg = _objective_inputs()
-    terms, _ = drafter_objective(d, embed, head, TargetStates(ids, mask, lengths, ctx, None), loss_cfg,
-                                 anchor_gen=torch.Generator().manual_seed(7))
+    terms, sums = drafter_objective(d, embed, head, TargetStates(ids, mask, lengths, ctx, None), loss_cfg,
+                                    anchor_gen=torch.Generator().manual_seed(7), noise_std=NOISE,
+                                    noise_gen=torch.Generator().manual_seed(8))
     terms.loss.backward()
-    return forward, (terms.loss.detach(), _grads(d))
+    return forward, (terms.loss.detach(), _grads(d), _host(sums))
 
 
 def _sp_run(group, out: Path) -> None:
@@ -146,21 +152,26 @@ def _sp_objective_run(group, out: Path) -> None:
     """The whole objective under SP over `group`: the group's loss and its summed gradients, saved as out."""
     import torch.distributed as dist
 
-    from dflash_ds.distributed.sequence_parallel import shard, sp_objective
+    from dflash_ds.components.objective import TargetStates
+    from dflash_ds.distributed.sequence_parallel import sp_objective
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     d = _drafter()
     ctx, *_, head = _batch()
     ids, mask, lengths, embed, loss_cfg = _objective_inputs()
-    terms = sp_objective(d, embed, head, ids, mask, lengths, shard(ctx, 1, size, rank), loss_cfg,
-                         anchor_gen=torch.Generator().manual_seed(7), group=group)
+    terms, sums = sp_objective(d, embed, head, TargetStates(ids, mask, lengths, ctx, None), loss_cfg,
+                               anchor_gen=torch.Generator().manual_seed(7), group=group, noise_std=NOISE,
+                               noise_gen=torch.Generator().manual_seed(8))
     terms.loss.backward()
     grads = _grads(d)
     for g in grads.values():
         dist.all_reduce(g, group=group)
     total = terms.loss.detach().clone()
     dist.all_reduce(total, group=group)
-    torch.save({"loss": total, "grads": grads}, out)
+    stats = {k: v.detach().clone() for k, v in sums.items()}
+    for v in stats.values():
+        dist.all_reduce(v, group=group)
+    torch.save({"loss": total, "grads": grads, "sums": _host(stats)}, out)
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -185,7 +196,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 def test_sequence_parallel_equals_one_rank(tmp_path):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(1)
-    (ref_hidden, ref_loss, ref_grads, ref_saved), (obj_loss, obj_grads) = _reference()
+    (ref_hidden, ref_loss, ref_grads, ref_saved), (obj_loss, obj_grads, obj_sums) = _reference()
     run_ranks(_rank, 4, (free_port_block(1), str(tmp_path)), tmp_path, timeout_s=300)
     for size, ranks in ((4, [0, 1, 2, 3]), (2, [0, 1]), (2, [2, 3])):
         per = [torch.load(tmp_path / f"sp{size}_{r}.pt") for r in ranks]
@@ -201,7 +212,11 @@ def test_sequence_parallel_equals_one_rank(tmp_path):
         print(f"SP {size}: {saved / 1e6:.1f} MB kept for backward a rank, {_mask_bytes(size) / 1e6:.1f} MB of it masks "
               f"(one rank: {ref_saved / 1e6:.1f}, {_mask_bytes(1) / 1e6:.1f})")
         for r in ranks:  # the whole objective: the sampler's anchors, the labels sharded, each counted once
-            _same(torch.load(tmp_path / f"obj{size}_{r}.pt"), obj_loss, obj_grads, f"objective at {size}")
+            got = torch.load(tmp_path / f"obj{size}_{r}.pt")
+            _same(got, obj_loss, obj_grads, f"objective at {size}")
+            assert got["sums"].keys() == obj_sums.keys()  # the statistics summed over the group: the one-rank ones
+            for k, v in obj_sums.items():
+                assert torch.allclose(got["sums"][k], v, rtol=1e-5, atol=1e-4), (size, k, got["sums"][k], v)
     assert ref_grads["layers.0.self_attn.k_proj.weight"].abs().max() > 0  # the context path carries gradient
     assert obj_loss.item() > 0 and obj_grads["fc.weight"].abs().max() > 0
 

@@ -1,0 +1,102 @@
+"""Sequence parallelism in the trainer (topology.sequence_parallel, issue #56): two colocated ranks training each
+batch together (SP 2: each holds half of every sequence's context and of its anchor blocks) train what two ranks
+each training their own batches (SP 1) train, at the same global batch of 2: the same loss at every record, the
+same weights (fp32 round-off), ZeRO-2 and ZeRO-3; an SP-2 checkpoint resumes under SP 1 and continues as the SP-1
+run did. The real anchor sampler on every rank; the exchange itself is tested at 16K positions in
+tests/test_distributed/test_sequence_parallel.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from conftest_runtime import COMMON
+from runtime_utils import per_batch, read_jsonl, torchrun
+
+STEPS = 6
+
+
+def _args(setup, out, sp: int, stage: int, *extra):
+    target, data = setup
+    common = [a if a != "20" else str(STEPS) for a in COMMON]  # COMMON's --max-steps
+    return [*common, "--target", str(target), "--data", str(data), "--output-dir", str(out), "--no-wandb",
+            "--colocate", "--zero-stage", str(stage), "--train.global_batch", "2", "--train.save_interval", "3",
+            "--topology.sequence_parallel", str(sp), "--noise.max_std", "0.05", *extra]
+
+
+def _run(setup, out, sp: int, stage: int, *extra):
+    r = torchrun(2, _args(setup, out, sp, stage, *extra), cwd=out)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r.stdout
+
+
+def _weights(out, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "checkpoints" / f"step_{step:08d}" / "export" / "model.safetensors"))
+
+
+def _same_run(got, want):
+    """Every record of `got` equals `want`'s (loss, label positions, tokens), and so do the last weights."""
+    mine, theirs = read_jsonl(got / "metrics.jsonl"), read_jsonl(want / "metrics.jsonl")
+    assert [r["step"] for r in mine] == [r["step"] for r in theirs] == [5, 6]
+    for a, b in zip(mine, theirs):
+        assert abs(a["loss"] - b["loss"]) < 1e-4, (a["step"], a["loss"], b["loss"])
+        assert a["label_positions"] == b["label_positions"], a["step"]  # every label counted once
+        assert a["real_tokens"] == b["real_tokens"], a["step"]  # the group's batch counted once
+    _same_weights(got, want)
+
+
+def _same_weights(got, want):
+    w, ref = _weights(got, STEPS), _weights(want, STEPS)
+    assert w.keys() == ref.keys()
+    worst = max((w[k] - ref[k]).abs().max().item() for k in ref)
+    assert worst < 1e-4, worst
+    moved = max((ref[k] - _weights(want, 3)[k]).abs().max().item() for k in ref)
+    assert moved > 1e-3  # the steps compared did train
+
+
+@pytest.fixture(scope="module")
+def sp1(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp1")
+    return out, _run(setup, out, 1, 2)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_on_one_sequence_train_what_two_ranks_on_two_batches_train(setup, sp1, tmp_path, stage):
+    ref, _ = sp1
+    out = tmp_path / "sp2"
+    out.mkdir()
+    stdout = _run(setup, out, 2, stage)
+    assert "sequence parallel over 2 ranks: 1 batch(es) a micro-step" in stdout
+    assert "global batch 2 = 1 x 2 accumulated micro-batch(es) (one per group of 2)" in stdout
+    _same_run(out, ref)
+    records = [read_jsonl(out / "records" / f"drafter{d}.jsonl") for d in (0, 1)]
+    assert [r["batch_id"] for r in records[0]] == [r["batch_id"] for r in records[1]] == list(range(2 * STEPS))
+    if stage == 2:  # resumed under SP 1 from the SP-2 step-3 checkpoint: the SP-1 run's second half
+        resumed = tmp_path / "resumed"
+        shutil.copytree(out, resumed)
+        shutil.rmtree(resumed / "checkpoints" / f"step_{STEPS:08d}")
+        stdout = _run(setup, resumed, 1, 2, "--resume", "auto")
+        assert "resuming from" in stdout and "at step 3" in stdout
+        got, want = per_batch(resumed), per_batch(ref)  # each batch's loss, as trained after the resume
+        assert sorted(got) == sorted(want) == list(range(2 * STEPS))
+        for b in range(6, 2 * STEPS):
+            assert got[b]["step"] == want[b]["step"] and abs(got[b]["loss"] - want[b]["loss"]) < 1e-4, b
+        _same_weights(resumed, ref)
+
+
+def test_what_sequence_parallelism_does_not_run_yet_is_refused(setup, tmp_path):
+    from dflash_ds.config import load_config
+    from dflash_ds.errors import DFlashError
+
+    with pytest.raises(DFlashError, match="sequence_parallel = 2 runs on colocated ranks only"):
+        load_config(None, ["--topology.sequence_parallel", "2"])
+    with pytest.raises(DFlashError, match="does not yet carry the target's distribution"):
+        load_config(None, ["--topology.colocate", "true", "--topology.sequence_parallel", "2",
+                           "--loss.kl_weight", "0.5"])
+    r = torchrun(2, _args(setup, tmp_path, 3, 2), cwd=tmp_path)  # 3 does not divide 2 drafter ranks
+    assert r.returncode != 0 and "topology.sequence_parallel 3 does not divide the 2 drafter ranks" in r.stderr
