@@ -25,8 +25,9 @@ exchanged keys/values S x 2 (kv/N) D; and on CPU (SDPA) the dense mask, A*bs x (
 the additive copy in the dtype SDPA makes and keeps in every layer (memory/model.py), the same on every rank: the
 term N does not split (flex on GPU builds a block mask instead). Qwen3-8B preset (H 4096, kv 8 x 128), S = 128K,
 N = 8: 128K/8 x (4096 + 2048) x 2 B = 201 MB of per-position states and 128K x 2 x 128 x 2 B = 67 MB exchanged a
-layer, against 1.61 GB and 537 MB on one rank (MB = 1e6 B, as docs/MEMORY.md). Not yet here: the trainer's
-`topology` setting, the bridge sending each drafter rank its shard, activation checkpointing under SP (issue #56).
+layer, against 1.61 GB and 537 MB on one rank (MB = 1e6 B, as docs/MEMORY.md). The trainer runs it on colocated
+ranks (topology.sequence_parallel; runtime/engine.DrafterTrainModule). Not yet here: the bridge sending each drafter
+rank its shard, activation checkpointing under SP (issue #56).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A drafter rank's bytes at one long sequence split over N ranks (distributed/sequence_parallel.py, issue #56).
 
-By the model only: the trainer does not run sequence parallelism yet. What N changes, counted from
+By the model (the trainer runs SP on colocated ranks: topology.sequence_parallel). What N changes, counted from
 `forward_train_sp` and `sp_objective` at the GPU shape `long_context.step_at` prices (bf16, flex, every layer
 recomputed):
 
@@ -62,7 +62,40 @@ def drafter_rank_terms(cfg: dict[str, Any], seq_len: int, run: lc.LongRun, sp: i
     return terms
 
 
+def _sp_step_terms(cfg: dict[str, Any], seq_len: int, run: lc.LongRun, sp: int, kind: str) -> dict[str, float]:
+    """The drafter micro-step of one SP rank and what SP adds to it (`drafter_rank_terms` without the static terms)."""
+    terms = drafter_rank_terms(cfg, seq_len, run, sp, 1, kind)
+    keep = ("micro_step_peak", "block_mask_whole", "sp_exchange", "sequence_ids")
+    return {k: v for k, v in terms.items() if k in keep}
+
+
+def colocated_rank_terms(cfg: dict[str, Any], seq_len: int, run: lc.LongRun, sp: int, ranks: int,
+                         target_weight_bytes: float, kind: str = "dflash") -> dict[str, float]:
+    """Named bytes of one colocated rank (ZeRO over `ranks`) under SP `sp`: what the trainer runs
+    (topology.sequence_parallel). Every rank of a group runs the whole target forward on its group's sequence and
+    keeps the whole captured batch through the step (the batch's tensors are released after it), plus its copy of
+    its 1/N of the context; the drafter's step is an SP rank's (`drafter_rank_terms`). kl off, as every SP price.
+    At sp = 1, `long_context.rank_terms`' colocated terms at kl off, exactly."""
+    run = replace(run, kl=False)
+    if sp == 1:
+        return lc.rank_terms(cfg, seq_len, run, "colocated", ranks, target_weight_bytes, kind)
+    d = lc.drafter_at(cfg, run, kind)
+    step = _sp_step_terms(cfg, seq_len, run, sp, kind)
+    shard = math.ceil(seq_len / sp) * run.layers_read * int(cfg["hidden_size"]) * run.dtype_bytes
+    held = sum(step.values()) + shard
+    return {"target_weights": target_weight_bytes,
+            f"model_states_zero{run.zero_stage}": mm.zero_model_state_bytes(mm.drafter_params(d), run.zero_stage,
+                                                                             ranks),
+            "captured_batch": lc.payload_bytes(cfg, seq_len, run), "context_shard": shard, **step,
+            "target_forward_over_step": lc.forward_over_step(d, seq_len, run, held)}
+
+
 def longest_fit(cfg: dict[str, Any], run: lc.LongRun, sp: int, ranks: int, limit_bytes: float,
-                kind: str = "dflash") -> int:
-    """The longest multiple of 1,024 tokens a drafter rank holds at SP `sp` within `limit_bytes` (0: none)."""
-    return lc.bisect_length(lambda n: sum(drafter_rank_terms(cfg, n, run, sp, ranks, kind).values()) <= limit_bytes)
+                kind: str = "dflash", target_weight_bytes: float | None = None) -> int:
+    """The longest multiple of 1,024 tokens a rank holds at SP `sp` within `limit_bytes` (0: none): a disaggregated
+    drafter rank, or with `target_weight_bytes` a colocated rank."""
+    if target_weight_bytes is None:
+        return lc.bisect_length(lambda n: sum(drafter_rank_terms(cfg, n, run, sp, ranks, kind).values())
+                                <= limit_bytes)
+    return lc.bisect_length(lambda n: sum(colocated_rank_terms(cfg, n, run, sp, ranks, target_weight_bytes,
+                                                                kind).values()) <= limit_bytes)

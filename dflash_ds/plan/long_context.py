@@ -57,15 +57,17 @@ def long_context(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: in
         rows.append({"role": role, "ranks": ranks, "bytes": total, "terms": terms, "longest": longest,
                      "fits": total <= limit})
         sp_note = ""
-        if role == "drafter":  # what sequence parallelism over these ranks would hold (by the model)
-            sp_longest = {n: lsp.longest_fit(cfg, run, n, ranks, limit, kind)
+        if role in ("drafter", "colocated"):  # what sequence parallelism over these ranks would hold (by the model)
+            colocated = w if role == "colocated" else None
+            sp_longest = {n: lsp.longest_fit(cfg, run, n, ranks, limit, kind, target_weight_bytes=colocated)
                           for n in lsp.sp_sizes(lc.drafter_at(cfg, run, kind).kv_heads, ranks)}
             needed = next((n for n, most in sp_longest.items() if most >= L), None)
             rows[-1].update(sp_longest=sp_longest, sp_needed=needed)
             sp_note = ("" if needed is None else "; without KL it would hold it" if needed == 1 else
-                       f"; by the model, sequence parallelism of {needed} over these ranks would hold it without KL "
-                       "(the trainer runs it colocated: --colocate --topology.sequence_parallel N; from target "
-                       "ranks: issue 56)")
+                       f"; by the model, sequence parallelism of {needed} over these ranks would hold it without KL"
+                       + (f": --colocate --topology.sequence_parallel {needed} (--loss.kl_weight 0)"
+                          if role == "colocated" else
+                          " (the trainer runs it on colocated ranks; from target ranks: issue 56)"))
         if total > limit:
             warnings.append(f"{_name(role, ranks)} does NOT hold {L:,} tokens: {total / GB:,.2f} GB > "
                             f"{args.gpu_memory_gb:g} - {args.headroom_gb:g} GB headroom; it holds "

@@ -165,3 +165,35 @@ def test_a_drafter_rank_under_sequence_parallelism_by_hand(capsys) -> None:
     assert drafter["sp_needed"] == 2 and drafter["sp_longest"] == {"1": 114688, "2": 230400, "4": 460800}
     assert any("up to 87,040; by the model, sequence parallelism of 2 over these ranks would hold it" in w
                for w in p["warnings"])
+
+
+def test_a_colocated_rank_under_sequence_parallelism_by_hand(capsys) -> None:
+    """memory/sequence_parallel.colocated_rank_terms, what the trainer runs (--colocate --topology.sequence_parallel):
+    SP 1 is long_context's colocated rank (kl off); at SP 2 the whole captured batch and target forward stay, the
+    drafter's step is an SP rank's and its context shard is added. At both presets the target's forward, which every
+    rank of a group runs whole, is what bounds a colocated rank: SP does not move its longest sequence."""
+    from dataclasses import replace
+
+    from dflash_ds.memory import sequence_parallel as sp
+
+    plain, w = replace(RUN, kl=False), 16.4e9
+    assert sp.colocated_rank_terms(Q8, L, RUN, 1, 8, w) == lc.rank_terms(Q8, L, plain, "colocated", 8, w)
+    two = sp.colocated_rank_terms(Q8, L, RUN, 2, 8, w)
+    rank = sp.drafter_rank_terms(Q8, L, RUN, 2, 8)
+    assert two["captured_batch"] == L * 5 * 4096 * 2  # the whole batch, 5 layers, bf16, no final hidden
+    assert two["context_shard"] == L // 2 * 5 * 4096 * 2
+    for k in ("micro_step_peak", "block_mask_whole", "sp_exchange", "sequence_ids"):
+        assert two[k] == rank[k], k
+    d = lc.drafter_at(Q8, plain)
+    held = sum(rank[k] for k in ("micro_step_peak", "block_mask_whole", "sp_exchange", "sequence_ids"))
+    assert two["target_forward_over_step"] == lc.forward_over_step(d, L, plain, held + two["context_shard"])
+    assert main(["plan", "--gpus", "8", "--preset", "qwen3-8b", "--target-params-b", "8.2", "--seq-len", "131072",
+                 "--json"]) == 0
+    rows = {r["role"]: r for r in json.loads(capsys.readouterr().out)["long_context"]["rows"]}
+    assert rows["colocated"]["sp_longest"] == {"1": 348160, "2": 348160, "4": 348160, "8": 348160}
+    assert main(["plan", "--gpus", "8", "--preset", "qwen3.6-27b", "--target-params-b", "27", "--seq-len", "65536",
+                 "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["long_context"]
+    rows = {r["role"]: r for r in p["rows"]}
+    assert rows["colocated"]["sp_longest"] == {"1": 55296, "2": 55296, "4": 55296}
+    assert rows["colocated"]["sp_needed"] is None  # 64K: no SP size holds it colocated

@@ -89,14 +89,30 @@ def test_two_ranks_on_one_sequence_train_what_two_ranks_on_two_batches_train(set
         _same_weights(resumed, ref)
 
 
-def test_what_sequence_parallelism_does_not_run_yet_is_refused(setup, tmp_path):
+def test_what_sequence_parallelism_does_not_run_yet_is_refused():
     from dflash_ds.config import load_config
+    from dflash_ds.distributed.layout import Layout
+    from dflash_ds.distributed.sequence_parallel import check_supported
     from dflash_ds.errors import DFlashError
+    from dflash_ds.models.drafter_arch import DrafterArch
+    from dflash_ds.models.dspark_arch import DSparkOptions
 
     with pytest.raises(DFlashError, match="sequence_parallel = 2 runs on colocated ranks only"):
         load_config(None, ["--topology.sequence_parallel", "2"])
     with pytest.raises(DFlashError, match="does not yet carry the target's distribution"):
         load_config(None, ["--topology.colocate", "true", "--topology.sequence_parallel", "2",
                            "--loss.kl_weight", "0.5"])
-    r = torchrun(2, _args(setup, tmp_path, 3, 2), cwd=tmp_path)  # 3 does not divide 2 drafter ranks
-    assert r.returncode != 0 and "topology.sequence_parallel 3 does not divide the 2 drafter ranks" in r.stderr
+    with pytest.raises(DFlashError, match="topology.sequence_parallel 3 does not divide the 2 drafter ranks"):
+        Layout(2, [], [0, 1], colocated=True, sequence_parallel=3)
+    layout = Layout(4, [], [0, 1, 2, 3], colocated=True, sequence_parallel=2)
+    assert (layout.data_parallel, [layout.data_rank(d) for d in range(4)]) == (2, [0, 0, 1, 1])
+    assert layout.sequence_groups() == [[0, 1], [2, 3]]
+    arch = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=6,
+                num_key_value_heads=3, head_dim=8, vocab_size=64, rms_norm_eps=1e-6, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6}, block_size=4, num_target_layers=4,
+                mask_token_id=63, target_layer_ids=[1])
+    with pytest.raises(DFlashError, match="3 key/value heads must divide by it"):  # checked before any group forms
+        check_supported(DrafterArch(**arch), 2)
+    with pytest.raises(DFlashError, match="the drafter kind 'dspark' is not supported"):
+        check_supported(DrafterArch(**{**arch, "num_key_value_heads": 2, "num_attention_heads": 4},
+                                    options=DSparkOptions()), 2)
