@@ -26,8 +26,8 @@ the additive copy in the dtype SDPA makes and keeps in every layer (memory/model
 term N does not split (flex on GPU builds a block mask instead). Qwen3-8B preset (H 4096, kv 8 x 128), S = 128K,
 N = 8: 128K/8 x (4096 + 2048) x 2 B = 201 MB of per-position states and 128K x 2 x 128 x 2 B = 67 MB exchanged a
 layer, against 1.61 GB and 537 MB on one rank (MB = 1e6 B, as docs/MEMORY.md). The trainer runs it on colocated
-ranks (topology.sequence_parallel; runtime/engine.DrafterTrainModule). Not yet here: the bridge sending each drafter
-rank its shard, activation checkpointing under SP (issue #56).
+ranks (topology.sequence_parallel; runtime/engine.DrafterTrainModule), with the one-rank forward's activation
+checkpointing. Not yet here: the bridge sending each drafter rank its shard (issue #56).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from dflash_ds.errors import DFlashError
 from dflash_ds.models.drafter_arch import SLIDING
@@ -118,8 +119,16 @@ def forward_train_sp(drafter, context_shard: torch.Tensor, block_shard: torch.Te
     masks = {kind: drafter.block_mask(anchors, s_local * size, bs, use_flex=use_flex,
                                       sliding_window=arch.sliding_window if kind == SLIDING else None)
              for kind in set(arch.layer_types)}
-    for layer, kind in zip(drafter.layers, arch.layer_types):
-        x = _layer(layer, x, cos, sin, ctx, ccos, csin, masks[kind], group)
+    # Activation checkpointing as the one-rank forward (models/drafter._run_layers): a recomputed layer keeps only its
+    # input and runs its exchange again in backward, on every rank of the group in the same order.
+    recompute = drafter.activation_checkpointing and torch.is_grad_enabled()
+    n = len(drafter.layers) if drafter.checkpoint_layers is None else drafter.checkpoint_layers
+    for i, (layer, kind) in enumerate(zip(drafter.layers, arch.layer_types)):
+        if recompute and i < n:
+            x = torch.utils.checkpoint.checkpoint(_layer, layer, x, cos, sin, ctx, ccos, csin, masks[kind], group,
+                                                  use_reentrant=False)
+        else:
+            x = _layer(layer, x, cos, sin, ctx, ccos, csin, masks[kind], group)
     return drafter.norm(x).view(b, a_local, bs, h)
 
 
