@@ -198,9 +198,12 @@ class TrainConfig:
     ds_config: str = ""
     """Explicit DeepSpeed JSON (overrides zero_stage)."""
     dtype: str = "auto"
-    """Compute dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32. On a CPU with native bf16 (AVX512-BF16 or
-    AMX) bf16 runs the target forward ~1.9x faster and the whole colocated step ~1.85x (SmolLM2-135M, 2 cores:
-    docs/THROUGHPUT_CPU.md); the trainer says so at start-up when it runs fp32 there."""
+    """Compute dtype: auto (bf16 on GPU, fp32 on CPU), fast (bf16 on GPU and on a CPU with native bf16, fp32 on
+    other CPUs), bf16 or fp32. On a CPU with native bf16 (AVX512-BF16 or AMX) bf16 runs the target forward ~1.9x
+    faster and the whole colocated step ~1.85x (SmolLM2-135M, 2 cores: docs/THROUGHPUT_CPU.md); the trainer says so
+    at start-up when it runs fp32 there. Without it (AVX2 only) torch emulates bf16, ~6x slower than fp32, and the
+    trainer warns when bf16 is asked for there. Each rank decides `fast` for its own device: a CPU job's hosts
+    must agree."""
     feature_cache: bool | None = None
     """Colocated runs: keep the target's features (the layers the drafter reads, bf16) in
     <output_dir>/feature_cache as the first epoch computes them, and read them back instead of running the target
@@ -303,9 +306,11 @@ class TopologyConfig:
     """Drafter ranks that split each batch's sequences between them (Ulysses: each holds 1/N of the context
     positions and of the anchor blocks, attention exchanges heads; distributed/sequence_parallel.py). N consecutive
     ranks form a group that trains one batch together: D ranks train D/N batches per micro-step, ZeRO still spans
-    all D. N must divide D and the drafter's key/value heads. For sequences one rank cannot hold: `dflash-ds plan
-    --seq-len L` gives the smallest N (docs/MEMORY.md "Long sequences"). Colocated runs, DFlash drafters, losses
-    without the target's distribution (no KL / LK / target labels) for now (issue 56)."""
+    all D. N must divide D and the drafter's key/value heads. Fed by target ranks, a target computes each sequence
+    once and sends each rank of the group only its 1/N of the context; colocated, every rank of a group runs the
+    whole target forward. For sequences one rank cannot hold: `dflash-ds plan --seq-len L` gives the smallest N
+    (docs/MEMORY.md "Sequence parallelism"). DFlash drafters, losses without the target's distribution (no KL / LK /
+    target labels) for now (issue 56)."""
     colocate_overlap: bool = False
     """Colocated only: compute the next batch's target forward on a side thread (its own CUDA stream on GPU)
     while the drafter step runs. Off by default: see docs/BENCHMARKS.md "Colocated training"."""

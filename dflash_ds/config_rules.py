@@ -70,7 +70,7 @@ _RULES: list[tuple[str, str, typing.Callable[[Any], bool]]] = [
     ("train.global_batch", "must be >= 0 (0 = the checkpoint's, else one per drafter rank)", lambda v: v >= 0),
     ("train.launcher_grace_s", "must be > 0", lambda v: v > 0),
     ("train.zero_stage", "must be 0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
-    ("train.dtype", "must be auto, bf16 or fp32", lambda v: v in ("auto", "bf16", "fp32")),
+    ("train.dtype", "must be auto, fast, bf16 or fp32", lambda v: v in ("auto", "fast", "bf16", "fp32")),
     ("train.feature_cache_gb", "must be >= 0 (0 = off)", lambda v: v >= 0),
     ("train.target_attention", "must be auto, sdpa, eager, flash_attention_2, flash_attention_3 or flex_attention",
      lambda v: v in ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")),
@@ -149,9 +149,6 @@ def validate(cfg: Config) -> Config:
                           "shard it: use target ranks (--num-target-ranks) for a target larger than one GPU")
     if t.colocate_overlap and not t.colocate:
         raise DFlashError("config: topology.colocate_overlap = true needs topology.colocate = true (--colocate)")
-    if t.sequence_parallel > 1 and not t.colocate:
-        raise DFlashError(f"config: topology.sequence_parallel = {t.sequence_parallel} runs on colocated ranks only "
-                          "so far (--colocate; target ranks sending each drafter its shard: issue 56)")
     if t.sequence_parallel > 1 and cfg.loss.needs_last_hidden:
         raise DFlashError(f"config: topology.sequence_parallel = {t.sequence_parallel} does not yet carry the "
                           "target's distribution: loss.kl_weight > 0, loss.lk and loss.labels = target need "

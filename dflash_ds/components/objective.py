@@ -12,6 +12,7 @@ from torch import nn
 
 from dflash_ds.components.anchors import block_inputs_and_labels, sample_anchors
 from dflash_ds.components.loss import LossTerms, acceptance_sums, chunked_dflash_loss, loss_knobs, metric_sums
+from dflash_ds.components.noise import noisy_context
 from dflash_ds.config import LossConfig
 from dflash_ds.models.drafter import DFlashDrafter
 from dflash_ds.models.kinds import DraftedPositions, KindTerms, kind_loss
@@ -30,14 +31,16 @@ class TargetStates:
 
 def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStates, loss_cfg: LossConfig, *,
                       anchor_gen: torch.Generator, noise_std: float = 0.0,
-                      noise_gen: torch.Generator | None = None) -> tuple[LossTerms, dict[str, torch.Tensor]]:
+                      noise_seed: int = 0) -> tuple[LossTerms, dict[str, torch.Tensor]]:
     """Sample anchors, run all blocks under the block-sparse mask, and compute the DFlash loss.
 
     `embed` maps token ids to embeddings and `lm_head` hidden states to logits (the target's,
     frozen: modules or functions). The logits are never materialised for the whole batch: the
     head and the loss run `loss_cfg.chunk_blocks` blocks at a time (`chunked_dflash_loss`).
     `anchor_gen` seeds the anchors, drawn on the batch's device (a generator on another device
-    lends its seed, `sample_anchors`): one host read, the anchors' width.
+    lends its seed, `sample_anchors`): one host read, the anchors' width. `noise_std` > 0 adds Gaussian noise
+    to the context, drawn by `noise_seed` (components/noise.py: the same values a sequence-parallel rank draws
+    for its shard).
     """
     arch = drafter.arch
     bs = arch.block_size
@@ -45,10 +48,7 @@ def drafter_objective(drafter: DFlashDrafter, embed, lm_head, states: TargetStat
                                     max_total=loss_cfg.max_anchors_per_batch)
     blocks, labels, label_valid = block_inputs_and_labels(states.input_ids, states.loss_mask, states.lengths,
                                                           anchors, valid, bs, arch.mask_token_id)
-    context = states.context
-    if noise_std > 0:
-        noise = torch.randn(context.shape, generator=noise_gen, device=context.device, dtype=torch.float32)
-        context = context + (noise * noise_std).to(context.dtype)
+    context = noisy_context(states.context, noise_std, noise_seed)
     with torch.no_grad():
         block_embeds = embed(blocks)
     hidden = drafter.forward_train(context, block_embeds.to(context.dtype), anchors)

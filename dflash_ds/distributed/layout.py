@@ -72,15 +72,16 @@ class Layout:
         self._local = self._node_routes() if self.ranks_per_node else None
 
     def _node_routes(self) -> dict[int, tuple[list[int], int, int]] | None:
-        """Per drafter: (target indices on its node, its position among the node's drafters, their number)."""
+        """Per data group (a drafter when N = 1): (target indices on its node, its position among the node's
+        groups, their number). A sequence-parallel group belongs to the node of its first rank."""
         g = self.ranks_per_node
         assert g
         targets_on: dict[int, list[int]] = {}
         drafters_on: dict[int, list[int]] = {}
         for i, leader in enumerate(self.senders):
             targets_on.setdefault(leader // g, []).append(i)
-        for d, r in enumerate(self.drafter_ranks):
-            drafters_on.setdefault(r // g, []).append(d)
+        for d, members in enumerate(self.sequence_groups()):
+            drafters_on.setdefault(self.drafter_ranks[members[0]] // g, []).append(d)
         if any(node not in targets_on for node in drafters_on):
             return None  # a node without targets: route over all targets
         return {d: (targets_on[node], pos, len(ds)) for node, ds in drafters_on.items() for pos, d in enumerate(ds)}
@@ -107,7 +108,9 @@ class Layout:
         return i // self.target_parallel, i % self.target_parallel
 
     def route(self, step: int, drafter_idx: int) -> int:
-        """Index of the target (replica) that computes drafter `drafter_idx`'s batch of micro-step `step`.
+        """Index of the target (replica) that computes batch `drafter_idx` of micro-step `step`: the batch of drafter
+        `drafter_idx`, or under sequence parallelism of data group `drafter_idx` (`data_rank`; D below is then the
+        D / N groups, and the target sends each of the group's N ranks its shard: `drafter_ranks_for`).
 
         Global layout: global batch g = step * D + d goes to target g mod T, which keeps the T
         targets within one batch of each other over any prefix of the stream, for any T:D.
@@ -120,17 +123,25 @@ class Layout:
         tests/test_distributed/test_router.py simulates both.
         """
         if self._local is None:
-            return (step * self.num_drafters + drafter_idx) % self.num_targets
+            return (step * self.data_parallel + drafter_idx) % self.num_targets
         targets, pos, n_local = self._local[drafter_idx]
         return targets[(step * n_local + pos) % len(targets)]
 
     def target_rank_for(self, step: int, drafter_idx: int) -> int:
-        """Global rank that sends drafter `drafter_idx`'s batch of micro-step `step` (`route`; a replica's leader)."""
+        """Global rank that sends batch `drafter_idx` of micro-step `step` (`route`; a replica's leader)."""
         return self.senders[self.route(step, drafter_idx)]
 
     def drafter_rank_for(self, batch_id: int) -> int:
-        """Global rank of the drafter that trains global batch `batch_id` (batch u * D + d of micro-step u: drafter d)."""
-        return self.drafter_ranks[batch_id % self.num_drafters]
+        """Global rank of the drafter that trains global batch `batch_id` (batch u * D + d of micro-step u: drafter d);
+        under sequence parallelism the first rank of its group (`drafter_ranks_for`)."""
+        return self.drafter_ranks_for(batch_id)[0]
+
+    def drafter_ranks_for(self, batch_id: int) -> list[int]:
+        """Global ranks that train global batch `batch_id` together: its sequence-parallel group (batch u * D/N + g
+        of micro-step u: group g), in shard order; one drafter when N = 1."""
+        n = self.sequence_parallel
+        g = batch_id % self.data_parallel
+        return self.drafter_ranks[g * n:(g + 1) * n]
 
     @property
     def num_targets(self) -> int:
@@ -182,7 +193,8 @@ class Layout:
         targets = (f"targets {self.target_ranks}" if self.target_parallel == 1 else
                    f"{self.num_targets} target replica(s) of {self.target_parallel} ranks {self.replicas}")
         return (f"{self.world_size} ranks: {targets}, "
-                f"drafters {self.drafter_ranks}" + ("; routed within each node" if self.node_local else ""))
+                f"drafters {self.drafter_ranks}" + ("; routed within each node" if self.node_local else "")
+                + (sp and f"{sp}, each rank sent its shard"))
 
     def _lookup(self, rank: int) -> tuple[Role, int]:
         if rank not in self._index:
@@ -196,6 +208,7 @@ def make_layout(
     nproc_per_node: int | None = None,
     targets_per_node: int | None = None,
     target_parallel: int = 1,
+    sequence_parallel: int = 1,
 ) -> Layout:
     """Drafters first, targets last: the last T ranks (global layout) or the last k local ranks of every node."""
     if world_size < 2:
@@ -239,7 +252,7 @@ def make_layout(
     is_target = set(targets)
     drafters = [r for r in range(world_size) if r not in is_target]
     layout = Layout(world_size, targets, drafters, ranks_per_node=nproc_per_node if targets_per_node else None,
-                    target_parallel=target_parallel)
+                    target_parallel=target_parallel, sequence_parallel=sequence_parallel)
     if nproc_per_node:  # a replica's tensor-parallel collectives stay on one node
         for replica in layout.replicas:
             if replica[0] // nproc_per_node != replica[-1] // nproc_per_node:

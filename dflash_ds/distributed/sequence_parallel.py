@@ -27,7 +27,8 @@ term N does not split (flex on GPU builds a block mask instead). Qwen3-8B preset
 N = 8: 128K/8 x (4096 + 2048) x 2 B = 201 MB of per-position states and 128K x 2 x 128 x 2 B = 67 MB exchanged a
 layer, against 1.61 GB and 537 MB on one rank (MB = 1e6 B, as docs/MEMORY.md). The trainer runs it on colocated
 ranks (topology.sequence_parallel; runtime/engine.DrafterTrainModule), with the one-rank forward's activation
-checkpointing. Not yet here: the bridge sending each drafter rank its shard (issue #56).
+checkpointing, and on drafter ranks fed by target ranks, which send each rank of a group only its shard of the
+context (runtime/target_worker.py, distributed/wire.payload_specs).
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ def shard(t: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
         pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
         t = F.pad(t, pad)
     return t.chunk(size, dim=dim)[rank]
+
+
+def gather_shards(part: torch.Tensor, width: int, group) -> torch.Tensor:
+    """The group's shards of a [B, S_pad/N, ...] tensor (`shard` along dim 1) put back together: [B, width, ...]
+    (the padding cut). Collective over `group`; no gradient."""
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, part.contiguous(), group=group)
+    return torch.cat(parts, dim=1)[:, :width]
 
 
 def _layer(layer, x, cos, sin, ctx, ccos, csin, mask, group) -> torch.Tensor:
@@ -141,21 +150,24 @@ def global_share(loss: torch.Tensor, weight: torch.Tensor, group) -> torch.Tenso
 
 
 def sp_objective(drafter, embed, lm_head, states, loss_cfg, *, anchor_gen: torch.Generator, group,
-                 noise_std: float = 0.0, noise_gen: torch.Generator | None = None):
+                 noise_std: float = 0.0, noise_seed: int = 0, context_sharded: bool = False):
     """DFlash's objective (components/objective.drafter_objective) of one batch under sequence parallelism:
     (LossTerms of this rank's blocks with `loss` = its share of the group's loss, their statistics).
 
-    Every rank holds the batch whole (`states`, components/objective.TargetStates: a colocated rank computed it;
-    token ids, loss mask and lengths are S x 8 bytes, 1 MB at 128K) and keeps its shard of the context features
-    (`shard(context, 1, N, rank)`) past the projection. The anchors are drawn by the same sampler from the same
-    seed on every rank, and the context noise from the same generator over the whole context before the shard, so
-    both are the one-rank ones at every N; each rank runs its 1/N of the blocks and their labels, and its loss is
+    Every rank holds the batch's token ids, loss mask and lengths whole (S x 8 bytes each, 1 MB at 128K) and
+    its shard of the context features: `states.context` is the whole context (a colocated rank computed it; the
+    shard `shard(context, 1, N, rank)` is kept past the projection) or, with `context_sharded`, already this rank's
+    shard (a target rank sent it: [B, S_pad/N, F]). The anchors are drawn by the same sampler from the same seed
+    on every rank, and the context noise for this rank's positions alone (components/noise.py: the values the whole
+    context's draw gives them), so both are the one-rank ones at every N; each rank runs its 1/N of the blocks and
+    their labels, and its loss is
     its share of the global weighted mean (`global_share`): every label counted once, and so is every statistic
     (the sums over the group's ranks are the one-rank sums). The terms that read the target's distribution (KL, LK,
     target labels: the final hidden at every anchor) are refused for now.
     """
     from dflash_ds.components.anchors import block_inputs_and_labels, sample_anchors
     from dflash_ds.components.loss import acceptance_sums, chunked_dflash_loss, loss_knobs, metric_sums
+    from dflash_ds.components.noise import noisy_context
 
     if loss_cfg.needs_last_hidden:
         raise DFlashError("sequence parallelism: the loss terms that read the target's distribution (KL, LK, "
@@ -166,11 +178,19 @@ def sp_objective(drafter, embed, lm_head, states, loss_cfg, *, anchor_gen: torch
                                     max_total=loss_cfg.max_anchors_per_batch)
     blocks, labels, label_valid = block_inputs_and_labels(states.input_ids, states.loss_mask, states.lengths,
                                                           anchors, valid, bs, drafter.arch.mask_token_id)
+    width = states.input_ids.shape[1]
+    local = padded(width, size) // size
     context = states.context
-    if noise_std > 0:  # drawn over the whole context, as one rank would, then sharded
-        noise = torch.randn(context.shape, generator=noise_gen, device=context.device, dtype=torch.float32)
-        context = context + (noise * noise_std).to(context.dtype)
-    context = shard(context, 1, size, rank).contiguous()  # a copy: the whole context is not kept for backward
+    if not context_sharded:
+        context = shard(context, 1, size, rank).contiguous()  # a copy: the whole context is not kept for backward
+    if context.shape[1] != local:
+        raise DFlashError(f"sequence parallelism: rank {rank} of {size} holds {context.shape[1]} context positions, "
+                          f"expected {local} (the {width}-token batch padded to {padded(width, size)}, split {size} "
+                          f"ways)")
+    real = max(0, min(local, width - rank * local))  # the shard's positions inside the batch (the rest is padding)
+    if noise_std > 0 and real:
+        noisy = noisy_context(context[:, :real], noise_std, noise_seed, start=rank * local)
+        context = noisy if real == local else torch.cat([noisy, context[:, real:]], dim=1)
     all_anchors = F.pad(anchors, (0, padded(anchors.shape[1], size) - anchors.shape[1]))
     blocks, labels, label_valid, valid = (shard(t, 1, size, rank) for t in (blocks, labels, label_valid, valid))
     with torch.no_grad():

@@ -32,25 +32,29 @@ CONTROL_TAG = 7
 
 
 def payload_specs(spec: BatchSpec, arch: DrafterArch, dtype: torch.dtype,
-                  last_hidden: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+                  last_hidden: bool, shards: int = 1) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """The bridge payload of one batch, (name, dtype, shape) in wire order, from the shared batch stream alone.
 
     The target builds its batch to these specs and the drafter posts its receive with them before
     the batch exists (`bridge.Receiver`), so both must derive them here: right-padded int64 ids and
     mask (`data.loader.collate`), lengths, the selected layers concatenated, and the final hidden
-    state when the loss has a KL term, in the run's dtype.
+    state when the loss has a KL term, in the run's dtype. Under sequence parallelism (`shards` N > 1) each rank
+    of a group is sent the ids, mask and lengths whole and its 1/N of the context positions (the batch padded to
+    a multiple of N: `context_part`), so a rank's receive is the context's S/N: at the Qwen3-8B preset (5 layers
+    read, bf16) a 128K-token sequence's context is 5.4 GB whole, 671 MB a rank at N = 8 (+ 2 MB of ids and mask).
     """
     hidden = arch.hidden_size
     return payload_specs_for(spec.num_seqs, spec.max_length, len(arch.target_layer_ids) * hidden,
-                             hidden if last_hidden else 0, dtype)
+                             hidden if last_hidden else 0, dtype, shards)
 
 
 def payload_specs_for(rows: int, width: int, context_dim: int, last_dim: int,
-                      dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+                      dtype: torch.dtype, shards: int = 1) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """`payload_specs` from the shapes themselves (`bench comm` sends batches of this form); no final hidden if
     last_dim is 0."""
+    local = -(-width // shards)
     specs = [("input_ids", torch.int64, (rows, width)), ("loss_mask", torch.int64, (rows, width)),
-             ("lengths", torch.int64, (rows,)), ("context", dtype, (rows, width, context_dim))]
+             ("lengths", torch.int64, (rows,)), ("context", dtype, (rows, local, context_dim))]
     if last_dim:
         specs.append(("last_hidden", dtype, (rows, width, last_dim)))
     return specs
@@ -72,17 +76,31 @@ def batch_meta(spec, after: Cursor, forward_s: float, batches_per_s: float, in_f
             "target_rank": target_rank}
 
 
+def context_part(width: int, shards: int, part: int) -> tuple[int, int]:
+    """(first, end) of the positions of a `width`-token batch that shard `part` of `shards` holds (the batch
+    padded at the end to a multiple of `shards`, as distributed/sequence_parallel.shard; end - first may be less
+    than the shard's size, or 0, where it reaches the padding)."""
+    local = -(-width // shards)
+    return min(width, part * local), min(width, (part + 1) * local)
+
+
 def build_payload(sender: bridge_mod.AsyncSender, planned: list, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                   lengths: torch.Tensor, layers: list[torch.Tensor],
-                  last_hidden: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                  last_hidden: torch.Tensor | None, part: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]:
     """A batch's bridge payload, written straight into a pooled send buffer (sent without a further copy).
 
     `planned` is `plan.payload_specs` of the batch, the shapes the drafter has already posted its
     receive for: a batch that differs is an error here, before anything is sent. The selected
     layers are concatenated into the buffer's `context`, which the concatenation needed anyway;
-    `last_hidden` (for the KL term) is one extra copy of H values per token.
+    `last_hidden` (for the KL term) is one extra copy of H values per token. `part` (i, N): the payload of
+    shard i of N (sequence parallelism: `context_part` of the context, zero past the batch's end).
     """
-    context_shape = (*layers[0].shape[:-1], sum(t.shape[-1] for t in layers))
+    i, shards = part
+    first, end = context_part(input_ids.shape[1], shards, i)
+    if shards > 1:
+        layers = [t[:, first:end] for t in layers]
+    local = -(-input_ids.shape[1] // shards)
+    context_shape = (layers[0].shape[0], local, sum(t.shape[-1] for t in layers))
     specs = [("input_ids", input_ids.dtype, tuple(input_ids.shape)), ("loss_mask", loss_mask.dtype, tuple(loss_mask.shape)),
              ("lengths", lengths.dtype, tuple(lengths.shape)), ("context", layers[0].dtype, context_shape)]
     if last_hidden is not None:
@@ -94,7 +112,11 @@ def build_payload(sender: bridge_mod.AsyncSender, planned: list, input_ids: torc
     out["input_ids"].copy_(input_ids, non_blocking=True)
     out["loss_mask"].copy_(loss_mask, non_blocking=True)  # from the loader's pinned tensors on CUDA
     out["lengths"].copy_(lengths, non_blocking=True)
-    torch.cat(layers, dim=-1, out=out["context"])
+    if end - first == local:
+        torch.cat(layers, dim=-1, out=out["context"])
+    else:  # the last shard(s) reach the padding
+        torch.cat(layers, dim=-1, out=out["context"][:, :end - first])
+        out["context"][:, end - first:].zero_()
     if last_hidden is not None:
         out["last_hidden"].copy_(last_hidden, non_blocking=True)
     return out

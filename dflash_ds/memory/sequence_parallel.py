@@ -46,19 +46,36 @@ def drafter_rank_terms(cfg: dict[str, Any], seq_len: int, run: lc.LongRun, sp: i
     d = lc.drafter_at(cfg, run, kind)
     check_heads(d.kv_heads, sp)
     full = lc.step_at(seq_len, run)
-    local = replace(full, seq_len=math.ceil(seq_len / sp), anchors_per_row=math.ceil(full.anchors_per_row / sp))
-    terms = {**mm.static_terms(d, local.seq_len, run.zero_stage, ranks, kl=False),
-             "micro_step_peak": mm.micro_step_peak(d, local, param_grads=False)}
+    static = mm.static_terms(d, math.ceil(seq_len / sp), run.zero_stage, ranks, kl=False)
+    return {**static, **sp_step_terms(d, full, sp)}
+
+
+def sp_step_terms(d: mm.DrafterShape, full: mm.StepShape, sp: int, param_grads: bool = False) -> dict[str, float]:
+    """Named bytes of one SP rank's micro-step on its 1/`sp` of the batch `full` (one sequence: batch 1): the
+    micro-step at S = ceil(S/N), A = ceil(A/N) (memory/model.py), and what N does not split or adds: the mask over
+    every anchor and the whole sequence (flex's tile tables; CPU's dense boolean mask and SDPA's float copy of it in
+    every layer kept), the all-to-all's gathered tensors and their gradients, the token ids held whole."""
+    local = replace(full, seq_len=math.ceil(full.seq_len / sp), anchors_per_row=math.ceil(full.anchors_per_row / sp))
+    peak = mm.micro_step_peak(d, local, param_grads)
+    terms = {"micro_step_peak": peak}
     if sp == 1:
         return terms
-    s_pad, t_all = local.seq_len * sp, local.anchors_per_row * sp * d.block_size
-    # the mask over every anchor and the whole sequence, in place of the micro-step's local one
-    terms["block_mask_whole"] = (mm.flex_block_mask_bytes(1, t_all, s_pad + t_all)
-                                 - mm.flex_block_mask_bytes(1, local.anchors_per_row * d.block_size,
-                                                            local.seq_len + local.anchors_per_row * d.block_size))
-    gathered = ((s_pad + t_all) * 2 * d.kv_heads + 2 * t_all * d.heads) // sp * d.head_dim * run.dtype_bytes
+    b, bs = full.dtype_bytes, d.block_size
+    s_pad, t_all, t_loc = local.seq_len * sp, local.anchors_per_row * sp * bs, local.anchors_per_row * bs
+    if full.dense_mask:  # the whole mask in place of the local one: kept (float) in each layer, the boolean in forward
+        extra = full.batch * (t_all * (s_pad + t_all) - t_loc * (local.seq_len + t_loc))
+        k = mm.recomputed_layers(d, local)
+        t = mm.micro_step_terms(d, local, param_grads)
+        phases = {ph: sum(t[ph].values()) for ph in mm.PHASES}
+        phases["forward"] += 0 if k else extra
+        held = sum(t["held"].values()) + extra * ((d.num_layers - k) * b + (1 if k else 0))
+        terms["dense_mask_whole"] = held + max(phases.values()) - peak
+    else:
+        terms["block_mask_whole"] = (mm.flex_block_mask_bytes(full.batch, t_all, s_pad + t_all)
+                                     - mm.flex_block_mask_bytes(full.batch, t_loc, local.seq_len + t_loc))
+    gathered = ((s_pad + t_all) * 2 * d.kv_heads + 2 * t_all * d.heads) // sp * d.head_dim * b
     terms["sp_exchange"] = 2 * gathered
-    terms["sequence_ids"] = ID_BYTES * seq_len
+    terms["sequence_ids"] = ID_BYTES * full.batch * full.seq_len
     return terms
 
 

@@ -67,7 +67,8 @@ def long_context(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: in
                        f"; by the model, sequence parallelism of {needed} over these ranks would hold it without KL"
                        + (f": --colocate --topology.sequence_parallel {needed} (--loss.kl_weight 0)"
                           if role == "colocated" else
-                          " (the trainer runs it on colocated ranks; from target ranks: issue 56)"))
+                          f": --topology.sequence_parallel {needed} (--loss.kl_weight 0; each drafter rank is sent "
+                          f"its 1/{needed} of every sequence)"))
         if total > limit:
             warnings.append(f"{_name(role, ranks)} does NOT hold {L:,} tokens: {total / GB:,.2f} GB > "
                             f"{args.gpu_memory_gb:g} - {args.headroom_gb:g} GB headroom; it holds "
@@ -75,8 +76,8 @@ def long_context(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: in
     fit = {r["role"]: r["fits"] for r in rows}
     if fit.get("colocated") is False and (fit.get("drafter") is False or fit.get("target") is False):
         warnings.append(f"no layout trains {L:,}-token sequences on {args.gpu_memory_gb:g} GB GPUs without sequence "
-                        "parallelism (the drafter row's SP sizes; the trainer runs it on colocated ranks, "
-                        "topology.sequence_parallel); else shorten data.max_length, or lower the drafter's memory "
+                        "parallelism (the drafter row's SP sizes: topology.sequence_parallel, each drafter rank sent its shard "
+                        "of every sequence); else shorten data.max_length, or lower the drafter's memory "
                         "(more drafter ranks, ZeRO-3)")
     return {"seq_len": L, "anchors_per_row": lc.step_at(L, run).anchors_per_row, "limit_bytes": limit,
             "rows": rows, "warnings": warnings}

@@ -114,6 +114,7 @@ class DrafterTrainModule(nn.Module):
         if not self.tied_head:
             self.register_buffer("head_weight", head_w, persistent=False)
         self.sp_group = None  # topology.sequence_parallel > 1: this rank's group (set by build_drafter_engine)
+        self.context_sharded = False  # and its batches hold only its shard of the context (fed by target ranks)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The target's token embedding."""
@@ -140,14 +141,12 @@ class DrafterTrainModule(nn.Module):
                                  states.loss_mask, states.lengths, anchors, valid, loss_cfg.chunk_blocks)
         dev = states.context.device
         anchor_gen = torch.Generator(device=dev).manual_seed(anchor_seed)  # anchors are drawn on the batch's device
-        noise_gen = torch.Generator(device=dev).manual_seed(noise_seed) if noise_std > 0 else None
         if self.sp_group is not None:
-            return self._sequence_parallel(states, loss_cfg, anchor_gen, noise_std, noise_gen)
+            return self._sequence_parallel(states, loss_cfg, anchor_gen, noise_std, noise_seed)
         return drafter_objective(self.drafter, self.embed, self.lm_head, states, loss_cfg,
-                                 anchor_gen=anchor_gen, noise_std=noise_std, noise_gen=noise_gen)
+                                 anchor_gen=anchor_gen, noise_std=noise_std, noise_seed=noise_seed)
 
-
-    def _sequence_parallel(self, states: TargetStates, loss_cfg, anchor_gen, noise_std: float, noise_gen):
+    def _sequence_parallel(self, states: TargetStates, loss_cfg, anchor_gen, noise_std: float, noise_seed: int):
         """The objective over this rank's sequence-parallel group (distributed/sequence_parallel.sp_objective).
 
         Its loss is this rank's share of the group's loss times N: DeepSpeed averages gradients over all D ranks,
@@ -156,9 +155,20 @@ class DrafterTrainModule(nn.Module):
         from dflash_ds.distributed.sequence_parallel import sp_objective
 
         terms, sums = sp_objective(self.drafter, self.embed, self.lm_head, states, loss_cfg, anchor_gen=anchor_gen,
-                                   group=self.sp_group, noise_std=noise_std, noise_gen=noise_gen)
+                                   group=self.sp_group, noise_std=noise_std, noise_seed=noise_seed,
+                                   context_sharded=self.context_sharded)
         terms.loss = terms.loss * dist.get_world_size(self.sp_group)
         return terms, sums
+
+    def whole_context(self, context: torch.Tensor, width: int) -> torch.Tensor:
+        """The context of `width` positions whole: `context` itself, or under sequence parallelism with a sent shard
+        (`context_sharded`) the group's shards gathered and the padding cut (collective over the group). The walks
+        (est_tau, validation) read every position of the rows they walk: [rows, S, F] on each rank of the group."""
+        if not self.context_sharded:
+            return context
+        from dflash_ds.distributed.sequence_parallel import gather_shards
+
+        return gather_shards(context, width, self.sp_group)
 
 
 def warn_stale_build_locks(max_age_s: float = 600.0) -> list[Path]:
@@ -271,6 +281,7 @@ def build_drafter_engine(cfg: Config, arch: DrafterArch, dtype: torch.dtype, dev
     set_fuse_mode(cfg.train.fuse)
     module = DrafterTrainModule(drafter, embed, head)
     module.sp_group = sp_group
+    module.context_sharded = sp_group is not None and target is None  # target ranks send each rank its shard
     module.checkpointing_reason = ckpt.why
     fresh_from_target = not resuming and not cfg.drafter and cfg.model.init == "target"
     n, total = arch.num_hidden_layers, arch.num_target_layers

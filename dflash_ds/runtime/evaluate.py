@@ -73,9 +73,11 @@ def estimate(engine, tensors: dict, cfg: Config, dtype: torch.dtype, rows: int =
     picked = walk_rows(n, rows)
     keep = slice(None) if len(picked) == n else picked  # every row: views, no copy
     last = tensors.get("last_hidden")
-    states = TargetStates(tensors["input_ids"][keep], tensors["loss_mask"][keep], tensors["lengths"][keep],
-                          tensors["context"][keep].to(dtype), None if last is None else last[keep])
     module = getattr(engine, "module", engine)
+    # a sequence-parallel rank fed by target ranks holds its shard: the walked rows are gathered whole
+    context = module.whole_context(tensors["context"][keep], tensors["input_ids"].shape[1])
+    states = TargetStates(tensors["input_ids"][keep], tensors["loss_mask"][keep], tensors["lengths"][keep],
+                          context.to(dtype), None if last is None else last[keep])
     was_training = module.training
     module.eval()  # the drafter has no dropout; eval mode all the same, for anything that would
     try:

@@ -36,18 +36,11 @@ import torch
 
 from dflash_ds.errors import DFlashError
 from dflash_ds.runtime.digest import hash_file
+from dflash_ds.runtime.job import native_bf16_cpu
 
 FOLDER = "feature_cache"
 VERSION = 2  # 2: small weight files hashed whole (runtime/digest.py)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def native_bf16_cpu() -> bool:
-    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX): bf16 then runs ~2x fp32's speed."""
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # an older torch: no answer, no claim
-        return False
 
 
 def target_fingerprint(path: str | Path) -> str:

@@ -28,7 +28,8 @@ def job_layout(cfg: Config, world_size: int, local_world_size: int | None) -> La
     per_node = cfg.topology.targets_per_node or None
     return make_layout(world_size, None if per_node else cfg.topology.num_target_ranks,
                        nproc_per_node=local_world_size, targets_per_node=per_node,
-                       target_parallel=cfg.topology.target_parallel)
+                       target_parallel=cfg.topology.target_parallel,
+                       sequence_parallel=cfg.topology.sequence_parallel)
 
 
 def validate_job(cfg: Config, world_size: int, local_world_size: int | None) -> Layout:
@@ -63,7 +64,7 @@ def run_job(cfg: Config) -> int:
     env = read_launch_env()
     layout = validate_job(cfg, env.world_size, env.local_world_size)
     from dflash_ds.data.stream import open_data
-    from dflash_ds.runtime.job import resolve_arch, torch_dtype
+    from dflash_ds.runtime.job import dtype_warning, resolve_arch, torch_dtype
 
     arch = resolve_arch(cfg)  # before any group: a bad drafter/target pair fails fast on every rank
     if layout.sequence_parallel > 1:
@@ -93,6 +94,8 @@ def run_job(cfg: Config) -> int:
     watchdog = Watchdog(ctx.store, env.rank, layout.world_size, describe, cfg.train.heartbeat_timeout_s,
                         launcher_grace_s=cfg.train.launcher_grace_s).start()
     dtype = torch_dtype(cfg, ctx.device.type == "cuda")  # like the drafter shape: derived once, handed to the role
+    if env.rank == 0 and (warning := dtype_warning(cfg, ctx.device.type == "cuda")):
+        print(f"[dflash-ds] warning: {warning}", file=sys.stderr, flush=True)
     try:
         if ctx.bridge is not None:  # every target-drafter pair connected now, under the start-up timeout
             bound.phase = "connecting the bridge"

@@ -113,7 +113,7 @@ class BridgeSource:
         # the arithmetic of memory/model.PAYLOADS_ALIVE and docs/MEMORY.md.
         self.pool = BufferPool(ctx.device, max_free=2)
         self.receiver: bridge_mod.Receiver | None = None
-        layout, d = ctx.layout, ctx.role_rank
+        layout, d = ctx.layout, ctx.data_rank  # under sequence parallelism: its group's batches (their shards)
         # The same walk over the batch stream as the targets' (target_worker.my_batches).
         schedule = ((ms.batch_id(d), layout.target_rank_for(ms.index, d), specs_of(ms.specs[d]))
                     for ms in data.micro_steps(start_step, cursor, stop_step))
@@ -305,5 +305,6 @@ def open_source(ctx: RoleContext, cfg: Config, arch, dtype: torch.dtype, data: B
             print(f"[dflash-ds] feature cache: {why}", flush=True)
         return LocalTargetSource(ctx, target, data, start_step, cursor, stop_step, arch.target_layer_ids, kl,
                                  prefetch=cfg.data.prefetch, overlap=cfg.topology.colocate_overlap, cache=cache)
+    n = ctx.layout.sequence_parallel
     return BridgeSource(ctx, data, start_step, cursor, stop_step,
-                        lambda spec: payload_specs(spec, arch, dtype, kl), depth=2)
+                        lambda spec: payload_specs(spec, arch, dtype, kl, n), depth=2)

@@ -48,7 +48,8 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
     data = replace(data, global_batch=global_batch)
     kl = cfg.loss.needs_last_hidden  # KL, LK or target labels: send the final hidden state
     watchdog.tick_hooks.append(functools.partial(_exit_once_drafters_stopped, ctx, watchdog))
-    sender = bridge_mod.AsyncSender(ctx.bridge, depth=2, timeout_s=ctx.bridge_timeout_s, device=ctx.device)
+    n = layout.sequence_parallel  # > 1: each rank of a drafter group is sent its shard of every batch
+    sender = bridge_mod.AsyncSender(ctx.bridge, depth=2 * n, timeout_s=ctx.bridge_timeout_s, device=ctx.device)
     sends = ctx.replica_rank == 0  # a replica's other ranks compute with it and send nothing
     served, t_start = 0, time.perf_counter()
     routed: deque[tuple[int, int]] = deque()  # (step, global batch id) of each batch the loader was handed
@@ -68,13 +69,14 @@ def run_target(ctx: RoleContext, cfg: Config, data: BatchStream, watchdog: Watch
         if not sends:
             capture_batch(target, batch, arch.target_layer_ids, kl, ctx.device, place=_discard)
             continue
-        into_send_buffer = functools.partial(build_payload, sender, payload_specs(batch.spec, arch, dtype, kl))
-        tensors = capture_batch(target, batch, arch.target_layer_ids, kl, ctx.device, place=into_send_buffer)
+        into_send_buffers = functools.partial(_build_parts, sender, payload_specs(batch.spec, arch, dtype, kl, n), n)
+        parts = capture_batch(target, batch, arch.target_layer_ids, kl, ctx.device, place=into_send_buffers)
         fwd = time.perf_counter() - t0
         served += 1
         meta = batch_meta(batch.spec, batch.cursor, fwd, served / max(time.perf_counter() - t_start, 1e-9),
                           sender.in_flight(), ctx.global_rank)
-        sender.send(layout.drafter_rank_for(batch_id), tensors, meta, batch_id=batch_id)
+        for rank, tensors in zip(layout.drafter_ranks_for(batch_id), parts):
+            sender.send(rank, tensors, meta, batch_id=batch_id)
     loader.close()
     if stopped:
         # Batches still in flight belong to steps nobody will train: no drafter posts their receives, so the
@@ -121,6 +123,12 @@ def _my_batches(ctx: RoleContext, data: BatchStream, start_step: int, cursor: Cu
             if layout.route(ms.index, d) == t_idx:
                 routed.append((ms.step, ms.batch_id(d)))
                 yield ms.after, spec
+
+
+def _build_parts(sender: bridge_mod.AsyncSender, planned: list, shards: int, *captured) -> list[dict]:
+    """The payload of each of the `shards` ranks of a batch's drafter group, in their order (one without sequence
+    parallelism), each in a pooled send buffer (`wire.build_payload`)."""
+    return [build_payload(sender, planned, *captured, part=(i, shards)) for i in range(shards)]
 
 
 def _discard(*_payload) -> None:

@@ -71,3 +71,24 @@ def test_recipe_resolves_against_its_target_shape(tmp_path, recipe, target_cfg, 
     assert drafter.fc.weight.shape == (h, 5 * h)
     assert drafter.layers[0].self_attn.q_proj.weight.shape == (text["num_attention_heads"] * text["head_dim"], h)
     assert drafter.layers[0].mlp.gate_proj.weight.shape == (text["intermediate_size"], h)
+
+
+def test_dtype_fast_is_bf16_only_where_the_device_computes_it_natively(monkeypatch, capsys):
+    """train.dtype fast (the SmolLM2 CPU recipe's): bf16 on a GPU and on a CPU with AVX512-BF16 / AMX, fp32 on a CPU
+    that would emulate it (an AVX2-only AMD EPYC VM ran the recipe's 6-step quick start for 8+ minutes in bf16);
+    bf16 asked for on such a CPU is run as asked, with a warning."""
+    from dflash_ds.runtime import job
+
+    recipe = load_config(REPO / "configs" / "real_smollm2.yaml", {"data": {"val_fraction": 0.1}})
+    assert recipe.train.dtype == "fast"
+    bf16 = load_config(None, ["--train.dtype", "bf16"])
+    for native in (True, False):
+        monkeypatch.setattr(job, "native_bf16_cpu", lambda: native)
+        assert job.torch_dtype(recipe, cuda=True) == torch.bfloat16
+        assert job.torch_dtype(recipe, cuda=False) == (torch.bfloat16 if native else torch.float32)
+        assert job.torch_dtype(bf16, cuda=False) == torch.bfloat16
+        assert (job.dtype_warning(bf16, cuda=False) is None) == native
+        assert job.dtype_warning(recipe, cuda=False) is None and job.dtype_warning(bf16, cuda=True) is None
+    assert "emulates its matmuls" in job.dtype_warning(bf16, cuda=False)
+    with pytest.raises(Exception, match="must be auto, fast, bf16 or fp32"):
+        load_config(None, ["--train.dtype", "bf8"])

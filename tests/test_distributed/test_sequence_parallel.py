@@ -17,7 +17,7 @@ import torch
 from dist_utils import free_port_block, run_ranks
 
 S_CTX, N_ANCHORS, BS, H, V = 16_411, 30, 4, 32, 64
-NOISE = 0.05  # the objective's context noise: drawn whole on every rank, then sharded
+NOISE = 0.05  # the objective's context noise: each rank draws its positions' (components/noise.py)
 TOL = 2e-5  # fp32: the same sums in another order (attention over exchanged heads, gradients summed over ranks)
 
 
@@ -117,7 +117,7 @@ def _reference():
     ids, mask, lengths, embed, loss_cfg = _objective_inputs()
     terms, sums = drafter_objective(d, embed, head, TargetStates(ids, mask, lengths, ctx, None), loss_cfg,
                                     anchor_gen=torch.Generator().manual_seed(7), noise_std=NOISE,
-                                    noise_gen=torch.Generator().manual_seed(8))
+                                    noise_seed=8)
     terms.loss.backward()
     return forward, (terms.loss.detach(), _grads(d), _host(sums))
 
@@ -150,20 +150,23 @@ def _sp_run(group, out: Path, recompute: bool = False) -> None:
     torch.save({"hidden": hidden.detach(), "loss": total, "grads": grads, "saved": saved.total}, out)
 
 
-def _sp_objective_run(group, out: Path) -> None:
-    """The whole objective under SP over `group`: the group's loss and its summed gradients, saved as out."""
+def _sp_objective_run(group, out: Path, sent: bool = False) -> None:
+    """The whole objective under SP over `group`: the group's loss and its summed gradients, saved as out; `sent`:
+    the rank holds only its shard of the context, as a target rank sends it (disaggregated)."""
     import torch.distributed as dist
 
     from dflash_ds.components.objective import TargetStates
-    from dflash_ds.distributed.sequence_parallel import sp_objective
+    from dflash_ds.distributed.sequence_parallel import shard, sp_objective
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     d = _drafter()
     ctx, *_, head = _batch()
+    if sent:
+        ctx = shard(ctx, 1, size, rank).clone()
     ids, mask, lengths, embed, loss_cfg = _objective_inputs()
     terms, sums = sp_objective(d, embed, head, TargetStates(ids, mask, lengths, ctx, None), loss_cfg,
                                anchor_gen=torch.Generator().manual_seed(7), group=group, noise_std=NOISE,
-                               noise_gen=torch.Generator().manual_seed(8))
+                               noise_seed=8, context_sharded=sent)
     terms.loss.backward()
     grads = _grads(d)
     for g in grads.values():
@@ -176,11 +179,53 @@ def _sp_objective_run(group, out: Path) -> None:
     torch.save({"loss": total, "grads": grads, "sums": _host(stats)}, out)
 
 
+def _peak_run(group, out: Path) -> None:
+    """A drafter rank's micro-step as the trainer runs it fed by a target rank (the objective on the context shard
+    it was sent, noise off, forward + backward), its peak resident bytes above the start saved as out: `bench
+    memory`'s mechanism (allocations of 64 KiB or more mmapped, set as the rank started; the heap trimmed; the
+    high-water mark reset), the lowest of 2 runs (the first one's one-off allocations left out). `group` None
+    with `sp1`: the one-rank objective (components/objective.drafter_objective)."""
+    import torch.distributed as dist
+
+    from dflash_ds.bench.memory import _release_heap
+    from dflash_ds.components.objective import TargetStates, drafter_objective
+    from dflash_ds.distributed.sequence_parallel import shard, sp_objective
+    from dflash_ds.runtime.memory import peak_memory_bytes, reset_peak_memory, resident_bytes
+
+    size = 1 if group == "sp1" else dist.get_world_size(group)
+    d = _drafter()
+    ctx, *_, head = _batch()
+    ids, mask, lengths, embed, loss_cfg = _objective_inputs()
+    if size > 1:
+        ctx = shard(ctx, 1, size, dist.get_rank(group)).clone()
+    states = TargetStates(ids, mask, lengths, ctx, None)
+    del _
+    peaks, cpu = [], torch.device("cpu")
+    for _ in range(2):
+        d.zero_grad(set_to_none=True)
+        _release_heap()
+        base = resident_bytes()
+        reset_peak_memory(cpu)
+        gen = torch.Generator().manual_seed(7)
+        if size == 1:
+            terms, _sums = drafter_objective(d, embed, head, states, loss_cfg, anchor_gen=gen)
+        else:
+            terms, _sums = sp_objective(d, embed, head, states, loss_cfg, anchor_gen=gen, group=group,
+                                        context_sharded=True)
+        terms.loss.backward()
+        del terms, _sums
+        peaks.append(peak_memory_bytes(cpu) - base)
+    torch.save(min(peaks), out)
+
+
 def _rank(rank: int, port: int, out: str) -> None:
     """Four ranks: SP = 4 over all of them, then SP = 2 over the pairs (0, 1) and (2, 3)."""
     import deepspeed
     import torch.distributed as dist
 
+    from dflash_ds.bench.memory import _mmap_large_allocations
+
+    _mmap_large_allocations()  # this process only: a freed tensor leaves the resident set (`_peak_run`)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     deepspeed.init_distributed("gloo")  # DeepSpeed's comm layer over the group (the exchange calls it)
@@ -190,7 +235,12 @@ def _rank(rank: int, port: int, out: str) -> None:
         _sp_run(pairs[rank // 2], Path(out) / f"sp2_{rank}.pt")
         _sp_run(pairs[rank // 2], Path(out) / f"sp2ckpt_{rank}.pt", recompute=True)
         _sp_objective_run(None, Path(out) / f"obj4_{rank}.pt")
+        _sp_objective_run(None, Path(out) / f"obj4sent_{rank}.pt", sent=True)
         _sp_objective_run(pairs[rank // 2], Path(out) / f"obj2_{rank}.pt")
+        _peak_run(None, Path(out) / f"peak4_{rank}.pt")
+        _peak_run(pairs[rank // 2], Path(out) / f"peak2_{rank}.pt")
+        if rank == 0:
+            _peak_run("sp1", Path(out) / "peak1_0.pt")
     finally:
         dist.destroy_process_group()
 
@@ -214,12 +264,14 @@ def test_sequence_parallel_equals_one_rank(tmp_path):
         assert saved - _mask_bytes(size) < (ref_saved - _mask_bytes(1)) * 1.1 / size, (size, saved, ref_saved)
         print(f"SP {size}: {saved / 1e6:.1f} MB kept for backward a rank, {_mask_bytes(size) / 1e6:.1f} MB of it masks "
               f"(one rank: {ref_saved / 1e6:.1f}, {_mask_bytes(1) / 1e6:.1f})")
-        for r in ranks:  # the whole objective: the sampler's anchors, the labels sharded, each counted once
-            got = torch.load(tmp_path / f"obj{size}_{r}.pt")
-            _same(got, obj_loss, obj_grads, f"objective at {size}")
+        # the whole objective: the sampler's anchors, the labels sharded, each counted once; at SP 4 also from a
+        # context sent already cut (its noise drawn for the rank's positions alone: components/noise.py)
+        for name in [f"obj{size}_{r}" for r in ranks] + ([f"obj4sent_{r}" for r in ranks] if size == 4 else []):
+            got = torch.load(tmp_path / f"{name}.pt")
+            _same(got, obj_loss, obj_grads, name)
             assert got["sums"].keys() == obj_sums.keys()  # the statistics summed over the group: the one-rank ones
             for k, v in obj_sums.items():
-                assert torch.allclose(got["sums"][k], v, rtol=1e-5, atol=1e-4), (size, k, got["sums"][k], v)
+                assert torch.allclose(got["sums"][k], v, rtol=1e-5, atol=1e-4), (name, k, got["sums"][k], v)
     # Activation checkpointing under SP (every layer recomputed, its exchange run again in backward): the same
     # hidden states, loss and gradients, and a rank keeps little but the layers' inputs for backward.
     for r in range(4):
@@ -227,6 +279,23 @@ def test_sequence_parallel_equals_one_rank(tmp_path):
         assert torch.equal(ckpt["hidden"], plain["hidden"])
         _same(ckpt, ref_loss, ref_grads, "SP 2, recomputed")
         assert ckpt["saved"] < 0.3 * plain["saved"], (ckpt["saved"], plain["saved"])  # measured 9.8 against 43.4 MB
+    # A rank's measured peak falls as N grows; beside it the memory model's (memory/sequence_parallel.sp_step_terms at
+    # this CPU shape: fp32, the dense mask, no checkpointing, parameter gradients in the step), printed, not yet
+    # asserted within 10%: it misses the layer backward's context-side gradients, c b (3 kv + H), which a long
+    # sequence's step peaks on (docs/MEMORY.md, "Measured per SP rank").
+    from dflash_ds.memory import model as mm
+    from dflash_ds.memory.sequence_parallel import sp_step_terms
+
+    shape = mm.DrafterShape(hidden=H, intermediate=64, heads=8, kv_heads=4, head_dim=8, vocab=V, num_layers=3,
+                            num_read=2, block_size=BS)
+    step = mm.StepShape(batch=1, seq_len=S_CTX, anchors_per_row=N_ANCHORS, chunk_blocks=8, dtype_bytes=4)
+    peaks = {}
+    for size, ranks in ((1, [0]), (2, range(4)), (4, range(4))):
+        peaks[size] = max(torch.load(tmp_path / f"peak{size}_{r}.pt") for r in ranks)
+        model = sum(sp_step_terms(shape, step, size, param_grads=True).values())
+        print(f"SP {size}: a rank's step peaks at {peaks[size] / 1e6:.1f} MB, the model says {model / 1e6:.1f} "
+              f"({model / peaks[size]:.3f})")
+    assert peaks[4] < peaks[2] < peaks[1], peaks
     assert ref_grads["layers.0.self_attn.k_proj.weight"].abs().max() > 0  # the context path carries gradient
     assert obj_loss.item() > 0 and obj_grads["fc.weight"].abs().max() > 0
 

@@ -2,7 +2,9 @@
 batch together (SP 2: each holds half of every sequence's context and of its anchor blocks) train what two ranks
 each training their own batches (SP 1) train, at the same global batch of 2: the same loss at every record, the
 same weights (fp32 round-off), ZeRO-2 and ZeRO-3; an SP-2 checkpoint resumes under SP 1 and continues as the SP-1
-run did. The real anchor sampler on every rank; the exchange itself is tested at 16K positions in
+run did; fed by a target rank instead (disaggregated: it sends each rank of the group only its half of the
+context), ZeRO-3 trains the same, and its walks (est_tau, each rank gathering the rows it walks) read as the colocated
+run's. The real anchor sampler on every rank; the exchange itself is tested at 16K positions in
 tests/test_distributed/test_sequence_parallel.py."""
 
 from __future__ import annotations
@@ -16,18 +18,20 @@ from conftest_runtime import COMMON
 from runtime_utils import per_batch, read_jsonl, torchrun
 
 STEPS = 6
+WALKS = ("--train.est_tau_interval", "3")  # est_tau walked at steps 3 and 6 (no gradient: the weights are the same)
 
 
-def _args(setup, out, sp: int, stage: int, *extra):
+def _args(setup, out, sp: int, stage: int, *extra, colocate: bool = True):
     target, data = setup
     common = [a if a != "20" else str(STEPS) for a in COMMON]  # COMMON's --max-steps
     return [*common, "--target", str(target), "--data", str(data), "--output-dir", str(out), "--no-wandb",
-            "--colocate", "--zero-stage", str(stage), "--train.global_batch", "2", "--train.save_interval", "3",
+            *(["--colocate"] if colocate else ["--num-target-ranks", "1"]), "--zero-stage", str(stage),
+            "--train.global_batch", "2", "--train.save_interval", "3",
             "--topology.sequence_parallel", str(sp), "--noise.max_std", "0.05", *extra]
 
 
-def _run(setup, out, sp: int, stage: int, *extra):
-    r = torchrun(2, _args(setup, out, sp, stage, *extra), cwd=out)
+def _run(setup, out, sp: int, stage: int, *extra, colocate: bool = True):
+    r = torchrun(2 if colocate else 3, _args(setup, out, sp, stage, *extra, colocate=colocate), cwd=out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return r.stdout
 
@@ -70,12 +74,23 @@ def test_two_ranks_on_one_sequence_train_what_two_ranks_on_two_batches_train(set
     ref, _ = sp1
     out = tmp_path / "sp2"
     out.mkdir()
-    stdout = _run(setup, out, 2, stage)
+    stdout = _run(setup, out, 2, stage, *WALKS)
     assert "sequence parallel over 2 ranks: 1 batch(es) a micro-step" in stdout
     assert "global batch 2 = 1 x 2 accumulated micro-batch(es) (one per group of 2)" in stdout
     _same_run(out, ref)
     records = [read_jsonl(out / "records" / f"drafter{d}.jsonl") for d in (0, 1)]
     assert [r["batch_id"] for r in records[0]] == [r["batch_id"] for r in records[1]] == list(range(2 * STEPS))
+    if stage == 3:  # fed by a target rank that sends each rank of the group its half of every context
+        fed = tmp_path / "fed"
+        fed.mkdir()
+        stdout = _run(setup, fed, 2, stage, *WALKS, colocate=False)
+        assert "drafters [0, 1]; sequence parallel over 2 ranks: 1 batch(es) a micro-step, each rank sent its " \
+               "shard" in stdout
+        _same_run(fed, ref)
+        # the walks read the rows whole (each rank gathers its group's shards): the colocated SP-2 run's est_tau
+        walked = [(r["step"], r["est_tau"]) for r in read_jsonl(out / "metrics.jsonl") if "est_tau" in r]
+        assert len(walked) == 2 and walked == [(r["step"], r["est_tau"]) for r in read_jsonl(fed / "metrics.jsonl")
+                                               if "est_tau" in r]
     if stage == 2:  # resumed under SP 1 from the SP-2 step-3 checkpoint: the SP-1 run's second half
         resumed = tmp_path / "resumed"
         shutil.copytree(out, resumed)
@@ -97,8 +112,6 @@ def test_what_sequence_parallelism_does_not_run_yet_is_refused():
     from dflash_ds.models.drafter_arch import DrafterArch
     from dflash_ds.models.dspark_arch import DSparkOptions
 
-    with pytest.raises(DFlashError, match="sequence_parallel = 2 runs on colocated ranks only"):
-        load_config(None, ["--topology.sequence_parallel", "2"])
     with pytest.raises(DFlashError, match="does not yet carry the target's distribution"):
         load_config(None, ["--topology.colocate", "true", "--topology.sequence_parallel", "2",
                            "--loss.kl_weight", "0.5"])
