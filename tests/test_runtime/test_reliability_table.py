@@ -300,7 +300,15 @@ def test_launcher_gone_and_a_stuck_peer_every_rank_exits_4_after_the_grace(setup
         assert wait_for(lambda: (tmp_path / "status" / "rank1.hang").exists(), 240, proc), log_of(tmp_path)[-4000:]
         ranks += children(proc.pid)
         assert len(ranks) == 3, ranks
-        assert dump_rank_stacks(1.0, ranks) == ranks  # `kill -USR2`: each rank prints where it waits and goes on
+        # `kill -USR2`: each rank prints where it waits and goes on; again until the leader has reached the step's
+        # agreement (on a slow CPU it may still be in its own step 3 as drafter 1's hang begins: seen once, 2026-12-07)
+        dumps, deadline = 0, time.time() + 60
+        while True:
+            assert dump_rank_stacks(1.0, ranks) == ranks
+            dumps += 1
+            if "in agree" in log_of(tmp_path) or time.time() > deadline:
+                break
+            time.sleep(2.0)
         killed = time.time()  # before: a rank's exit is never timed from later than the kill
         os.kill(proc.pid, signal.SIGKILL)
         seen = {pid: reap(pid, GRACE_S + MARGIN_S + 15) for pid in ranks}  # orphaned: this process's children
@@ -315,7 +323,8 @@ def test_launcher_gone_and_a_stuck_peer_every_rank_exits_4_after_the_grace(setup
     assert f"launcher gone {GRACE_S}s ago; exiting" in log, log[-4000:]
     assert not (tmp_path / "checkpoints" / "latest").exists()
     # The stacks: the stuck rank in the fault's hang, the leader in the step's agreement waiting for it
-    assert log.count("in _run_module_as_main") == 3 and "in at_step" in log and "in agree" in log, log[-6000:]
+    assert log.count("in _run_module_as_main") == 3 * dumps and "in at_step" in log and "in agree" in log, \
+        log[-6000:]
     print(f"launcher SIGKILL with a stuck peer: seconds from the kill {took}")
 
 
