@@ -5,7 +5,7 @@ Positions are cut into fixed chunks of `NOISE_CHUNK`; chunk c of a batch is one 
 generator seeded by (seed, c). A rank that holds positions [start, start + S/N) of a sequence (sequence
 parallelism: a shard computed here or received already cut) draws only the chunks it overlaps and gets exactly the
 one-rank values: the same noise at every N, with no whole-context draw. What one draw costs: B x NOISE_CHUNK x F x
-4 B in fp32, 84 MB at the Qwen3-8B preset (F = 5 x 4096, B 1), against 10.7 GB for one draw over a 128K-token
+4 B in fp32, 21 MB at the Qwen3-8B preset (F = 5 x 4096, B 1), against 10.7 GB for one draw over a 128K-token
 sequence (the noise was drawn whole, in fp32, before this module); the result is one copy of the context in its
 own dtype, as `context + noise` was.
 """

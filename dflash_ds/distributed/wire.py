@@ -52,7 +52,7 @@ def payload_specs_for(rows: int, width: int, context_dim: int, last_dim: int,
                       dtype: torch.dtype, shards: int = 1) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """`payload_specs` from the shapes themselves (`bench comm` sends batches of this form); no final hidden if
     last_dim is 0."""
-    local = -(-width // shards)
+    local = shard_length(width, shards)
     specs = [("input_ids", torch.int64, (rows, width)), ("loss_mask", torch.int64, (rows, width)),
              ("lengths", torch.int64, (rows,)), ("context", dtype, (rows, local, context_dim))]
     if last_dim:
@@ -76,11 +76,16 @@ def batch_meta(spec, after: Cursor, forward_s: float, batches_per_s: float, in_f
             "target_rank": target_rank}
 
 
+def shard_length(width: int, shards: int) -> int:
+    """Positions of one shard of a `width`-token batch split `shards` ways (the batch padded to a multiple)."""
+    return -(-width // shards)
+
+
 def context_part(width: int, shards: int, part: int) -> tuple[int, int]:
     """(first, end) of the positions of a `width`-token batch that shard `part` of `shards` holds (the batch
     padded at the end to a multiple of `shards`, as distributed/sequence_parallel.shard; end - first may be less
     than the shard's size, or 0, where it reaches the padding)."""
-    local = -(-width // shards)
+    local = shard_length(width, shards)
     return min(width, part * local), min(width, (part + 1) * local)
 
 
@@ -99,7 +104,7 @@ def build_payload(sender: bridge_mod.AsyncSender, planned: list, input_ids: torc
     first, end = context_part(input_ids.shape[1], shards, i)
     if shards > 1:
         layers = [t[:, first:end] for t in layers]
-    local = -(-input_ids.shape[1] // shards)
+    local = shard_length(input_ids.shape[1], shards)
     context_shape = (layers[0].shape[0], local, sum(t.shape[-1] for t in layers))
     specs = [("input_ids", input_ids.dtype, tuple(input_ids.shape)), ("loss_mask", loss_mask.dtype, tuple(loss_mask.shape)),
              ("lengths", lengths.dtype, tuple(lengths.shape)), ("context", layers[0].dtype, context_shape)]
