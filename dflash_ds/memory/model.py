@@ -255,6 +255,7 @@ def _backward_phase(d: DrafterShape, s: StepShape, param_grads: bool, a_tok: int
                     mask_entries: int) -> dict[str, float]:
     """The worst draft layer's backward: layers after l have given back what they saved, l..L-1 have grads."""
     b, h, L, k = s.dtype_bytes, d.hidden, d.num_layers, recomputed_layers(d, s)
+    kv = d.kv_heads * d.head_dim
     t, _, c, _, _ = _sizes(d, s)
     grad_layer = layer_params(d) * b if param_grads else 0
     best: dict[str, float] = {}
@@ -265,6 +266,9 @@ def _backward_phase(d: DrafterShape, s: StepShape, param_grads: bool, a_tok: int
         terms = {
             # + the gradient of the projected context, summed over the layers
             "grads_in_flight": t * b * (MLP_GRAD_I * d.intermediate + GRAD_H * h) + c * h * b,
+            # this layer's own context-side gradients before they join that sum: its context keys' and values'
+            # (2 kv), the keys' before RoPE (kv) and the projections' input gradient (H)
+            "context_grads": c * b * (3 * kv + h),
             "param_grads": (later + 1) * grad_layer,
         }
         extra = kind_terms(d)

@@ -75,6 +75,7 @@ def drafter_bytes_by_hand(h: int, i: int, nh: int, nkv: int, d: int, ranks: int)
     a_tok = 2 * h * (4 + 2 * b) + (q + kv) * (4 + 3 * b) + 4 * b * i + 4 * nh
     held = 2 * (t + c) * d * b + c * h * (4 + 2 * b) + t * h * b + 4 * t * h * b  # RoPE, context, embeddings, inputs
     backward = t * b * (i + 2.5 * h) + c * h * b + t * a_tok + c * nkv * d * (4 + 3 * b)  # last layer's backward
+    backward += c * b * (3 * kv + h)  # its own context-side gradients: keys, values, keys before RoPE, input
     # flex's BlockMask tile tables (int32): 8 sequences of 2,048 tokens, each 256 blocks x 16 queries = 4,096
     # queries over 2,048 + 4,096 keys: 32 x 48 tiles of 128; counts and indices, and their transposes.
     seqs, nq, nkv = 8, 4096 // 128, 6144 // 128
@@ -91,8 +92,8 @@ def test_hand_memory_matches_memory_md() -> None:
     """The hand formula above is docs/MEMORY.md's: its published Psi and micro-step peaks."""
     assert drafter_bytes_by_hand(*QWEN3_8B_SHAPE, 1)["psi"] == 1_048_626_432
     assert drafter_bytes_by_hand(*QWEN36_27B_SHAPE, 1)["psi"] == 1_835_072_000
-    assert drafter_bytes_by_hand(*QWEN3_8B_SHAPE, 1)["micro"] / GB == pytest.approx(10.73, abs=0.005)
-    assert drafter_bytes_by_hand(*QWEN36_27B_SHAPE, 1)["micro"] / GB == pytest.approx(14.31, abs=0.005)
+    assert drafter_bytes_by_hand(*QWEN3_8B_SHAPE, 1)["micro"] / GB == pytest.approx(10.97, abs=0.005)
+    assert drafter_bytes_by_hand(*QWEN36_27B_SHAPE, 1)["micro"] / GB == pytest.approx(14.58, abs=0.005)
 
 
 def test_qwen3_8b_colocated_wins(capsys) -> None:
@@ -108,7 +109,7 @@ def test_qwen3_8b_colocated_wins(capsys) -> None:
     drafter = hand["model_states"] + hand["captured"] + hand["micro"]
     assert mem["target_bytes"] == pytest.approx(8.2e9 * 2)
     assert mem["drafter_bytes"] == pytest.approx(drafter)
-    assert mem["total_bytes"] == pytest.approx(16.4e9 + drafter + 8e9) and mem["total_bytes"] / GB == pytest.approx(41.71, abs=0.005)
+    assert mem["total_bytes"] == pytest.approx(16.4e9 + drafter + 8e9) and mem["total_bytes"] / GB == pytest.approx(41.94, abs=0.005)
     assert mem["fits"] is True and "frozen_embed_head" not in mem["drafter"]["terms"]  # shared with the target
     assert p["choice"]["mode"] == "colocated" and "6.7% faster" in p["choice"]["reason"]  # 22,400 / 21,000
     assert p["split"]["best"]["target_ranks"] == 1  # the existing keys are still there
