@@ -32,8 +32,9 @@ ID_BYTES = 16  # a position's token id and loss-mask entry, int64 each, held who
 
 
 def sp_sizes(kv_heads: int, most: int) -> list[int]:
-    """The SP sizes a drafter of `kv_heads` key/value heads allows up to `most` ranks (N divides the heads)."""
-    return [n for n in range(1, min(kv_heads, most) + 1) if kv_heads % n == 0]
+    """The SP sizes a drafter of `kv_heads` key/value heads allows over `most` drafter ranks: N divides the heads
+    (the all-to-all's head split) and the ranks (the trainer's groups tile them)."""
+    return [n for n in range(1, min(kv_heads, most) + 1) if kv_heads % n == 0 and most % n == 0]
 
 
 def drafter_rank_terms(cfg: dict[str, Any], seq_len: int, run: lc.LongRun, sp: int, ranks: int,

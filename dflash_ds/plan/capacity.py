@@ -32,7 +32,7 @@ from dflash_ds.models.kinds import DFLASH, kind_names
 from dflash_ds.models.presets import PRESETS
 from dflash_ds.plan import links
 from dflash_ds.plan.colocated import (PRESET_NAMES, choice_lines, choose, colocated_lines, colocated_memory,
-                                      colocated_option, sbatch_line)
+                                      colocated_option, hostfile_lines, sbatch_line)
 
 _Q8 = PRESETS["qwen3-8b"]
 QWEN3_8B = {"hidden": _Q8["hidden_size"], "vocab": _Q8["vocab_size"], "layers": _Q8["num_hidden_layers"]}
@@ -227,6 +227,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     out["choice"] = choose(out)
     out["multinode"] = links.multinode(args, out, a, b, k_tp)
     out["sbatch"] = sbatch_line(out)
+    out["hostfile"] = hostfile_lines(out)
     return out
 
 
@@ -316,6 +317,12 @@ def report(p: dict[str, Any]) -> str:
 
     tp = p["target_parallel"]
     sbatch = [f"SLURM: {p['sbatch']}"] if p["sbatch"] else []
+    if p["choice"]["mode"] and "long_context" in p and not p["sbatch"] and (p["split"] or p["choice"]["mode"] == "colocated"):
+        sbatch.append(f"no launch line: the recommended layout holds no {p['long_context']['seq_len']:,}-token "
+                      "sequence (the warnings above)")
+    if p["hostfile"]:  # the node names are placeholders: the user's hosts, reachable by ssh
+        sbatch += ["deepspeed launcher: a file `hostfile` with one line per node (your host names), then"] + [
+            f"  {line}" for line in p["hostfile"]]
     return "\n".join((sharding_lines(tp, tp["weight_source"]) if tp else []) + _wire_lines(p) + _split_lines(p)
                      + colocated_lines(p) + _long_lines(p) + choice_lines(p) + links.lines(p) + sbatch)
 

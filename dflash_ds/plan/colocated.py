@@ -164,6 +164,9 @@ def choose(p: dict[str, Any]) -> dict[str, Any]:
                                                     "gpu_bytes")}
         why_not_col = (f"colocated does not fit one GPU: target {gb['target_bytes']} + drafter {gb['drafter_bytes']} + "
                        f"headroom {gb['headroom_bytes']} = {gb['total_bytes']} > {gb['gpu_bytes']}")
+    long_why = _long_context_choice(p, why_not_col, dis["possible"])
+    if long_why:
+        return long_why
     if not dis["possible"]:
         if why_not_col:
             raise DFlashError(f"disaggregated is impossible ({dis['reason']}), and {why_not_col}: add GPUs or "
@@ -182,6 +185,42 @@ def choose(p: dict[str, Any]) -> dict[str, Any]:
             "equal tok/s: disaggregated kept (less memory per GPU)"}
 
 
+def _long_context_choice(p: dict[str, Any], why_not_col: str | None, dis_possible: bool) -> dict[str, Any] | None:
+    """With --seq-len: the only mode whose ranks hold one such sequence (by the model), whatever the rates say."""
+    if "long_context" not in p or why_not_col:
+        return None
+    from dflash_ds.plan.long_context import holds
+
+    L, hold = p["long_context"]["seq_len"], holds(p["long_context"])
+    if hold["colocated"] is None and dis_possible and hold["disaggregated"] is not None:
+        return {"mode": "disaggregated", "reason": f"a colocated rank does not hold {L:,}-token sequences"}
+    if hold["colocated"] is not None and (not dis_possible or hold["disaggregated"] is None):
+        if dis_possible and p["colocated"]["memory"]["fits"] is not None:
+            return {"mode": "colocated", "reason": f"disaggregated ranks do not hold {L:,}-token sequences, even "
+                                                  "with sequence parallelism"}
+    return None
+
+
+def launch_flags(p: dict[str, Any]) -> str | None:
+    """The trainer's flags for the recommended layout (None while nothing is recommended, or when the layout holds
+    no sequence of --seq-len): the mode's or the split's, then --seq-len's (plan/long_context.launch_flags)."""
+    mode, mn = p["choice"]["mode"], p.get("multinode")
+    if mode == "colocated":
+        flags = "--colocate"
+    elif mode == "disaggregated" and p["split"]:
+        flags = split_flag(p, mn["winner"]["flag"].split(" (")[0] if mn else None)  # across nodes: the link's winner
+    else:
+        return None
+    if "long_context" in p:
+        from dflash_ds.plan.long_context import launch_flags as long_flags
+
+        extra = long_flags(p["long_context"], mode)
+        if extra is None:
+            return None
+        flags += " " + extra
+    return flags
+
+
 def split_flag(p: dict[str, Any], flag: str | None = None) -> str:
     """The trainer's flags for the best split (or for `flag`, a layout's own), with the replica size."""
     best = p["split"]["best"]
@@ -194,15 +233,22 @@ def split_flag(p: dict[str, Any], flag: str | None = None) -> str:
 def sbatch_line(p: dict[str, Any]) -> str | None:
     """The SLURM submission of the recommended layout (launch/train_slurm.sbatch: one task per node, whose torchrun
     starts a rank per GPU); None while nothing is recommended."""
-    mode, mn = p["choice"]["mode"], p.get("multinode")
-    if mode == "colocated":
-        flags = "--colocate"
-    elif mode == "disaggregated" and p["split"]:
-        flags = split_flag(p, mn["winner"]["flag"].split(" (")[0] if mn else None)  # across nodes: the link's winner
-    else:
+    flags = launch_flags(p)
+    if flags is None:
         return None
     return (f"sbatch --nodes {p['nodes']} --ntasks-per-node 1 --gpus-per-node {p['gpus'] // p['nodes']} "
             f"launch/train_slurm.sbatch --config C --target T --data D --output-dir O {flags}")
+
+
+def hostfile_lines(p: dict[str, Any]) -> list[str] | None:
+    """The same layout through the deepspeed launcher over a hostfile (launch/train_deepspeed.sh): the hostfile's
+    lines, one per node with its GPUs as slots, and the command; None while nothing is recommended."""
+    flags = launch_flags(p)
+    if flags is None:
+        return None
+    per_node = p["gpus"] // p["nodes"]
+    return [f"node{i} slots={per_node}" for i in range(p["nodes"])] + [
+        f"HOSTFILE=hostfile launch/train_deepspeed.sh --config C --target T --data D --output-dir O {flags}"]
 
 
 def _num(x: float | None, fmt: str = "8.2f", scale: float = GB) -> str:

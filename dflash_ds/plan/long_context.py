@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dflash_ds.config import DrafterConfig, LossConfig
+from dflash_ds.config import DataConfig, DrafterConfig, LossConfig
 from dflash_ds.memory import long_context as lc
 from dflash_ds.memory import sequence_parallel as lsp
 from dflash_ds.memory import shapes
@@ -74,7 +74,14 @@ def long_context(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: in
                             f"{args.gpu_memory_gb:g} - {args.headroom_gb:g} GB headroom; it holds "
                             + (f"up to {longest:,}" if longest else "no sequence at all") + sp_note)
     fit = {r["role"]: r["fits"] for r in rows}
-    if fit.get("colocated") is False and (fit.get("drafter") is False or fit.get("target") is False):
+    target_row = rows[-1]
+    if fit.get("colocated") is False and fit.get("target") is False:
+        warnings.append(f"no layout trains {L:,}-token sequences on {args.gpu_memory_gb:g} GB GPUs: a colocated GPU "
+                        f"holds up to {rows[0]['longest']:,} tokens and a target rank holds up to "
+                        f"{target_row['longest']:,} tokens (a target runs each sequence's forward whole: sequence "
+                        "parallelism splits the drafter side only); shorten data.max_length, or hold fewer weights per "
+                        "target rank (--target-parallel k)")
+    elif fit.get("colocated") is False and fit.get("drafter") is False:
         warnings.append(f"no layout trains {L:,}-token sequences on {args.gpu_memory_gb:g} GB GPUs without sequence "
                         "parallelism (the drafter row's SP sizes: topology.sequence_parallel, each drafter rank sent its shard "
                         "of every sequence); else shorten data.max_length, or lower the drafter's memory "
@@ -106,3 +113,31 @@ def long_context_lines(lc_out: dict[str, Any]) -> list[str]:
                          "topology.sequence_parallel): longest " + ", ".join(f"SP {n} {v:,}" for n, v in r["sp_longest"].items()))
     lines += [f"  warning: {w}" for w in lc_out["warnings"]]
     return lines
+
+
+def holds(lc_out: dict[str, Any]) -> dict[str, int | None]:
+    """Per mode, the smallest SP size whose ranks hold one sequence of --seq-len (1: no SP needed), None when none
+    does, by the model: colocated, its row (each rank of a group runs the whole target forward, so SP rarely
+    helps); disaggregated, the drafter row's and a target rank's (a target runs each sequence's forward whole).
+    A row whose weights are unknown (fits None) is taken to hold."""
+    rows = {r["role"]: r for r in lc_out["rows"]}
+
+    def sp(row: dict[str, Any] | None) -> int | None:
+        if row is None or row["fits"] is not False:
+            return 1
+        return row.get("sp_needed")
+
+    dis = sp(rows.get("drafter")) if (rows.get("target") or {}).get("fits") is not False else None
+    return {"colocated": sp(rows.get("colocated")), "disaggregated": dis}
+
+
+def launch_flags(lc_out: dict[str, Any], mode: str) -> str | None:
+    """The trainer flags that train sequences of --seq-len on `mode`'s layout, beside the layout's own flags; None
+    when the model says that layout holds none. data.max_length is L; data.token_budget L when L is above the
+    default (one sequence per micro-batch, as priced); with SP N, topology.sequence_parallel N and KL off (KL is not
+    run under SP yet)."""
+    L, sp = lc_out["seq_len"], holds(lc_out)[mode]
+    if sp is None:
+        return None
+    flags = f"--data.max_length {L}" + (f" --data.token_budget {L}" if L > DataConfig.token_budget else "")
+    return flags + (f" --topology.sequence_parallel {sp} --loss.kl_weight 0" if sp > 1 else "")

@@ -157,13 +157,14 @@ def test_a_drafter_rank_under_sequence_parallelism_by_hand(capsys) -> None:
     rows = {r["role"]: r for r in json.loads(capsys.readouterr().out)["long_context"]["rows"]}
     assert rows["drafter"]["sp_longest"] == {str(n): v for n, v in zip((1, 2, 4, 8), longest)}
     assert rows["drafter"]["sp_needed"] == 1  # the smallest SP size that holds 128K: 1, none needed
-    # Qwen3.6-27B at 128K on 8 GPUs: its 7 drafter ranks do not (87,040 tokens with KL, 113,664 without); SP 2 would
-    assert main(["plan", "--gpus", "8", "--preset", "qwen3.6-27b", "--target-params-b", "27", "--seq-len", "131072",
+    # Qwen3.6-27B at 128K on 9 GPUs: its 8 drafter ranks do not (95,232 tokens with KL, 114,688 without); SP 2 would
+    # (on 8 GPUs, 7 drafter ranks: no SP size tiles them, SP 1 only)
+    assert main(["plan", "--gpus", "9", "--preset", "qwen3.6-27b", "--target-params-b", "27", "--seq-len", "131072",
                  "--json"]) == 0
     p = json.loads(capsys.readouterr().out)["long_context"]
     drafter = {r["role"]: r for r in p["rows"]}["drafter"]
-    assert drafter["sp_needed"] == 2 and drafter["sp_longest"] == {"1": 113664, "2": 230400, "4": 460800}
-    assert any("up to 87,040; by the model, sequence parallelism of 2 over these ranks would hold it" in w
+    assert drafter["sp_needed"] == 2 and drafter["sp_longest"] == {"1": 114688, "2": 230400, "4": 460800}
+    assert any("up to 95,232; by the model, sequence parallelism of 2 over these ranks would hold it" in w
                for w in p["warnings"])
 
 
@@ -197,3 +198,49 @@ def test_a_colocated_rank_under_sequence_parallelism_by_hand(capsys) -> None:
     rows = {r["role"]: r for r in p["rows"]}
     assert rows["colocated"]["sp_longest"] == {"1": 55296, "2": 55296, "4": 55296}
     assert rows["colocated"]["sp_needed"] is None  # 64K: no SP size holds it colocated
+
+
+def _train_config(line: str):
+    """The trainer's config from a launch line plan printed, the placeholders (C T D O) left out: what
+    `dflash-ds train` would run with those flags."""
+    from dflash_ds.train import config_from_args
+
+    return config_from_args(["--target", "T", "--data", "D", *line.split(" --output-dir O ", 1)[1].split()])
+
+
+def test_plan_launch_lines_at_a_long_sequence(capsys) -> None:
+    """`plan --seq-len` (issue 56, point 5): the SLURM and hostfile lines of the recommended layout carry the
+    sequence length and, where the drafter ranks need it, the SP size with KL off; the trainer parses them to that
+    config. Qwen3-8B, 5 GPUs, a = 4 b: 1 target + 4 drafter ranks (a tie with colocated keeps disaggregated); a drafter
+    rank of 4 holds 131,072 tokens with KL, so 163,840 needs SP 2 (SP must divide the 4 ranks and 8 kv heads)."""
+    argv = ("--gpus", "5", "--preset", "qwen3-8b", "--target-params-b", "8.2", "--seq-len", "163840",
+            "--target-tok-per-s", "28000", "--drafter-tok-per-s", "7000")
+    assert main(["plan", *argv, "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    tail = ("--num-target-ranks 1 --data.max_length 163840 --data.token_budget 163840 --topology.sequence_parallel 2 "
+            "--loss.kl_weight 0")
+    assert p["choice"]["mode"] == "disaggregated"
+    assert p["sbatch"] == ("sbatch --nodes 1 --ntasks-per-node 1 --gpus-per-node 5 launch/train_slurm.sbatch "
+                           f"--config C --target T --data D --output-dir O {tail}")
+    assert p["hostfile"] == ["node0 slots=5", "HOSTFILE=hostfile launch/train_deepspeed.sh --config C --target T "
+                                              f"--data D --output-dir O {tail}"]
+    cfg = _train_config(p["sbatch"])
+    assert (cfg.topology.sequence_parallel, cfg.loss.kl_weight, cfg.data.max_length, cfg.data.token_budget,
+            cfg.topology.num_target_ranks) == (2, 0.0, 163840, 163840, 1)
+    # 3 drafter ranks: SP 2 does not tile them, so no SP size is offered; colocated holds it (and is faster here),
+    # its line with the length alone
+    assert main(["plan", *argv[:-4], "--target-tok-per-s", "7000", "--drafter-tok-per-s", "7000", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    rows = {r["role"]: r for r in p["long_context"]["rows"]}
+    assert rows["drafter"]["ranks"] == 3 and list(rows["drafter"]["sp_longest"]) == ["1"]
+    assert p["choice"]["mode"] == "colocated" and "disaggregated ranks do not hold 163,840" in p["choice"]["reason"]
+    assert p["sbatch"].endswith("--output-dir O --colocate --data.max_length 163840 --data.token_budget 163840")
+    assert _train_config(p["sbatch"]).topology.colocate is True
+    # Qwen3.6-27B at 64K on 8 GPUs: no layout holds it (a target rank holds 46,080: SP splits the drafter side
+    # only), so no launch line, and the warning says what bounds it
+    assert main(["plan", "--gpus", "8", "--preset", "qwen3.6-27b", "--target-params-b", "27", "--seq-len", "65536",
+                 "--target-tok-per-s", "9000", "--drafter-tok-per-s", "4500"]) == 0
+    out = capsys.readouterr().out
+    assert "SLURM:" not in out and "HOSTFILE=" not in out
+    assert "no launch line: the recommended layout holds no 65,536-token sequence" in out
+    assert "a target rank holds up to 46,080 tokens" in out

@@ -343,7 +343,11 @@ def test_sbatch_line_of_the_recommended_layout(capsys) -> None:
     assert main(argv) == 0
     line = ("sbatch --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 launch/train_slurm.sbatch --config C --target T "
             "--data D --output-dir O --targets-per-node 4 --target-parallel 2")
-    assert capsys.readouterr().out.splitlines()[-1] == f"SLURM: {line}"
+    assert capsys.readouterr().out.splitlines()[-5:] == [
+        f"SLURM: {line}", "deepspeed launcher: a file `hostfile` with one line per node (your host names), then",
+        "  node0 slots=8", "  node1 slots=8",
+        "  HOSTFILE=hostfile launch/train_deepspeed.sh --config C --target T --data D --output-dir O "
+        "--targets-per-node 4 --target-parallel 2"]
     assert plan_json(capsys, *argv[1:])["sbatch"] == line
     colocated = plan_json(capsys, "--gpus", "4", "--target-tok-per-s", "10000", "--drafter-tok-per-s", "20000")
     assert colocated["sbatch"].startswith("sbatch --nodes 1 --ntasks-per-node 1 --gpus-per-node 4 ")
