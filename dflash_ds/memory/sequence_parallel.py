@@ -16,8 +16,8 @@ recomputed):
 
 KL and the other terms that read the target's distribution are not run under SP (`sp_objective` refuses them), so
 an SP rank is priced without the final hidden (`kl` off) whatever `run.kl` says; compare SP sizes at kl off.
-Qwen3-8B preset at 128K, 8 drafter ranks, ZeRO-2, kl off: a drafter rank holds 58.6 GB at SP 1 (43.0 of it the
-bridge's 8 receive buffers), 33.2 at SP 2, 20.5 at SP 4, 14.4 at SP 8 (docs/MEMORY.md, "Sequence parallelism")."""
+Qwen3-8B preset at 128K, 8 drafter ranks, ZeRO-2, kl off: a drafter rank holds 60.5 GB at SP 1 (43.0 of it the
+bridge's 8 receive buffers), 34.2 at SP 2, 20.5 at SP 4, 14.4 at SP 8 (docs/MEMORY.md, "Sequence parallelism")."""
 
 from __future__ import annotations
 
