@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dflash_ds"
 LAYERS = (
     # library: models, loss, data, process groups and wire, the vLLM client, config, errors: what the rest builds on
     ("library", ("models", "components", "data", "distributed", "serving", "config", "config_kinds", "config_parse",
-                 "config_recipe", "config_rules", "errors", "process_exit", "redact", "dflash_ds")),
+                 "config_recipe", "config_rules", "errors", "hardware", "process_exit", "redact", "dflash_ds")),
     # memory: the memory model, counted from the library's code (a kind's MemoryTerms, anchor quotas, the pool)
     ("memory", ("memory",)),
     # runtime: the trainer's roles; it sizes activation checkpointing by the memory model

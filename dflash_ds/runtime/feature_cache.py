@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from dflash_ds.errors import DFlashError
+from dflash_ds.hardware import native_bf16_cpu
 from dflash_ds.runtime.digest import hash_file
-from dflash_ds.runtime.job import native_bf16_cpu
 
 FOLDER = "feature_cache"
 VERSION = 2  # 2: small weight files hashed whole (runtime/digest.py)

@@ -10,6 +10,7 @@ import torch
 
 from dflash_ds.config import Config, DrafterConfig
 from dflash_ds.errors import DFlashError
+from dflash_ds.hardware import native_bf16_cpu
 from dflash_ds.models.drafter_arch import DrafterArch, read_drafter_arch
 from dflash_ds.models.from_target import SHAPE_OVERRIDES, drafter_arch_from_target
 from dflash_ds.models.kinds import kind_spec, kind_specs
@@ -83,16 +84,6 @@ def check_kind_fields_match_drafter(cfg: Config, arch: DrafterArch, defaults: Dr
                                   "drafter of that shape (dflash-ds init-drafter)")
 
 
-def native_bf16_cpu() -> bool:
-    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX): bf16 then runs ~2x fp32's speed.
-    Without (AVX2 only, e.g. an AMD EPYC VM here), torch emulates them: a [224, 576] x [576, 49,152] product, the
-    SmolLM2 head's, took 1.40 s in bf16 against 0.22 s in fp32 on one core (2026-12-07)."""
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # an older torch: no answer, no claim
-        return False
-
-
 def torch_dtype(cfg: Config, cuda: bool) -> torch.dtype:
     """Compute dtype: bf16 on GPU, fp32 on CPU unless the config says otherwise; `fast`: bf16 where the device
     computes it natively (a GPU, a CPU with AVX512-BF16 or AMX), fp32 elsewhere."""
@@ -108,7 +99,7 @@ def dtype_warning(cfg: Config, cuda: bool) -> str | None:
     if cfg.train.dtype != "bf16" or cuda or native_bf16_cpu():
         return None
     return ("train.dtype bf16 on a CPU without native bf16 (no AVX512-BF16 or AMX): torch emulates its matmuls, "
-            "~6x slower than fp32 here (runtime/job.native_bf16_cpu); train.dtype fast picks bf16 only where it is "
+            "~6x slower than fp32 here (dflash_ds/hardware.native_bf16_cpu); train.dtype fast picks bf16 only where it is "
             "native, fp32 elsewhere")
 
 

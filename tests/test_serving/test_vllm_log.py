@@ -82,3 +82,20 @@ def test_cpu_preload_adds_the_serving_env_openmp_once(tmp_path):
     got = cpu_preload(str(python), "/mine/libx.so")
     assert got.split(":")[0] == "/mine/libx.so" and got.endswith(f"{venv}/lib/libiomp5.so")
     assert cpu_preload(str(python), "/elsewhere/libiomp5.so").count("libiomp5") == 1  # the user's copy wins
+
+
+@pytest.mark.parametrize("gpu, native, served", [(False, False, "float32"), (False, True, "auto"), (True, False, "auto")])
+def test_fast_dtype_serves_float32_only_where_bf16_is_emulated(monkeypatch, here, gpu, native, served):
+    """`--vllm-dtype fast` (the default of regenerate, self-instruct and the recipe's server): the model's own dtype
+    where the machine computes it natively, float32 on a CPU without AVX512-BF16 / AMX (vLLM's CPU build served
+    SmolLM2 5.5x faster there); an explicit dtype passes as given."""
+    from dflash_ds import hardware
+    from dflash_ds.serving import vllm_server
+
+    run, _ = here
+    monkeypatch.setattr(vllm_server, "on_cpu", lambda: not gpu)
+    monkeypatch.setattr(hardware, "native_bf16_cpu", lambda: native)
+    server = VLLMServer(run, python=sys.executable)
+    assert server.cmd[server.cmd.index("--dtype") + 1] == served
+    assert VLLMServer(run, python=sys.executable, dtype="bfloat16").cmd.count("bfloat16") == 1
+    assert vllm_server.served_dtype("float16") == "float16"
