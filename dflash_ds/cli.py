@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "self-instruct": ("dflash_ds.data.self_instruct", "the target writes training prompts from seed task types, deduplicated and held out by topic word"),
     "prepare": ("dflash_ds.data.prepare", "tokenize conversations with the target's chat template into an Arrow dataset"),
     "regenerate": ("dflash_ds.data.regenerate", "rewrite assistant turns with the target's own answers"),
+    "long-conversations": ("dflash_ds.data.long_conversations", "long multi-turn conversations (prompts and follow-ups) for the target to answer: long-context rows"),
     "real-drafter": ("dflash_ds.tools.real_drafter", "from nothing to a measured decode speedup: prompts, answers, prepare, train, eval, speedup (`make real-drafter`)"),
     "bench": ("dflash_ds.bench.cli", f"benchmarks ({', '.join(BENCHMARKS)})"),
     "eval": ("dflash_ds.eval.cli", "acceptance length of a drafter by real speculative decoding"),
