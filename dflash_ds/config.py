@@ -309,8 +309,9 @@ class TopologyConfig:
     all D. N must divide D and the drafter's key/value heads. Fed by target ranks, a target computes each sequence
     once and sends each rank of the group only its 1/N of the context; colocated, every rank of a group runs the
     whole target forward. For sequences one rank cannot hold: `dflash-ds plan --seq-len L` gives the smallest N
-    (docs/MEMORY.md "Sequence parallelism"). DFlash drafters, losses without the target's distribution (no KL / LK /
-    target labels) for now (issue 56)."""
+    (docs/MEMORY.md "Sequence parallelism"). DFlash drafters for now (issue 56); the losses that read the target's
+    distribution (KL / LK / target labels) run too: each rank reads the final hidden at its own label positions
+    (whole on a colocated rank; sent cut like the context, each rank fetching its rows from the group's)."""
     colocate_overlap: bool = False
     """Colocated only: compute the next batch's target forward on a side thread (its own CUDA stream on GPU)
     while the drafter step runs. Off by default: see docs/BENCHMARKS.md "Colocated training"."""

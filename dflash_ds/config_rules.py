@@ -149,10 +149,6 @@ def validate(cfg: Config) -> Config:
                           "shard it: use target ranks (--num-target-ranks) for a target larger than one GPU")
     if t.colocate_overlap and not t.colocate:
         raise DFlashError("config: topology.colocate_overlap = true needs topology.colocate = true (--colocate)")
-    if t.sequence_parallel > 1 and cfg.loss.needs_last_hidden:
-        raise DFlashError(f"config: topology.sequence_parallel = {t.sequence_parallel} does not yet carry the "
-                          "target's distribution: loss.kl_weight > 0, loss.lk and loss.labels = target need "
-                          "sequence_parallel 1 (issue 56)")
     return cfg
 
 

@@ -82,6 +82,35 @@ def gather_shards(part: torch.Tensor, width: int, group) -> torch.Tensor:
     return torch.cat(parts, dim=1)[:, :width]
 
 
+def rows_at(part: torch.Tensor, positions: torch.Tensor, width: int, group) -> torch.Tensor:
+    """The rows of a [B, S_pad/N, H] tensor sharded over `group` (`shard` along dim 1: this rank's `part`) at this
+    rank's `positions` [B, ...] (< width): [B, ..., H]. Every rank's positions are known to all (the anchors are drawn
+    alike on every rank), so each sends each peer the rows of its shard the peer reads, in the peer's order, by one
+    uneven all-to-all: a rank moves its blocks' rows (A/N x (bs - 1) x H), never the whole sequence. No gradient.
+    `positions` must have the same shape on every rank (the anchor blocks padded to a multiple of N)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    b, local, h = part.shape
+    flat = positions.reshape(b, -1)
+    every = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(every, flat.contiguous(), group=group)
+    rows = torch.arange(b, device=flat.device)[:, None]
+    send, send_sizes, recv_sizes = [], [], []
+    for peer in range(size):
+        theirs = every[peer]
+        mine = (theirs // local) == rank  # the peer's positions that lie in this rank's shard, in the peer's order
+        send.append(part[rows.expand_as(theirs)[mine], theirs[mine] - rank * local])
+        send_sizes.append(int(mine.sum()))
+        recv_sizes.append(int(((flat // local) == peer).sum()))
+    got = part.new_empty(sum(recv_sizes), h)
+    dist.all_to_all_single(got, torch.cat(send).contiguous(), recv_sizes, send_sizes, group=group)
+    out = part.new_empty(b, flat.shape[1], h)
+    owner, start = flat // local, 0
+    for peer, n in enumerate(recv_sizes):  # the rows from each peer, back into this rank's order
+        out[owner == peer] = got[start:start + n]
+        start += n
+    return out.reshape(*positions.shape, h)
+
+
 def _layer(layer, x, cos, sin, ctx, ccos, csin, mask, group) -> torch.Tensor:
     """One draft layer on this rank's blocks, its attention over every position of the sequence (see module doc)."""
     attn = layer.self_attn
@@ -163,15 +192,14 @@ def sp_objective(drafter, embed, lm_head, states, loss_cfg, *, anchor_gen: torch
     their labels, and its loss is
     its share of the global weighted mean (`global_share`): every label counted once, and so is every statistic
     (the sums over the group's ranks are the one-rank sums). The terms that read the target's distribution (KL, LK,
-    target labels: the final hidden at every anchor) are refused for now.
+    target labels) take the target's final hidden at this rank's label positions: from `states.last_hidden` whole
+    (colocated), or, with `context_sharded`, from the group's shards of it (sent cut as the context is), each rank
+    sending each the rows it reads (`rows_at`).
     """
     from dflash_ds.components.anchors import block_inputs_and_labels, sample_anchors
     from dflash_ds.components.loss import acceptance_sums, chunked_dflash_loss, loss_knobs, metric_sums
     from dflash_ds.components.noise import noisy_context
 
-    if loss_cfg.needs_last_hidden:
-        raise DFlashError("sequence parallelism: the loss terms that read the target's distribution (KL, LK, "
-                          "target labels) are not supported yet")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     bs = drafter.arch.block_size
     anchors, valid = sample_anchors(states.loss_mask, states.lengths, bs, loss_cfg.num_anchors, anchor_gen,
@@ -193,13 +221,24 @@ def sp_objective(drafter, embed, lm_head, states, loss_cfg, *, anchor_gen: torch
         context = noisy if real == local else torch.cat([noisy, context[:, real:]], dim=1)
     all_anchors = F.pad(anchors, (0, padded(anchors.shape[1], size) - anchors.shape[1]))
     blocks, labels, label_valid, valid = (shard(t, 1, size, rank) for t in (blocks, labels, label_valid, valid))
+    target_hidden = None
+    if loss_cfg.needs_last_hidden and states.last_hidden is not None:
+        # lm_head(final hidden at a+k-1) is the target's law for x_{a+k}, as in the one-rank objective
+        pos = (shard(all_anchors, 1, size, rank)[:, :, None] + torch.arange(bs - 1, device=anchors.device)).clamp(
+            max=width - 1)
+        last = states.last_hidden
+        if context_sharded:
+            target_hidden = rows_at(last, pos, width, group)
+        else:
+            target_hidden = torch.gather(last, 1, pos.reshape(pos.shape[0], -1, 1).expand(-1, -1, last.shape[-1]))
+        target_hidden = target_hidden.reshape(-1, bs - 1, last.shape[-1])
     with torch.no_grad():
         block_embeds = embed(blocks)
     hidden = forward_train_sp(drafter, context, block_embeds.to(context.dtype), all_anchors, group)
     n = hidden.shape[0] * hidden.shape[1]
     terms = chunked_dflash_loss(hidden[:, :, 1:].reshape(n, bs - 1, -1), lm_head, labels.reshape(n, bs - 1),
-                                label_valid.reshape(n, bs - 1), chunk_blocks=loss_cfg.chunk_blocks,
-                                **loss_knobs(loss_cfg))
+                                label_valid.reshape(n, bs - 1), target_hidden=target_hidden,
+                                chunk_blocks=loss_cfg.chunk_blocks, **loss_knobs(loss_cfg))
     sums = {**metric_sums(terms), **acceptance_sums(terms), "anchors": valid.sum().float()}
     terms.loss = global_share(terms.loss, terms.weight_sum, group)
     return terms, sums

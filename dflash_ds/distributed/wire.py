@@ -40,8 +40,9 @@ def payload_specs(spec: BatchSpec, arch: DrafterArch, dtype: torch.dtype,
     mask (`data.loader.collate`), lengths, the selected layers concatenated, and the final hidden
     state when the loss has a KL term, in the run's dtype. Under sequence parallelism (`shards` N > 1) each rank
     of a group is sent the ids, mask and lengths whole and its 1/N of the context positions (the batch padded to
-    a multiple of N: `context_part`), so a rank's receive is the context's S/N: at the Qwen3-8B preset (5 layers
-    read, bf16) a 128K-token sequence's context is 5.4 GB whole, 671 MB a rank at N = 8 (+ 2 MB of ids and mask).
+    a multiple of N: `context_part`; the final hidden too, when sent), so a rank's receive is the context's S/N: at
+    the Qwen3-8B preset (5 layers read, bf16) a 128K-token sequence's context is 5.4 GB whole, 671 MB a rank at
+    N = 8 (+ 2 MB of ids and mask).
     """
     hidden = arch.hidden_size
     return payload_specs_for(spec.num_seqs, spec.max_length, len(arch.target_layer_ids) * hidden,
@@ -55,8 +56,8 @@ def payload_specs_for(rows: int, width: int, context_dim: int, last_dim: int,
     local = shard_length(width, shards)
     specs = [("input_ids", torch.int64, (rows, width)), ("loss_mask", torch.int64, (rows, width)),
              ("lengths", torch.int64, (rows,)), ("context", dtype, (rows, local, context_dim))]
-    if last_dim:
-        specs.append(("last_hidden", dtype, (rows, width, last_dim)))
+    if last_dim:  # the final hidden (KL, LK, target labels) is cut as the context is
+        specs.append(("last_hidden", dtype, (rows, local, last_dim)))
     return specs
 
 
@@ -104,12 +105,13 @@ def build_payload(sender: bridge_mod.AsyncSender, planned: list, input_ids: torc
     first, end = context_part(input_ids.shape[1], shards, i)
     if shards > 1:
         layers = [t[:, first:end] for t in layers]
+        last_hidden = None if last_hidden is None else last_hidden[:, first:end]
     local = shard_length(input_ids.shape[1], shards)
     context_shape = (layers[0].shape[0], local, sum(t.shape[-1] for t in layers))
     specs = [("input_ids", input_ids.dtype, tuple(input_ids.shape)), ("loss_mask", loss_mask.dtype, tuple(loss_mask.shape)),
              ("lengths", lengths.dtype, tuple(lengths.shape)), ("context", layers[0].dtype, context_shape)]
     if last_hidden is not None:
-        specs.append(("last_hidden", last_hidden.dtype, tuple(last_hidden.shape)))
+        specs.append(("last_hidden", last_hidden.dtype, (*last_hidden.shape[:1], local, last_hidden.shape[-1])))
     if specs != planned:
         raise DFlashError(f"the target produced a batch of {describe_specs(specs)}, but the data plan says "
                           f"{describe_specs(planned)} (is the target's dtype the run's dtype?)")
@@ -123,7 +125,9 @@ def build_payload(sender: bridge_mod.AsyncSender, planned: list, input_ids: torc
         torch.cat(layers, dim=-1, out=out["context"][:, :end - first])
         out["context"][:, end - first:].zero_()
     if last_hidden is not None:
-        out["last_hidden"].copy_(last_hidden, non_blocking=True)
+        out["last_hidden"][:, :end - first].copy_(last_hidden, non_blocking=True)
+        if end - first < local:
+            out["last_hidden"][:, end - first:].zero_()
     return out
 
 

@@ -161,9 +161,10 @@ class DrafterTrainModule(nn.Module):
         return terms, sums
 
     def whole_context(self, context: torch.Tensor, width: int) -> torch.Tensor:
-        """The context of `width` positions whole: `context` itself, or under sequence parallelism with a sent shard
-        (`context_sharded`) the group's shards gathered and the padding cut (collective over the group). The walks
-        (est_tau, validation) read every position of the rows they walk: [rows, S, F] on each rank of the group."""
+        """The context (or the final hidden) of `width` positions whole: `context` itself, or under sequence
+        parallelism with a sent shard (`context_sharded`) the group's shards gathered and the padding cut (collective
+        over the group). The walks (est_tau, validation) read every position of the rows they walk: [rows, S, F] on
+        each rank of the group."""
         if not self.context_sharded:
             return context
         from dflash_ds.distributed.sequence_parallel import gather_shards

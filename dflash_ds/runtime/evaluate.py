@@ -75,9 +75,11 @@ def estimate(engine, tensors: dict, cfg: Config, dtype: torch.dtype, rows: int =
     last = tensors.get("last_hidden")
     module = getattr(engine, "module", engine)
     # a sequence-parallel rank fed by target ranks holds its shard: the walked rows are gathered whole
-    context = module.whole_context(tensors["context"][keep], tensors["input_ids"].shape[1])
+    width = tensors["input_ids"].shape[1]
+    context = module.whole_context(tensors["context"][keep], width)
+    last = None if last is None else module.whole_context(last[keep], width)  # sent cut as the context is
     states = TargetStates(tensors["input_ids"][keep], tensors["loss_mask"][keep], tensors["lengths"][keep],
-                          context.to(dtype), None if last is None else last[keep])
+                          context.to(dtype), last)
     was_training = module.training
     module.eval()  # the drafter has no dropout; eval mode all the same, for anything that would
     try:

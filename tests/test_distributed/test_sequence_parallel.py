@@ -3,11 +3,13 @@ forward's hidden states, loss and gradients on one sequence of 16,411 context po
 with 30 anchor blocks (no N divides either), a sliding-window layer among the full ones, at a tiny width, the
 memory a rank keeps for backward falling as 1/N (measured: autograd's saved tensors), activation checkpointing
 under SP giving the same; and the whole objective
-(anchors drawn by the real sampler on every rank, blocks and labels sharded) gives
-components/objective.drafter_objective's loss and gradients."""
+(anchors drawn by the real sampler on every rank, blocks and labels sharded, KL to the target's law on) gives
+components/objective.drafter_objective's loss and gradients, from a whole final hidden (colocated) and from one
+sent cut by position (each rank's label rows fetched from the ranks that hold them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -74,7 +76,8 @@ def _batch():
 
 
 def _objective_inputs():
-    """Token ids, loss mask (the first 300 positions a prompt), lengths, the embedding, the loss settings."""
+    """Token ids, loss mask (the first 300 positions a prompt), lengths, the embedding, the target's final hidden,
+    the loss settings (with KL to the target's law: the final hidden at every label position is read)."""
     from dflash_ds.config import LossConfig
 
     g = torch.Generator().manual_seed(2)
@@ -83,7 +86,9 @@ def _objective_inputs():
     embed = torch.nn.Embedding(V, H)
     with torch.no_grad():
         embed.weight.copy_(torch.randn(V, H, generator=g))
-    return ids, mask, torch.tensor([S_CTX]), embed, LossConfig(num_anchors=N_ANCHORS, chunk_blocks=8)
+    last = torch.randn(1, S_CTX, H, generator=g)
+    return ids, mask, torch.tensor([S_CTX]), embed, last, LossConfig(num_anchors=N_ANCHORS, chunk_blocks=8,
+                                                                      kl_weight=0.5)
 
 
 def _loss(hidden, head, labels, valid):
@@ -114,8 +119,8 @@ def _reference():
     loss.backward()
     forward = hidden.detach(), loss.detach(), _grads(d), saved.total
     d = _drafter()
-    ids, mask, lengths, embed, loss_cfg = _objective_inputs()
-    terms, sums = drafter_objective(d, embed, head, TargetStates(ids, mask, lengths, ctx, None), loss_cfg,
+    ids, mask, lengths, embed, last, loss_cfg = _objective_inputs()
+    terms, sums = drafter_objective(d, embed, head, TargetStates(ids, mask, lengths, ctx, last), loss_cfg,
                                     anchor_gen=torch.Generator().manual_seed(7), noise_std=NOISE,
                                     noise_seed=8)
     terms.loss.backward()
@@ -152,7 +157,8 @@ def _sp_run(group, out: Path, recompute: bool = False) -> None:
 
 def _sp_objective_run(group, out: Path, sent: bool = False) -> None:
     """The whole objective under SP over `group`: the group's loss and its summed gradients, saved as out; `sent`:
-    the rank holds only its shard of the context, as a target rank sends it (disaggregated)."""
+    the rank holds only its shard of the context and of the final hidden, as a target rank sends them
+    (disaggregated: the KL's rows come from the ranks that hold them)."""
     import torch.distributed as dist
 
     from dflash_ds.components.objective import TargetStates
@@ -161,10 +167,10 @@ def _sp_objective_run(group, out: Path, sent: bool = False) -> None:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     d = _drafter()
     ctx, *_, head = _batch()
+    ids, mask, lengths, embed, last, loss_cfg = _objective_inputs()
     if sent:
-        ctx = shard(ctx, 1, size, rank).clone()
-    ids, mask, lengths, embed, loss_cfg = _objective_inputs()
-    terms, sums = sp_objective(d, embed, head, TargetStates(ids, mask, lengths, ctx, None), loss_cfg,
+        ctx, last = shard(ctx, 1, size, rank).clone(), shard(last, 1, size, rank).clone()
+    terms, sums = sp_objective(d, embed, head, TargetStates(ids, mask, lengths, ctx, last), loss_cfg,
                                anchor_gen=torch.Generator().manual_seed(7), group=group, noise_std=NOISE,
                                noise_seed=8, context_sharded=sent)
     terms.loss.backward()
@@ -195,7 +201,9 @@ def _peak_run(group, out: Path) -> None:
     size = 1 if group == "sp1" else dist.get_world_size(group)
     d = _drafter()
     ctx, *_, head = _batch()
-    ids, mask, lengths, embed, loss_cfg = _objective_inputs()
+    ids, mask, lengths, embed, _last, loss_cfg = _objective_inputs()
+    loss_cfg = dataclasses.replace(loss_cfg, kl_weight=0.0)  # as the memory model prices it (StepShape's kl off)
+    del _last
     if size > 1:
         ctx = shard(ctx, 1, size, dist.get_rank(group)).clone()
     states = TargetStates(ids, mask, lengths, ctx, None)

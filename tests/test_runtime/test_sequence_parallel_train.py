@@ -3,8 +3,10 @@ batch together (SP 2: each holds half of every sequence's context and of its anc
 each training their own batches (SP 1) train, at the same global batch of 2: the same loss at every record, the
 same weights (fp32 round-off), ZeRO-2 and ZeRO-3; an SP-2 checkpoint resumes under SP 1 and continues as the SP-1
 run did; fed by a target rank instead (disaggregated: it sends each rank of the group only its half of the
-context), ZeRO-3 trains the same, and its walks (est_tau, each rank gathering the rows it walks) read as the colocated
-run's. The real anchor sampler on every rank; the exchange itself is tested at 16K positions in
+context and of the final hidden), ZeRO-3 trains the same, and its walks (est_tau, each rank gathering the rows it
+walks) read as the colocated run's. Every run has KL to the target's law on (loss.kl_weight 0.5): a colocated rank reads
+the final hidden whole, a rank fed by a target rank fetches its label rows from the group
+(sequence_parallel.rows_at). The real anchor sampler on every rank; the exchange itself is tested at 16K positions in
 tests/test_distributed/test_sequence_parallel.py."""
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def _args(setup, out, sp: int, stage: int, *extra, colocate: bool = True):
     return [*common, "--target", str(target), "--data", str(data), "--output-dir", str(out), "--no-wandb",
             *(["--colocate"] if colocate else ["--num-target-ranks", "1"]), "--zero-stage", str(stage),
             "--train.global_batch", "2", "--train.save_interval", "3",
-            "--topology.sequence_parallel", str(sp), "--noise.max_std", "0.05", *extra]
+            "--topology.sequence_parallel", str(sp), "--noise.max_std", "0.05", "--loss.kl_weight", "0.5", *extra]
 
 
 def _run(setup, out, sp: int, stage: int, *extra, colocate: bool = True):
@@ -112,9 +114,9 @@ def test_what_sequence_parallelism_does_not_run_yet_is_refused():
     from dflash_ds.models.drafter_arch import DrafterArch
     from dflash_ds.models.dspark_arch import DSparkOptions
 
-    with pytest.raises(DFlashError, match="does not yet carry the target's distribution"):
-        load_config(None, ["--topology.colocate", "true", "--topology.sequence_parallel", "2",
-                           "--loss.kl_weight", "0.5"])
+    cfg = load_config(None, ["--topology.colocate", "true", "--topology.sequence_parallel", "2", "--loss.kl_weight",
+                             "0.5", "--loss.lk", "l1", "--loss.labels", "target"])  # the target's law: carried
+    assert (cfg.topology.sequence_parallel, cfg.loss.needs_last_hidden) == (2, True)
     with pytest.raises(DFlashError, match="topology.sequence_parallel 3 does not divide the 2 drafter ranks"):
         Layout(2, [], [0, 1], colocated=True, sequence_parallel=3)
     layout = Layout(4, [], [0, 1, 2, 3], colocated=True, sequence_parallel=2)
