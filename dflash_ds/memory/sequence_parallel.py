@@ -14,8 +14,8 @@ recomputed):
   heads and every block token's queries and output of nh/N heads, and as much again in their gradients in the
   layer's backward: 2 x ((L + T) x 2 kv/N + 2 T x nh/N) x d x b, T = A_total x bs.
 
-KL and the other terms that read the target's distribution are not run under SP (`sp_objective` refuses them), so
-an SP rank is priced without the final hidden (`kl` off) whatever `run.kl` says; compare SP sizes at kl off.
+With KL (or LK, target labels: `run.kl`) a rank also receives the final hidden's 1/N and its micro-step has the
+KL's terms at its local shape (`sp_objective` reads the rows of its own label positions).
 Qwen3-8B preset at 128K, 8 drafter ranks, ZeRO-2, kl off: a drafter rank holds 60.5 GB at SP 1 (43.0 of it the
 bridge's 8 receive buffers), 34.2 at SP 2, 20.5 at SP 4, 14.4 at SP 8 (docs/MEMORY.md, "Sequence parallelism")."""
 
@@ -40,14 +40,16 @@ def sp_sizes(kv_heads: int, most: int) -> list[int]:
 def drafter_rank_terms(cfg: dict[str, Any], seq_len: int, run: lc.LongRun, sp: int, ranks: int,
                        kind: str = "dflash") -> dict[str, float]:
     """Named bytes of one drafter rank (ZeRO over `ranks` drafter ranks) at one sequence of `seq_len` tokens split
-    over `sp` of them. At sp = 1 with `run.kl` off, `long_context.rank_terms`' drafter terms exactly."""
+    over `sp` of them. At sp = 1, `long_context.rank_terms`' drafter terms exactly. With `run.kl` the receive buffers
+    carry the final hidden's shard too, and the micro-step the KL's terms at its local shape; the exchange that fetches
+    a rank's label rows (`sequence_parallel.rows_at`, ~2 x its label positions x H bytes) runs before the forward,
+    off the peak."""
     from dflash_ds.distributed.sequence_parallel import check_heads
 
-    run = replace(run, kl=False)
     d = lc.drafter_at(cfg, run, kind)
     check_heads(d.kv_heads, sp)
     full = lc.step_at(seq_len, run)
-    static = mm.static_terms(d, math.ceil(seq_len / sp), run.zero_stage, ranks, kl=False)
+    static = mm.static_terms(d, math.ceil(seq_len / sp), run.zero_stage, ranks, kl=run.kl)
     return {**static, **sp_step_terms(d, full, sp)}
 
 
@@ -92,9 +94,8 @@ def colocated_rank_terms(cfg: dict[str, Any], seq_len: int, run: lc.LongRun, sp:
     """Named bytes of one colocated rank (ZeRO over `ranks`) under SP `sp`: what the trainer runs
     (topology.sequence_parallel). Every rank of a group runs the whole target forward on its group's sequence and
     keeps the whole captured batch through the step (the batch's tensors are released after it), plus its copy of
-    its 1/N of the context; the drafter's step is an SP rank's (`drafter_rank_terms`). kl off, as every SP price.
-    At sp = 1, `long_context.rank_terms`' colocated terms at kl off, exactly."""
-    run = replace(run, kl=False)
+    its 1/N of the context; the drafter's step is an SP rank's (`drafter_rank_terms`). At sp = 1,
+    `long_context.rank_terms`' colocated terms exactly."""
     if sp == 1:
         return lc.rank_terms(cfg, seq_len, run, "colocated", ranks, target_weight_bytes, kind)
     d = lc.drafter_at(cfg, run, kind)

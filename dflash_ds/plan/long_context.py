@@ -63,12 +63,11 @@ def long_context(args: argparse.Namespace, shape_cfg: dict[str, Any], hidden: in
                           for n in lsp.sp_sizes(lc.drafter_at(cfg, run, kind).kv_heads, ranks)}
             needed = next((n for n, most in sp_longest.items() if most >= L), None)
             rows[-1].update(sp_longest=sp_longest, sp_needed=needed)
-            sp_note = ("" if needed is None else "; without KL it would hold it" if needed == 1 else
-                       f"; by the model, sequence parallelism of {needed} over these ranks would hold it without KL"
-                       + (f": --colocate --topology.sequence_parallel {needed} (--loss.kl_weight 0)"
-                          if role == "colocated" else
-                          f": --topology.sequence_parallel {needed} (--loss.kl_weight 0; each drafter rank is sent "
-                          f"its 1/{needed} of every sequence)"))
+            sp_note = ("" if needed is None or needed == 1 else
+                       f"; by the model, sequence parallelism of {needed} over these ranks would hold it"
+                       + (f": --colocate --topology.sequence_parallel {needed}" if role == "colocated" else
+                          f": --topology.sequence_parallel {needed} (each drafter rank is sent its 1/{needed} of "
+                          "every sequence)"))
         if total > limit:
             warnings.append(f"{_name(role, ranks)} does NOT hold {L:,} tokens: {total / GB:,.2f} GB > "
                             f"{args.gpu_memory_gb:g} - {args.headroom_gb:g} GB headroom; it holds "
@@ -109,7 +108,7 @@ def long_context_lines(lc_out: dict[str, Any]) -> list[str]:
                      f"{r['longest']:,} tokens")
         lines += [f"      {name:<28} {v / GB:8.2f}" for name, v in r["terms"].items()]
         if len(r.get("sp_longest") or {}) > 1:
-            lines.append("      with sequence parallelism over these ranks, kl off (by the model; "
+            lines.append("      with sequence parallelism over these ranks (by the model; "
                          "topology.sequence_parallel): longest " + ", ".join(f"SP {n} {v:,}" for n, v in r["sp_longest"].items()))
     lines += [f"  warning: {w}" for w in lc_out["warnings"]]
     return lines
@@ -134,10 +133,9 @@ def holds(lc_out: dict[str, Any]) -> dict[str, int | None]:
 def launch_flags(lc_out: dict[str, Any], mode: str) -> str | None:
     """The trainer flags that train sequences of --seq-len on `mode`'s layout, beside the layout's own flags; None
     when the model says that layout holds none. data.max_length is L; data.token_budget L when L is above the
-    default (one sequence per micro-batch, as priced); with SP N, topology.sequence_parallel N and KL off (KL is not
-    run under SP yet)."""
+    default (one sequence per micro-batch, as priced); with SP N, topology.sequence_parallel N."""
     L, sp = lc_out["seq_len"], holds(lc_out)[mode]
     if sp is None:
         return None
     flags = f"--data.max_length {L}" + (f" --data.token_budget {L}" if L > DataConfig.token_budget else "")
-    return flags + (f" --topology.sequence_parallel {sp} --loss.kl_weight 0" if sp > 1 else "")
+    return flags + (f" --topology.sequence_parallel {sp}" if sp > 1 else "")

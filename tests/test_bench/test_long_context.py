@@ -129,8 +129,9 @@ def test_a_drafter_rank_under_sequence_parallelism_by_hand(capsys) -> None:
     from dflash_ds.memory import sequence_parallel as sp
 
     plain = replace(RUN, kl=False)
-    assert sp.drafter_rank_terms(Q8, L, RUN, 1, 8) == lc.rank_terms(Q8, L, plain, "drafter", 8, 0.0)
-    two = sp.drafter_rank_terms(Q8, L, RUN, 2, 8)
+    assert sp.drafter_rank_terms(Q8, L, RUN, 1, 8) == lc.rank_terms(Q8, L, RUN, "drafter", 8, 0.0)
+    assert sp.drafter_rank_terms(Q8, L, plain, 1, 8) == lc.rank_terms(Q8, L, plain, "drafter", 8, 0.0)
+    two = sp.drafter_rank_terms(Q8, L, plain, 2, 8)
     d = lc.drafter_at(Q8, plain)
     half = mm.StepShape(batch=1, seq_len=L // 2, anchors_per_row=256, chunk_blocks=64, kl=False, dtype_bytes=2,
                         checkpointing=True, dense_mask=False, cuda=True)
@@ -143,11 +144,18 @@ def test_a_drafter_rank_under_sequence_parallelism_by_hand(capsys) -> None:
     assert two["sequence_ids"] == 16 * L
     assert two["block_mask_whole"] == mm.flex_block_mask_bytes(1, t, L + t) - mm.flex_block_mask_bytes(
         1, t // 2, L // 2 + t // 2)
+    # with KL a rank also receives the final hidden's half, and its step has the KL's terms at S/2, A/2
+    kl_two = sp.drafter_rank_terms(Q8, L, RUN, 2, 8)
+    assert kl_two["payload_buffers"] == 8 * (L // 2) * 6 * 4096 * 2  # 5 layers + the final hidden
+    assert kl_two["micro_step_peak"] == mm.micro_step_peak(d, replace(half, kl=True), param_grads=False)
     # what a rank holds falls with N and the longest sequence grows: Qwen3-8B, 8 drafter ranks, 72 GB
-    totals = [sum(sp.drafter_rank_terms(Q8, 131072, RUN, n, 8).values()) / 1e9 for n in (1, 2, 4, 8)]
-    assert [round(x, 1) for x in totals] == [60.5, 34.2, 20.5, 14.4]  # docs/MEMORY.md, "Sequence parallelism"
-    longest = [sp.longest_fit(Q8, RUN, n, 8, 72e9) for n in (1, 2, 4, 8)]
+    totals = {kl: [round(sum(sp.drafter_rank_terms(Q8, 131072, replace(RUN, kl=kl), n, 8).values()) / 1e9, 1)
+                   for n in (1, 2, 4, 8)] for kl in (False, True)}
+    assert totals == {False: [60.5, 34.2, 20.5, 14.4], True: [69.1, 40.2, 25.7, 18.4]}  # docs/MEMORY.md
+    longest = [sp.longest_fit(Q8, plain, n, 8, 72e9) for n in (1, 2, 4, 8)]
     assert longest == sorted(longest) and longest[0] == 156672 and longest[-1] > 8 * 131072
+    longest = [sp.longest_fit(Q8, RUN, n, 8, 72e9) for n in (1, 2, 4, 8)]  # with KL, as plan prices by default
+    assert longest == [131072, 262144, 524288, 1048576]
     assert sp.sp_sizes(4, 8) == [1, 2, 4]  # Qwen3.6-27B's drafter: 4 key/value heads, no SP 8
     with pytest.raises(DFlashError, match="4 key/value heads must divide by it"):
         sp.drafter_rank_terms(PRESETS["qwen3.6-27b"], L, RUN, 8, 8)
@@ -157,30 +165,32 @@ def test_a_drafter_rank_under_sequence_parallelism_by_hand(capsys) -> None:
     rows = {r["role"]: r for r in json.loads(capsys.readouterr().out)["long_context"]["rows"]}
     assert rows["drafter"]["sp_longest"] == {str(n): v for n, v in zip((1, 2, 4, 8), longest)}
     assert rows["drafter"]["sp_needed"] == 1  # the smallest SP size that holds 128K: 1, none needed
-    # Qwen3.6-27B at 128K on 9 GPUs: its 8 drafter ranks do not (95,232 tokens with KL, 114,688 without); SP 2 would
+    # Qwen3.6-27B at 128K on 9 GPUs: its 8 drafter ranks do not (95,232 tokens, with KL); SP 2 would
     # (on 8 GPUs, 7 drafter ranks: no SP size tiles them, SP 1 only)
     assert main(["plan", "--gpus", "9", "--preset", "qwen3.6-27b", "--target-params-b", "27", "--seq-len", "131072",
                  "--json"]) == 0
     p = json.loads(capsys.readouterr().out)["long_context"]
     drafter = {r["role"]: r for r in p["rows"]}["drafter"]
-    assert drafter["sp_needed"] == 2 and drafter["sp_longest"] == {"1": 114688, "2": 230400, "4": 460800}
+    assert drafter["sp_needed"] == 2 and drafter["sp_longest"] == {"1": 95232, "2": 174080, "4": 371712}
     assert any("up to 95,232; by the model, sequence parallelism of 2 over these ranks would hold it" in w
                for w in p["warnings"])
 
 
 def test_a_colocated_rank_under_sequence_parallelism_by_hand(capsys) -> None:
     """memory/sequence_parallel.colocated_rank_terms, what the trainer runs (--colocate --topology.sequence_parallel):
-    SP 1 is long_context's colocated rank (kl off); at SP 2 the whole captured batch and target forward stay, the
-    drafter's step is an SP rank's and its context shard is added. At both presets the target's forward, which every
-    rank of a group runs whole, is what bounds a colocated rank: SP does not move its longest sequence."""
+    SP 1 is long_context's colocated rank; at SP 2 the whole captured batch and target forward stay, the drafter's
+    step is an SP rank's and its context shard is added. Without KL, at both presets the target's forward, which
+    every rank of a group runs whole, bounds a colocated rank: SP does not move its longest sequence; with KL (plan's
+    default) it does not at Qwen3-8B, and lengthens Qwen3.6-27B's from 22,528 to 33,792 tokens at SP 4."""
     from dataclasses import replace
 
     from dflash_ds.memory import sequence_parallel as sp
 
     plain, w = replace(RUN, kl=False), 16.4e9
-    assert sp.colocated_rank_terms(Q8, L, RUN, 1, 8, w) == lc.rank_terms(Q8, L, plain, "colocated", 8, w)
-    two = sp.colocated_rank_terms(Q8, L, RUN, 2, 8, w)
-    rank = sp.drafter_rank_terms(Q8, L, RUN, 2, 8)
+    assert sp.colocated_rank_terms(Q8, L, RUN, 1, 8, w) == lc.rank_terms(Q8, L, RUN, "colocated", 8, w)
+    assert sp.colocated_rank_terms(Q8, L, plain, 1, 8, w) == lc.rank_terms(Q8, L, plain, "colocated", 8, w)
+    two = sp.colocated_rank_terms(Q8, L, plain, 2, 8, w)
+    rank = sp.drafter_rank_terms(Q8, L, plain, 2, 8)
     assert two["captured_batch"] == L * 5 * 4096 * 2  # the whole batch, 5 layers, bf16, no final hidden
     assert two["context_shard"] == L // 2 * 5 * 4096 * 2
     for k in ("micro_step_peak", "block_mask_whole", "sp_exchange", "sequence_ids"):
@@ -196,8 +206,10 @@ def test_a_colocated_rank_under_sequence_parallelism_by_hand(capsys) -> None:
                  "--json"]) == 0
     p = json.loads(capsys.readouterr().out)["long_context"]
     rows = {r["role"]: r for r in p["rows"]}
-    assert rows["colocated"]["sp_longest"] == {"1": 55296, "2": 55296, "4": 55296}
+    assert rows["colocated"]["sp_longest"] == {"1": 22528, "2": 22528, "4": 33792}
     assert rows["colocated"]["sp_needed"] is None  # 64K: no SP size holds it colocated
+    assert [sp.longest_fit(PRESETS["qwen3.6-27b"], plain, n, 8, 72e9, target_weight_bytes=54e9)
+            for n in (1, 2, 4)] == [55296, 55296, 55296]  # without KL: the target's forward bounds it
 
 
 def _train_config(line: str):
@@ -210,23 +222,22 @@ def _train_config(line: str):
 
 def test_plan_launch_lines_at_a_long_sequence(capsys) -> None:
     """`plan --seq-len` (issue 56, point 5): the SLURM and hostfile lines of the recommended layout carry the
-    sequence length and, where the drafter ranks need it, the SP size with KL off; the trainer parses them to that
+    sequence length and, where the drafter ranks need it, the SP size (KL on, priced); the trainer parses them to that
     config. Qwen3-8B, 5 GPUs, a = 4 b: 1 target + 4 drafter ranks (a tie with colocated keeps disaggregated); a drafter
     rank of 4 holds 131,072 tokens with KL, so 163,840 needs SP 2 (SP must divide the 4 ranks and 8 kv heads)."""
     argv = ("--gpus", "5", "--preset", "qwen3-8b", "--target-params-b", "8.2", "--seq-len", "163840",
             "--target-tok-per-s", "28000", "--drafter-tok-per-s", "7000")
     assert main(["plan", *argv, "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
-    tail = ("--num-target-ranks 1 --data.max_length 163840 --data.token_budget 163840 --topology.sequence_parallel 2 "
-            "--loss.kl_weight 0")
+    tail = "--num-target-ranks 1 --data.max_length 163840 --data.token_budget 163840 --topology.sequence_parallel 2"
     assert p["choice"]["mode"] == "disaggregated"
     assert p["sbatch"] == ("sbatch --nodes 1 --ntasks-per-node 1 --gpus-per-node 5 launch/train_slurm.sbatch "
                            f"--config C --target T --data D --output-dir O {tail}")
     assert p["hostfile"] == ["node0 slots=5", "HOSTFILE=hostfile launch/train_deepspeed.sh --config C --target T "
                                               f"--data D --output-dir O {tail}"]
     cfg = _train_config(p["sbatch"])
-    assert (cfg.topology.sequence_parallel, cfg.loss.kl_weight, cfg.data.max_length, cfg.data.token_budget,
-            cfg.topology.num_target_ranks) == (2, 0.0, 163840, 163840, 1)
+    assert (cfg.topology.sequence_parallel, cfg.data.max_length, cfg.data.token_budget,
+            cfg.topology.num_target_ranks) == (2, 163840, 163840, 1)
     # 3 drafter ranks: SP 2 does not tile them, so no SP size is offered; colocated holds it (and is faster here),
     # its line with the length alone
     assert main(["plan", *argv[:-4], "--target-tok-per-s", "7000", "--drafter-tok-per-s", "7000", "--json"]) == 0
