@@ -167,6 +167,14 @@ class Layout:
         n = self.sequence_parallel
         return [list(range(i, i + n)) for i in range(0, self.num_drafters, n)]
 
+    def groups_across_nodes(self, ranks_per_node: int | None) -> list[list[int]]:
+        """Global ranks of each sequence-parallel group whose ranks lie on more than one node of `ranks_per_node`
+        (its all-to-alls then cross the network every layer: allowed, slower); [] without SP or a node size."""
+        if self.sequence_parallel == 1 or not ranks_per_node:
+            return []
+        groups = [[self.drafter_ranks[i] for i in g] for g in self.sequence_groups()]
+        return [g for g in groups if len({r // ranks_per_node for r in g}) > 1]
+
     def role_name(self, rank: int) -> str:
         """What a rank does, for messages: target, drafter or colocated."""
         return "colocated" if self.colocated else self.role_of(rank)

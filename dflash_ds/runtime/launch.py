@@ -71,6 +71,11 @@ def run_job(cfg: Config) -> int:
         from dflash_ds.distributed.sequence_parallel import check_supported
 
         check_supported(arch, layout.sequence_parallel)
+        across = layout.groups_across_nodes(env.local_world_size)
+        if across and env.rank == 0:
+            print(f"[dflash-ds] warning: sequence-parallel group(s) {across} span nodes of {env.local_world_size} "
+                  "ranks: every draft layer's all-to-all crosses the network; place each group on one node (the "
+                  "drafter ranks of a node a multiple of topology.sequence_parallel)", flush=True)
     if env.rank == 0:  # which defaults of the kind this run trains on (config_recipe.py)
         from dflash_ds.config_recipe import recipe_report
 

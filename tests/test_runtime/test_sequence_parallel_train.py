@@ -122,6 +122,14 @@ def test_what_sequence_parallelism_does_not_run_yet_is_refused():
     layout = Layout(4, [], [0, 1, 2, 3], colocated=True, sequence_parallel=2)
     assert (layout.data_parallel, [layout.data_rank(d) for d in range(4)]) == (2, [0, 0, 1, 1])
     assert layout.sequence_groups() == [[0, 1], [2, 3]]
+    assert layout.groups_across_nodes(4) == [] and layout.groups_across_nodes(None) == []
+    # 2 nodes of 3 ranks, the last of each a target: drafters 0, 1, 3, 4 -> groups [0, 1] and [3, 4], each on its node;
+    # 6 ranks a node, 3 targets: drafters 0, 1, 2 and 6, 7, 8 in groups of 2 -> [2, 6] crosses
+    from dflash_ds.distributed.layout import make_layout
+
+    assert make_layout(6, None, nproc_per_node=3, targets_per_node=1, sequence_parallel=2).groups_across_nodes(3) == []
+    wide = make_layout(12, None, nproc_per_node=6, targets_per_node=3, sequence_parallel=2)
+    assert wide.drafter_ranks == [0, 1, 2, 6, 7, 8] and wide.groups_across_nodes(6) == [[2, 6]]
     arch = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=6,
                 num_key_value_heads=3, head_dim=8, vocab_size=64, rms_norm_eps=1e-6, max_position_embeddings=512,
                 rope_parameters={"rope_type": "default", "rope_theta": 1e6}, block_size=4, num_target_layers=4,
