@@ -56,6 +56,19 @@ def validate_job(cfg: Config, world_size: int, local_world_size: int | None) -> 
     return layout
 
 
+def _check_sequence_parallel(arch, layout: Layout, env) -> None:
+    """Before any group forms: the drafter supports the SP size (else an error on every rank); rank 0 warns of a
+    group whose ranks span nodes."""
+    from dflash_ds.distributed.sequence_parallel import check_supported
+
+    check_supported(arch, layout.sequence_parallel)
+    across = layout.groups_across_nodes(env.local_world_size)
+    if across and env.rank == 0:
+        print(f"[dflash-ds] warning: sequence-parallel group(s) {across} span nodes of {env.local_world_size} "
+              "ranks: every draft layer's all-to-all crosses the network; place each group on one node (the "
+              "drafter ranks of a node a multiple of topology.sequence_parallel)", flush=True)
+
+
 def run_job(cfg: Config) -> int:
     """This rank's whole life in the job."""
     # Secrets reach a rank on another host by path, never by value (distributed/credentials.py): W&B and the
@@ -68,14 +81,7 @@ def run_job(cfg: Config) -> int:
 
     arch = resolve_arch(cfg)  # before any group: a bad drafter/target pair fails fast on every rank
     if layout.sequence_parallel > 1:
-        from dflash_ds.distributed.sequence_parallel import check_supported
-
-        check_supported(arch, layout.sequence_parallel)
-        across = layout.groups_across_nodes(env.local_world_size)
-        if across and env.rank == 0:
-            print(f"[dflash-ds] warning: sequence-parallel group(s) {across} span nodes of {env.local_world_size} "
-                  "ranks: every draft layer's all-to-all crosses the network; place each group on one node (the "
-                  "drafter ranks of a node a multiple of topology.sequence_parallel)", flush=True)
+        _check_sequence_parallel(arch, layout, env)
     if env.rank == 0:  # which defaults of the kind this run trains on (config_recipe.py)
         from dflash_ds.config_recipe import recipe_report
 
