@@ -93,20 +93,19 @@ def rows_at(part: torch.Tensor, positions: torch.Tensor, width: int, group) -> t
     flat = positions.reshape(b, -1)
     every = [torch.empty_like(flat) for _ in range(size)]
     dist.all_gather(every, flat.contiguous(), group=group)
-    rows = torch.arange(b, device=flat.device)[:, None]
-    send, send_sizes, recv_sizes = [], [], []
-    for peer in range(size):
-        theirs = every[peer]
-        mine = (theirs // local) == rank  # the peer's positions that lie in this rank's shard, in the peer's order
-        send.append(part[rows.expand_as(theirs)[mine], theirs[mine] - rank * local])
-        send_sizes.append(int(mine.sum()))
-        recv_sizes.append(int(((flat // local) == peer).sum()))
+    rows = torch.arange(b, device=flat.device)[:, None].expand_as(flat)
+    owners = torch.stack(every) // local  # [N, B, P]: which rank's shard holds each rank's each position
+    mine = owners == rank  # the peers' positions in this rank's shard, in each peer's order
+    send = [part[rows[mine[peer]], every[peer][mine[peer]] - rank * local] for peer in range(size)]
+    # the split sizes on the host, in one read: what each peer is sent, what each peer sends
+    send_sizes, recv_sizes = torch.stack([mine.sum(dim=(1, 2)),
+                                          torch.bincount(owners[rank].reshape(-1), minlength=size)]).tolist()
     got = part.new_empty(sum(recv_sizes), h)
     dist.all_to_all_single(got, torch.cat(send).contiguous(), recv_sizes, send_sizes, group=group)
     out = part.new_empty(b, flat.shape[1], h)
-    owner, start = flat // local, 0
+    start = 0
     for peer, n in enumerate(recv_sizes):  # the rows from each peer, back into this rank's order
-        out[owner == peer] = got[start:start + n]
+        out[owners[rank] == peer] = got[start:start + n]
         start += n
     return out.reshape(*positions.shape, h)
 

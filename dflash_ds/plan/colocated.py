@@ -194,10 +194,10 @@ def _long_context_choice(p: dict[str, Any], why_not_col: str | None, dis_possibl
     L, hold = p["long_context"]["seq_len"], holds(p["long_context"])
     if hold["colocated"] is None and dis_possible and hold["disaggregated"] is not None:
         return {"mode": "disaggregated", "reason": f"a colocated rank does not hold {L:,}-token sequences"}
-    if hold["colocated"] is not None and (not dis_possible or hold["disaggregated"] is None):
-        if dis_possible and p["colocated"]["memory"]["fits"] is not None:
-            return {"mode": "colocated", "reason": f"disaggregated ranks do not hold {L:,}-token sequences, even "
-                                                  "with sequence parallelism"}
+    if dis_possible and hold["colocated"] is not None and hold["disaggregated"] is None \
+            and p["colocated"]["memory"]["fits"] is not None:
+        return {"mode": "colocated", "reason": f"disaggregated ranks do not hold {L:,}-token sequences, even "
+                                              "with sequence parallelism"}
     return None
 
 

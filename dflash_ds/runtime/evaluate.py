@@ -77,7 +77,8 @@ def estimate(engine, tensors: dict, cfg: Config, dtype: torch.dtype, rows: int =
     # a sequence-parallel rank fed by target ranks holds its shard: the walked rows are gathered whole
     width = tensors["input_ids"].shape[1]
     context = module.whole_context(tensors["context"][keep], width)
-    last = None if last is None else module.whole_context(last[keep], width)  # sent cut as the context is
+    # the walk reads the final hidden only for target labels (then gathered whole, as the context)
+    last = module.whole_context(last[keep], width) if last is not None and cfg.loss.labels == "target" else None
     states = TargetStates(tensors["input_ids"][keep], tensors["loss_mask"][keep], tensors["lengths"][keep],
                           context.to(dtype), last)
     was_training = module.training
