@@ -24,6 +24,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_ds.bench.comm",
         "point-to-point bandwidth of every target->drafter pair: raw send/recv vs the training exchange",
     ),
+    "context-falloff": (
+        "dflash_ds.bench.context_falloff",
+        "held-out tau by context length of a drafter trained on short rows vs one trained on long rows, on a tiny "
+        "sliding-window target that holds at 32K",
+    ),
     "curve": (
         "dflash_ds.bench.curve",
         "held-out tau against training tokens: every checkpoint a run kept, evaluated on the same prompts",

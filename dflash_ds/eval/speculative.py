@@ -52,6 +52,8 @@ from dflash_ds.models.target import decoder_layers
 # token ids [B-1] (long) or logits over the vocabulary [B-1, V] (float) for block positions 1..B-1.
 # `new_context` holds the target features of the positions the drafter has not seen yet (up to start-1).
 DraftFn = Callable[[torch.Tensor | None, torch.Tensor, int], torch.Tensor]
+# A prompt is prefilled this many positions a forward (`TargetSession.prefill`); a prompt within it, in one.
+PREFILL_CHUNK = 4096
 
 
 def check_drafter_matches_target(arch: DrafterArch, target_cfg: dict, drafter_name: str, target_name: str) -> None:
@@ -130,6 +132,18 @@ class TargetSession:
         feats = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1) if self.layer_ids else None
         return out.logits[0].float(), feats
 
+    def prefill(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A prompt into the empty cache, `PREFILL_CHUNK` positions a forward; the last position's logits [1, V]
+        and every position's features [N, n*H] (or None). A sliding-window layer's mask then spans a chunk by the
+        chunk and the window, not the prompt squared: the tiny sliding-window target's 32K-token prompt took 38.6 s
+        and 6 GB in one forward (bench context-falloff)."""
+        feats = []
+        for lo in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[lo: lo + PREFILL_CHUNK]
+            logits, f = self.forward(chunk, torch.arange(lo, lo + len(chunk)), last_only=True)
+            feats.append(f)
+        return logits, None if feats[0] is None else torch.cat(feats)
+
     @torch.no_grad()
     def forward_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [R, N, V] of R independent continuations of the cache (a throwaway copy; the cache is unchanged)."""
@@ -200,7 +214,7 @@ def greedy_generate(target: nn.Module, prompt_ids: list[int], max_new_tokens: in
     """Plain greedy decoding, one target forward per token with a KV cache: the lossless reference."""
     eos = set(eos_ids)
     with TargetSession(target, []) as tgt:
-        logits, _ = tgt.forward(prompt_ids, torch.arange(len(prompt_ids)), last_only=True)
+        logits, _ = tgt.prefill(prompt_ids)
         out = [int(logits[-1].argmax())]
         while len(out) < max_new_tokens and out[-1] not in eos:
             pos = torch.tensor([len(prompt_ids) + len(out) - 1])
@@ -345,7 +359,7 @@ def speculative_generate(target: nn.Module, prompt_ids: list[int], *, drafter: D
     eos, vocab = set(eos_ids), int(target.config.vocab_size)
     mask_id = 0 if mask_token_id is None else int(mask_token_id)
     with TargetSession(target, list(layer_ids or [])) as tgt:
-        logits, new_ctx = tgt.forward(prompt_ids, torch.arange(len(prompt_ids)), last_only=True)
+        logits, new_ctx = tgt.prefill(prompt_ids)
         out = SpecOutput(tokens=[_pick(logits[-1], temperature, generator)], target_forwards=1,
                          prompt_length=len(prompt_ids))
         start = len(prompt_ids)

@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train the quality target instead of a random init: a qwen3 whose answers copy, repeat "
                              "or swap words of the prompt, so drafting needs the target's context (docs/QUALITY.md); "
                              "takes --layers, --hidden, --vocab-size, --seed and --steps")
+    parser.add_argument("--sliding-window", type=int, default=None,
+                        help="with --quality: every layer attends to the last W positions, and after the usual steps "
+                             "the target trains 100 more on conversations of several exchanges (3 x W tokens): it then "
+                             "answers right at any depth of a conversation, 32K included (bench context-falloff's "
+                             "target, W 128)")
     parser.add_argument("--steps", type=int, default=None,
                         help="with --quality: training steps (default 300, about 25 s on 2 CPU cores)")
 
@@ -48,8 +53,9 @@ def run(args: argparse.Namespace) -> int:
     from dflash_ds.models.target import read_target_config
 
     given = {k: getattr(args, k) for k in QWEN3_SHAPE if getattr(args, k) is not None}
-    if args.steps is not None and not args.quality:
-        raise DFlashError("--steps applies to --quality only")
+    for flag in ("steps", "sliding_window"):
+        if getattr(args, flag) is not None and not args.quality:
+            raise DFlashError(f"--{flag.replace('_', '-')} applies to --quality only")
     if args.quality:
         out = _quality(args, given)
     elif args.family == "qwen3":
@@ -84,7 +90,9 @@ def _quality(args: argparse.Namespace, given: dict):
         flag = other[0].replace("_", "-")
         raise DFlashError(f"--{flag} does not apply to --quality (it takes --layers and --hidden)")
     return make_quality_target(args.out, **given, vocab_size=args.vocab_size, seed=args.seed, force=args.force,
-                               **({"steps": args.steps} if args.steps is not None else {}), log_every=100)
+                               **({"steps": args.steps} if args.steps is not None else {}), log_every=100,
+                               **({"sliding_window": args.sliding_window, "row_tokens": 3 * args.sliding_window}
+                                  if args.sliding_window else {}))
 
 
 def _prod(shape: list[int]) -> int:

@@ -12,6 +12,7 @@ Where the context matters, both ablations cut tau far below the normal drafter's
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -95,24 +96,29 @@ def target_states(target, seqs: list[tuple[list[int], list[int]]], layer_ids: li
 
 def train_drafter(target, target_dir: str | Path, seqs: list[tuple[list[int], list[int]]], cfg: AblationConfig,
                   out_dir: str | Path, shift: int = 0, *, options=None, loss_cfg: LossConfig | None = None,
-                  states: TargetStates | None = None,
+                  states: TargetStates | None = None, start: DFlashDrafter | None = None,
                   on_step: Callable[[int, DFlashDrafter, torch.Tensor, torch.Tensor | None], None] | None = None,
                   ) -> DFlashDrafter:
     """A fresh drafter trained `cfg.steps` AdamW steps of the real objective (components/objective.py).
 
     `options`: a kind's (models/kinds.py; None = DFlash); `loss_cfg`: the loss (default: LossConfig's with
     `cfg.num_anchors`); `states`: the target's features of `seqs` when already computed (`target_states`, on the
-    device to train on); `on_step(step, drafter, label_tokens, loss)` after each step (step counts from 1;
+    device to train on; its rows are the training rows then, and `seqs` is not read); `on_step(step, drafter,
+    label_tokens, loss)` after each step (step counts from 1;
     `label_tokens`: a device scalar of the label positions trained so far, `loss` the step's (detached): read only
-    by who needs them); also once before the first step, with step 0 and no loss.
+    by who needs them); also once before the first step, with step 0 and no loss. `start`: a trained drafter to go
+    on from (a copy; its schedule starts again, warmup included) instead of a fresh one.
     """
     from dflash_ds.tools.init_drafter import init_drafter
 
     # Trained in fp32 whatever the export's dtype (a bf16 target's drafter is saved in bf16): AdamW on bf16 weights
     # loses small updates.
-    drafter = init_drafter(target_dir, out_dir, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                           mask_token_id=cfg.mask_token_id, seed=cfg.seed, force=True, options=options,
-                           layers_from_target=cfg.layers_from_target).float()
+    if start is not None:
+        drafter = copy.deepcopy(start).float()
+    else:
+        drafter = init_drafter(target_dir, out_dir, num_layers=cfg.num_layers, block_size=cfg.block_size,
+                               mask_token_id=cfg.mask_token_id, seed=cfg.seed, force=True, options=options,
+                               layers_from_target=cfg.layers_from_target).float()
     if states is None:
         states = target_states(target, seqs, drafter.arch.target_layer_ids, shift)
     device = states.context.device
@@ -132,10 +138,10 @@ def train_drafter(target, target_dir: str | Path, seqs: list[tuple[list[int], li
         on_step(0, drafter, labels, None)
     for step in range(cfg.steps):
         if len(order) < cfg.batch:
-            order = torch.cat([order, torch.randperm(len(seqs), generator=gen)])
+            order = torch.cat([order, torch.randperm(states.input_ids.shape[0], generator=gen)])
         rows, order = order[: cfg.batch].to(device), order[cfg.batch:]
-        batch = TargetStates(*(t[rows] for t in (states.input_ids, states.loss_mask, states.lengths, states.context,
-                                                   states.last_hidden)))
+        batch = TargetStates(*(None if t is None else t[rows] for t in (
+            states.input_ids, states.loss_mask, states.lengths, states.context, states.last_hidden)))
         terms, _ = drafter_objective(drafter, embed, head, batch, loss_cfg,
                                      anchor_gen=torch.Generator().manual_seed(cfg.seed * 100_003 + step))
         opt.zero_grad()
