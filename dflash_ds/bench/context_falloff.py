@@ -151,16 +151,18 @@ def target_accuracy(target, tokenizer, length: int, seed: int = 7) -> dict[str, 
     context bucket (`eval.summary.bucket_name` of the position predicting the token)."""
     import bisect
 
-    from dflash_ds.eval.speculative import TargetSession
+    import torch
+
+    from dflash_ds.eval.speculative import PREFILL_CHUNK, TargetSession
     from dflash_ds.eval.summary import CONTEXT_EDGES, bucket_name
     from dflash_ds.tiny.quality import dialogue
 
     _, ids, spans = dialogue(random.Random(f"falloff-accuracy-{seed}"), tokenizer, length)
     hits: dict[int, list[int]] = {}
     with TargetSession(target, []) as tgt:
-        for lo in range(0, len(ids), 4096):  # chunked like the prefill; every position's logits
-            chunk = ids[lo: lo + 4096]
-            logits, _ = tgt.forward(chunk, _arange(lo, len(chunk)))
+        for lo in range(0, len(ids), PREFILL_CHUNK):  # chunked like the prefill; every position's logits
+            chunk = ids[lo: lo + PREFILL_CHUNK]
+            logits, _ = tgt.forward(chunk, torch.arange(lo, lo + len(chunk)))
             pred = logits.argmax(-1).tolist()
             for i, p in enumerate(pred, start=lo):
                 if i + 1 < len(ids) and any(a <= i + 1 < b for a, b in spans):
@@ -168,12 +170,6 @@ def target_accuracy(target, tokenizer, length: int, seed: int = 7) -> dict[str, 
                     h[0] += int(p == ids[i + 1])
                     h[1] += 1
     return {bucket_name(k): h[0] / h[1] for k, h in sorted(hits.items())}
-
-
-def _arange(lo: int, n: int):
-    import torch
-
-    return torch.arange(lo, lo + n)
 
 
 def held_out_prompts(tokenizer, length: int, per_bucket: int) -> list[list[int]]:
