@@ -38,6 +38,7 @@ import statistics
 import time
 from pathlib import Path
 
+from dflash_ds.bench.context_falloff_data import Sources, answer_accuracy, data_sources
 from dflash_ds.errors import DFlashError
 
 # The target's window and its dialogue rows' length: `make-tiny-target --quality --sliding-window 128`.
@@ -76,57 +77,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "answer is 18-34 tokens)")
     parser.add_argument("--min-accuracy", type=float, default=0.99, help="the target's teacher-forced accuracy on "
                         "answers required in every bucket (default 0.99)")
+    real = parser.add_argument_group("a real target's own data (bench/context_falloff_data.py): all three folders "
+                                     "and --target; --short and --rows are then not read")
+    real.add_argument("--short-data", default=None, help="prepared folder of short rows the target answered (the "
+                      "base's and the short continuation's)")
+    real.add_argument("--long-data", default=None, help="prepared folder of long conversations the target answered "
+                      "(`long-conversations`, `regenerate`, `prepare`): the long continuation's, one a step")
+    real.add_argument("--held-out", default=None, help="prepared folder of held-out long conversations: cut before an "
+                      "answer once per context bucket")
+    real.add_argument("--short-batch", type=int, default=8, help="short rows a step (default 8; --anchors spread "
+                      "over them)")
+    real.add_argument("--mask-token-id", type=int, default=None, help="the drafter's mask token (a target without "
+                      "one needs it: 16 on SmolLM2)")
+    real.add_argument("--init", choices=("random", "target"), default="random", help="draft layers start random or "
+                      "as the target's last (the trainer's model.init; default random)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build or load the target, check it holds, train both drafters per seed, evaluate, write the table."""
-    from transformers import AutoTokenizer
-
-    from dflash_ds.models.target import load_target
-    from dflash_ds.tiny.quality import make_quality_target
-
+    """Build or load the target (or read a real target's prepared data), check it holds, train both drafters per
+    seed, evaluate, write the table."""
     seeds = _ints(args.seeds, "--seeds")
-    if not 0 < args.short < args.length or args.length % args.short:
-        raise DFlashError(f"--short {args.short} must divide --length {args.length} and be smaller")
-    if args.anchors % (args.length // args.short):
-        raise DFlashError(f"--anchors {args.anchors} must divide evenly over the {args.length // args.short} short "
-                          "rows a step")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     clock = time.perf_counter()
-    target_dir = Path(args.target) if args.target else out / "target"
-    if not args.target and not (target_dir / "config.json").is_file():
-        print(f"building the long-context quality target into {target_dir}", flush=True)
-        make_quality_target(target_dir, **DEFAULT_TARGET, log_every=100)
-    target = load_target(target_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    accuracy = target_accuracy(target, tokenizer, args.length)
+    if args.long_data or args.short_data or args.held_out:
+        src = data_sources(args)
+    else:
+        src = _tiny_sources(args, out)
     print("target's teacher-forced accuracy on answers by context: "
-          + ", ".join(f"{k} {v:.4f}" for k, v in accuracy.items()), flush=True)
-    low = {k: v for k, v in accuracy.items() if v < args.min_accuracy}
+          + ", ".join(f"{k} {v:.4f}" for k, v in src.accuracy.items()), flush=True)
+    low = {k: v for k, v in src.accuracy.items() if v < args.min_accuracy}
     if low:
-        raise DFlashError(f"{target_dir}: the target answers below --min-accuracy {args.min_accuracy} at "
+        raise DFlashError(f"{src.target_dir}: the target answers below --min-accuracy {args.min_accuracy} at "
                           f"{', '.join(f'{k} ({v:.3f})' for k, v in low.items())}: tau there would measure the "
                           "target, not the drafter (a full-attention target trained on short rows fails past them; "
                           "build one with a sliding window: `dflash-ds make-tiny-target --quality "
-                          "--sliding-window 128`)")
-    prompts = held_out_prompts(tokenizer, args.length, args.per_bucket)
-    references = [_greedy(target, p, args.max_new_tokens) for p in prompts]
+                          "--sliding-window 128`; with --held-out, the answers are not this target's greedy ones)")
+    out.mkdir(parents=True, exist_ok=True)
+    references = [_greedy(src.target, p, args.max_new_tokens) for p in src.prompts]
     flags = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float)) or v is None}
-    result = {"target": str(target_dir), "accuracy": accuracy, "args": flags, "runs": {}}
+    result = {"target": str(src.target_dir), "accuracy": src.accuracy, "args": flags,
+              "prompt_tokens": [len(p) for p in src.prompts], "runs": {}}
     for seed in seeds:
-        short = training_states(target, tokenizer, args.short, args.rows * args.length, seed, args.layers)
-        base = train(target, target_dir, short, args, args.steps, seed, out / f"base-seed{seed}")
+        short = src.short(seed)
+        base = train(src, short, args, args.steps, seed, out / f"base-seed{seed}", src.short_per_step)
         print(f"trained base seed {seed} ({time.perf_counter() - clock:.0f} s)", flush=True)
         drafters = {"base": base}
-        long = training_states(target, tokenizer, args.length, args.rows * args.length, seed, args.layers)
-        for name, states in (("short", short), ("long", long)):
-            drafters[name] = train(target, target_dir, states, args, args.long_steps, seed, out / f"{name}-seed{seed}",
+        for name, states, per_step in (("short", short, src.short_per_step), ("long", src.long(seed),
+                                                                                  src.long_per_step)):
+            drafters[name] = train(src, states, args, args.long_steps, seed, out / f"{name}-seed{seed}", per_step,
                                    start=base, lr=args.long_lr)
             print(f"trained {name} seed {seed} ({time.perf_counter() - clock:.0f} s)", flush=True)
-        del long
         for name, drafter in drafters.items():
-            taus = serve(target, drafter, prompts, references, args, f"{name} seed {seed}")
+            taus = serve(src.target, drafter, src.prompts, references, args, f"{name} seed {seed}")
             result["runs"][f"{name}/seed{seed}"] = taus
             print(f"{name} seed {seed}: tau {taus['tau']:.3f}; by context "
                   + ", ".join(f"{k} {b['tau']:.3f}" for k, b in taus["tau_by_context"].items())
@@ -139,6 +141,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tiny_sources(args: argparse.Namespace, out: Path) -> Sources:
+    """The built-in long-context quality target (built into OUT/target unless --target), its accuracy by bucket on
+    a held-out dialogue, held-out dialogue prompts per bucket, and fresh dialogues per seed."""
+    from transformers import AutoTokenizer
+
+    from dflash_ds.models.target import load_target
+    from dflash_ds.tiny.quality import make_quality_target
+
+    if not 0 < args.short < args.length or args.length % args.short:
+        raise DFlashError(f"--short {args.short} must divide --length {args.length} and be smaller")
+    if args.anchors % (args.length // args.short):
+        raise DFlashError(f"--anchors {args.anchors} must divide evenly over the {args.length // args.short} short "
+                          "rows a step")
+    target_dir = Path(args.target) if args.target else out / "target"
+    if not args.target and not (target_dir / "config.json").is_file():
+        print(f"building the long-context quality target into {target_dir}", flush=True)
+        make_quality_target(target_dir, **DEFAULT_TARGET, log_every=100)
+    target = load_target(target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    total = args.rows * args.length
+    return Sources(target, target_dir, target_accuracy(target, tokenizer, args.length),
+                   held_out_prompts(tokenizer, args.length, args.per_bucket),
+                   short=lambda seed: training_states(target, tokenizer, args.short, total, seed, args.layers),
+                   long=lambda seed: training_states(target, tokenizer, args.length, total, seed, args.layers),
+                   short_per_step=args.length // args.short)
+
+
 def _ints(text: str, flag: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -147,29 +176,14 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def target_accuracy(target, tokenizer, length: int, seed: int = 7) -> dict[str, float]:
-    """Teacher-forced argmax accuracy on the answer tokens of one held-out conversation of `length` tokens, by
-    context bucket (`eval.summary.bucket_name` of the position predicting the token)."""
-    import bisect
-
-    import torch
-
-    from dflash_ds.eval.speculative import PREFILL_CHUNK, TargetSession
-    from dflash_ds.eval.summary import CONTEXT_EDGES, bucket_name
+    """`answer_accuracy` on the answers of one held-out conversation of `length` tokens."""
     from dflash_ds.tiny.quality import dialogue
 
     _, ids, spans = dialogue(random.Random(f"falloff-accuracy-{seed}"), tokenizer, length)
-    hits: dict[int, list[int]] = {}
-    with TargetSession(target, []) as tgt:
-        for lo in range(0, len(ids), PREFILL_CHUNK):  # chunked like the prefill; every position's logits
-            chunk = ids[lo: lo + PREFILL_CHUNK]
-            logits, _ = tgt.forward(chunk, torch.arange(lo, lo + len(chunk)))
-            pred = logits.argmax(-1).tolist()
-            for i, p in enumerate(pred, start=lo):
-                if i + 1 < len(ids) and any(a <= i + 1 < b for a, b in spans):
-                    h = hits.setdefault(bisect.bisect_right(CONTEXT_EDGES, i), [0, 0])
-                    h[0] += int(p == ids[i + 1])
-                    h[1] += 1
-    return {bucket_name(k): h[0] / h[1] for k, h in sorted(hits.items())}
+    mask = [0] * len(ids)
+    for a, b in spans:
+        mask[a:b] = [1] * (b - a)
+    return answer_accuracy(target, [(ids, mask)])
 
 
 def held_out_prompts(tokenizer, length: int, per_bucket: int) -> list[list[int]]:
@@ -216,18 +230,17 @@ def training_states(target, tokenizer, row_tokens: int, total_tokens: int, seed:
     return TargetStates(ids, loss_mask, lengths, context, None)
 
 
-def train(target, target_dir: Path, states, args: argparse.Namespace, steps: int, seed: int, out_dir: Path,
+def train(src: Sources, states, args: argparse.Namespace, steps: int, seed: int, out_dir: Path, per_step: int,
           start=None, lr: float | None = None):
     """A drafter trained `steps` steps on `states` (`tiny/context_check.train_drafter`: the real objective, AdamW, the
-    trainer's schedule), from `start` when given; `--anchors` a step, spread evenly over the step's rows."""
+    trainer's schedule), from `start` when given; `per_step` rows a step and `--anchors` a step, spread evenly."""
     from dflash_ds.config import LossConfig
     from dflash_ds.tiny.context_check import AblationConfig, train_drafter
 
-    per_step = args.length // states.input_ids.shape[1]  # rows a step: 1 long, or length / short short ones
     cfg = AblationConfig(train_prompts=states.input_ids.shape[0], batch=per_step, steps=steps, lr=lr or args.lr,
                          num_anchors=args.anchors // per_step, num_layers=args.layers, block_size=args.block_size,
-                         seed=seed)
-    return train_drafter(target, target_dir, [], cfg, out_dir, states=states, start=start,
+                         seed=seed, mask_token_id=src.mask_token_id, layers_from_target=src.layers_from_target)
+    return train_drafter(src.target, src.target_dir, [], cfg, out_dir, states=states, start=start,
                          loss_cfg=LossConfig(num_anchors=cfg.num_anchors))
 
 

@@ -135,11 +135,12 @@ def run(args: argparse.Namespace) -> int:
     if "vllm" in engines:
         from dflash_ds.bench.speedup_runs import vllm_rounds
         from dflash_ds.eval.served import serving_env
+        from dflash_ds.serving.vllm_server import thread_env
 
         server = {"python": args.vllm_python, "dtype": args.vllm_dtype or args.dtype,
                   "memory_fraction": args.vllm_memory_fraction, "max_model_len": args.vllm_max_model_len,
                   "startup_timeout_s": args.vllm_startup_timeout, "extra_args": args.vllm_arg,
-                  "env": serving_env(args.drafter)}
+                  "env": {**serving_env(args.drafter), **thread_env(args.vllm_threads)}}
         vr, spec_cfg = vllm_rounds(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,
                                    concurrencies=concurrencies, repeats=args.repeats, warmup=args.warmup,
                                    log_dir=Path(args.vllm_log) if args.vllm_log else out / "vllm", server=server,

@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dflash_ds.data.regenerate_server import regenerate_served
     from dflash_ds.serving.client import OpenAIClient
-    from dflash_ds.serving.vllm_server import VLLMServer
+    from dflash_ds.serving.vllm_server import VLLMServer, generation_threads
 
     with contextlib.ExitStack() as stack:
         url = args.server
@@ -220,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
             server = stack.enter_context(VLLMServer(
                 args.target, python=args.vllm_python, dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len,
                 memory_fraction=args.vllm_memory_fraction, seed=args.seed, log_path=log,
-                startup_timeout_s=args.vllm_startup_timeout, extra_args=args.vllm_arg, env=_rank_device_env()))
+                startup_timeout_s=args.vllm_startup_timeout, extra_args=args.vllm_arg, env=_rank_device_env(),
+                threads=generation_threads(args.vllm_threads)))
             url = server.url
         client = OpenAIClient(url, timeout_s=args.request_timeout, retries=args.retries, api_key=args.api_key)
         regenerate_served(client, args.target, args.data, args.out, api=args.api, concurrency=args.concurrency,

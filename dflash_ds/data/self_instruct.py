@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         raise DFlashError(f"--grid-train {args.grid_train}: must be >= 0 (0: no grid prompt in train.jsonl)")
     from dflash_ds.data.chat import load_tokenizer
     from dflash_ds.serving.client import OpenAIClient
-    from dflash_ds.serving.vllm_server import VLLMServer
+    from dflash_ds.serving.vllm_server import VLLMServer, generation_threads
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -249,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
             server = stack.enter_context(VLLMServer(
                 args.target, python=args.vllm_python, dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len,
                 memory_fraction=args.vllm_memory_fraction, seed=args.seed, log_path=args.vllm_log or out / "vllm.log",
-                startup_timeout_s=args.vllm_startup_timeout, extra_args=args.vllm_arg))
+                startup_timeout_s=args.vllm_startup_timeout, extra_args=args.vllm_arg,
+                threads=generation_threads(args.vllm_threads)))
             url = server.url
         gen = Generator(OpenAIClient(url), load_tokenizer(str(args.target)), out, seed=args.seed,
                         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,

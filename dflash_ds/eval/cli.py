@@ -297,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
                              memory_fraction=args.vllm_memory_fraction, max_model_len=args.vllm_max_model_len,
                              startup_timeout_s=args.vllm_startup_timeout, log_dir=vllm_log_dir(args),
                              extra_args=args.vllm_arg, temperature=args.temperature, seed=args.seed,
-                             draft_sample=args.draft_sample, plain_cache=args.plain_cache)
+                             draft_sample=args.draft_sample, plain_cache=args.plain_cache,
+                             threads=args.vllm_threads)
         results["vllm"] = served
         print(format_comparison(results, served))
     if args.json:

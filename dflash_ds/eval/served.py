@@ -29,7 +29,7 @@ from dflash_ds.errors import DFlashError
 from dflash_ds.eval.plain_cache import cache_path, plain_key_fields, read_plain, write_plain
 from dflash_ds.eval.speculative import first_mismatch
 from dflash_ds.serving.client import OpenAIClient
-from dflash_ds.serving.vllm_server import VLLMServer, on_cpu, speculative_config, vllm_python
+from dflash_ds.serving.vllm_server import VLLMServer, on_cpu, speculative_config, thread_env, vllm_python
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -122,10 +122,11 @@ def served_eval(target: str | Path, drafter: str | Path, prompts: list[list[int]
                 memory_fraction: float | None = None, max_model_len: int | None = None,
                 startup_timeout_s: float = 600.0, log_dir: str | Path | None = None,
                 extra_args: list[str] | tuple[str, ...] = (), temperature: float = 0.0, seed: int = 0,
-                draft_sample: str = "greedy", plain_cache: str | Path | None = None) -> dict:
+                draft_sample: str = "greedy", plain_cache: str | Path | None = None,
+                threads: int | None = None) -> dict:
     """Serve the target plain (greedy only; its outputs reused from `plain_cache` when it holds them) and with
     the drafter; return vLLM's acceptance and, greedy, the lossless comparison."""
-    env = serving_env(drafter, temperature)
+    env = {**serving_env(drafter, temperature), **thread_env(threads)}  # threads: --vllm-threads, in the cache key
     common = {"python": python, "dtype": dtype, "memory_fraction": memory_fraction, "max_model_len": max_model_len,
               "startup_timeout_s": startup_timeout_s, "extra_args": extra_args, "env": env}
     logs = Path(log_dir) if log_dir else None

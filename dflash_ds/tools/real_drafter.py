@@ -155,12 +155,12 @@ def served_stages(runner: Runner, recipe: dict, target: str, out: Path, vllm_pyt
         runner.run("prompts", [])
         runner.run("answers", [])
         return
-    from dflash_ds.serving.vllm_server import VLLMServer
+    from dflash_ds.serving.vllm_server import VLLMServer, generation_threads
 
     p, a = recipe["prompts"], recipe["answers"]
     (out / "logs").mkdir(exist_ok=True)
     with VLLMServer(target, python=vllm_python, seed=recipe.get("seed", 0), log_path=out / "logs" / "vllm_target.log",
-                    max_model_len=2048) as server:
+                    max_model_len=2048, threads=generation_threads()) as server:
         url = server.url
         runner.run("prompts", [cli("self-instruct", "--target", target, "--out", out / "prompts", "--server", url,
                                    "--prompts", p["count"], "--held-out", p["held_out"], "--seed",

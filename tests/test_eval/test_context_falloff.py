@@ -84,3 +84,67 @@ def test_falloff_runs_at_a_small_size(tiny_target, cli_here, tmp_path):
         assert list(run["tau_by_context"]) == ["<512", "512-1K"] and run["tau"] >= 1
     table = (tmp_path / "out" / "table.md").read_text().splitlines()
     assert [line.split("|")[1].strip() for line in table[2:]] == ["<512", "512-1K", "all"]
+
+
+def test_held_out_cuts_fill_each_bucket_at_an_answers_start():
+    """A real target's held-out prompts: per bucket, a conversation cut where an answer's labels start, the prompt
+    and the decode within the bucket, each bucket's prompts from different conversations; a bucket no conversation
+    can fill is named."""
+    from dflash_ds.bench.context_falloff_data import cut_prompts
+    from dflash_ds.errors import DFlashError
+
+    def row(turn: int, offset: int) -> tuple[list[int], list[int]]:  # turns of `turn` tokens: 10 prompt, rest answer
+        mask = ([0] * 10 + [1] * (turn - 10)) * (2000 // turn)
+        return list(range(offset, offset + len(mask))), mask
+
+    rows = [row(100, 0), row(130, 10_000), row(170, 20_000)]
+    prompts = cut_prompts(rows, 2048, 32, 2, "held")
+    assert len(prompts) == 6
+    for k, (lo, hi) in enumerate([(0, 512), (0, 512), (512, 1024), (512, 1024), (1024, 2048), (1024, 2048)]):
+        p = prompts[k]
+        ids, mask = next(r for r in rows if r[0][0] == p[0])
+        assert lo <= len(p) and len(p) + 32 <= hi and mask[len(p)] == 1 and mask[len(p) - 1] == 0
+        assert ids[: len(p)] == p
+    assert all(prompts[2 * k][0] != prompts[2 * k + 1][0] for k in range(3))  # two conversations a bucket
+    mask = rows[prompts[4][0] // 10_000][1]  # the longest cut that fits, not merely one that does
+    assert len(prompts[4]) == max(i for i in range(1, len(mask)) if mask[i] and not mask[i - 1] and i + 32 <= 2048)
+    with pytest.raises(DFlashError, match="bucket 1K-2K"):
+        cut_prompts([(r[0][:1030], r[1][:1030]) for r in rows], 2048, 32, 1, "held")
+
+
+def test_falloff_runs_on_prepared_data(tiny_target, cli_here, tmp_path):
+    """The real-target route at a small size: prepared short rows, long conversations and held-out conversations
+    (text of our own, not the target's: the accuracy check waived), the base and both continuations served equal to
+    greedy decoding on prompts cut from the held-out rows."""
+    from dflash_ds.data.prepare import prepare
+
+    words = "the cat sees the red ball today and the dog runs far away".split()
+
+    def conversation(seed: int, turns: int) -> dict:
+        rng = random.Random(seed)
+        messages = []
+        for _ in range(turns):
+            messages += [{"role": "user", "content": " ".join(rng.choices(words, k=8)) + "?"},
+                         {"role": "assistant", "content": " ".join(rng.choices(words, k=40)) + "."}]
+        return {"messages": messages}
+
+    folders = {}
+    for name, rows in (("short", [conversation(s, 1) for s in range(12)]), ("long", [conversation(100 + s, 14)
+                                                                                  for s in range(2)]),
+                       ("held", [conversation(200 + s, 14) for s in range(2)])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        prepare(tiny_target, [tmp_path / f"{name}.jsonl"], tmp_path / name, max_length=1024, block_size=4)
+        folders[name] = tmp_path / name
+    r = cli_here("bench", "context-falloff", "--out", tmp_path / "out", "--target", tiny_target, "--length", "1024",
+                 "--short-data", folders["short"], "--long-data", folders["long"], "--held-out", folders["held"],
+                 "--short-batch", "4", "--steps", "2", "--long-steps", "2", "--anchors", "8", "--seeds", "0",
+                 "--block-size", "4", "--per-bucket", "2", "--max-new-tokens", "12", "--min-accuracy", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert set(result["runs"]) == {"base/seed0", "short/seed0", "long/seed0"}
+    assert [t < 512 for t in result["prompt_tokens"]] == [True, True, False, False]
+    assert all(list(run["tau_by_context"]) == ["<512", "512-1K"] for run in result["runs"].values())
+    assert set(result["accuracy"]) == {"<512", "512-1K"}
+    r = cli_here("bench", "context-falloff", "--out", tmp_path / "bad", "--target", tiny_target, "--length", "512",
+                 "--short-data", folders["short"], "--long-data", folders["long"], "--held-out", folders["held"])
+    assert r.returncode == 2 and str(folders["held"]) in r.stderr and "--length 512" in r.stderr
