@@ -22,6 +22,7 @@ position, 6 GB for the same 76K positions, which is why this is a bench on a sma
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -69,8 +70,11 @@ def data_sources(args: argparse.Namespace):
     print(f"{len(short_rows)} short rows (median {_median(short_rows)} tokens), {len(long_rows)} long (median "
           f"{_median(long_rows)}), {len(prompts)} held-out prompts of {[len(p) for p in prompts]} tokens", flush=True)
     layers = AutoConfig.from_pretrained(str(target_dir)).num_hidden_layers
+    clock = time.perf_counter()
     short = states(target, short_rows, layers, args.layers)
     long = states(target, long_rows, layers, args.layers)
+    print(f"context features of {len(short_rows) + len(long_rows)} rows in {time.perf_counter() - clock:.0f} s; the "
+          "target's accuracy on the held-out answers next", flush=True)
     return Sources(target, target_dir, answer_accuracy(target, held), prompts, short=lambda seed: short,
                    long=lambda seed: long, short_per_step=args.short_batch, mask_token_id=args.mask_token_id,
                    layers_from_target=args.init == "target")
