@@ -27,7 +27,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "context-falloff": (
         "dflash_ds.bench.context_falloff",
         "held-out tau by context length of a drafter trained on short rows vs one trained on long rows, on a tiny "
-        "sliding-window target that holds at 32K",
+        "sliding-window target that holds at 32K or on a real target's own prepared rows",
     ),
     "curve": (
         "dflash_ds.bench.curve",

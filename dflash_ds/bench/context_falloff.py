@@ -24,6 +24,9 @@ outputs checked equal to plain greedy decoding) on held-out prompts whose contex
 bucket. The rows are the target's own text: the answer the target gives greedily to the conversation before it
 (the accuracy above), not short rows concatenated with copies.
 
+On a real target (SmolLM2's 8K window) the rows are its own prepared answers and long conversations instead:
+`--short-data`, `--long-data`, `--held-out` (bench/context_falloff_data.py).
+
 Cost on 2 CPU cores: the target forward runs in 4,096-position chunks (`TargetSession.prefill`; a sliding
 window's mask then spans the chunk, not the whole row: one 32K forward is 38.6 s and 6 GB); a step on one 32K row
 takes about 4.4 s, on 16 rows of 2K about 0.6 s.
