@@ -71,13 +71,14 @@ def data_sources(args: argparse.Namespace):
           f"{_median(long_rows)}), {len(prompts)} held-out prompts of {[len(p) for p in prompts]} tokens", flush=True)
     layers = AutoConfig.from_pretrained(str(target_dir)).num_hidden_layers
     clock = time.perf_counter()
-    short = states(target, short_rows, layers, args.layers)
-    long = states(target, long_rows, layers, args.layers)
+    from_target = args.init == "target"
+    short = states(target, short_rows, layers, args.layers, from_target)
+    long = states(target, long_rows, layers, args.layers, from_target)
     print(f"context features of {len(short_rows) + len(long_rows)} rows in {time.perf_counter() - clock:.0f} s; the "
           "target's accuracy on the held-out answers next", flush=True)
     return Sources(target, target_dir, answer_accuracy(target, held), prompts, short=lambda seed: short,
                    long=lambda seed: long, short_per_step=args.short_batch, mask_token_id=args.mask_token_id,
-                   layers_from_target=args.init == "target")
+                   layers_from_target=from_target)
 
 
 def answer_accuracy(target, rows: list[tuple[list[int], list[int]]]) -> dict[str, float]:
@@ -151,8 +152,10 @@ def cut_prompts(rows: list[tuple[list[int], list[int]]], length: int, max_new_to
     return prompts
 
 
-def states(target, rows: list[tuple[list[int], list[int]]], target_layers: int, draft_layers: int):
-    """`TargetStates` of `rows`, padded to the longest: the target's features at the drafter's default layers by
+def states(target, rows: list[tuple[list[int], list[int]]], target_layers: int, draft_layers: int,
+           from_target: bool = False):
+    """`TargetStates` of `rows`, padded to the longest: the target's features at the drafter's default layers (those of
+    a drafter whose layers start as the target's when `from_target`) by
     chunked prefill, the loss on the rows' labels; no final hidden (cross-entropy on the data's tokens)."""
     import torch
 
@@ -160,7 +163,7 @@ def states(target, rows: list[tuple[list[int], list[int]]], target_layers: int, 
     from dflash_ds.eval.speculative import TargetSession
     from dflash_ds.models.drafter_arch import default_target_layer_ids
 
-    layer_ids = default_target_layer_ids(target_layers, draft_layers)
+    layer_ids = default_target_layer_ids(target_layers, draft_layers, from_target=from_target)
     n, width = len(rows), max(len(ids) for ids, _ in rows)
     ids = torch.zeros(n, width, dtype=torch.long)
     loss_mask = torch.zeros_like(ids)

@@ -31,17 +31,28 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 
 
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int, *,
+                             from_target: bool = False) -> list[int]:
     """docs/DESIGN.md §2 rule (one draft layer -> [L // 2]; else n ids spread over [1, L-3]), distinct on shallow targets.
 
     Real depths keep the public rule exactly (36 layers, 5 draft layers -> [1, 9, 17, 25, 33];
     64 layers -> [1, 16, 31, 46, 61], SpecForge's Qwen3.6-27B ids). It repeats ids once L < n + 3
     (4 layers, 2 draft layers -> [1, 1]); then the span widens to [1, L-2], [1, L-1], [0, L-1],
     the first that holds n distinct ids (4 layers, 2 draft layers -> [1, 2]).
+
+    `from_target` (the draft layers start as the target's last n, `model.init: target`): the ids end at L-n-1, the
+    input of the first copied layer, which `fc` passes through (models/target_layers_init.py), spread from 1 where
+    [1, L-n-1] holds n distinct ids (SmolLM2's 30 layers: 2 -> [1, 27], 4 -> [1, 9, 17, 25]; Qwen3-8B's 36, 5 ->
+    [1, 8, 16, 23, 30]; one draft layer -> [L-2]); a shallower target keeps the rule above.
     """
     n_t, n = num_target_layers, num_draft_layers
     if n_t < 1 or n < 1:
         raise DFlashError(f"target layer ids: need >= 1 target and draft layer, got {n_t} and {n}")
+    last = n_t - n - 1
+    if from_target and n == 1 and last >= 0:
+        return [last]
+    if from_target and n > 1 and last - 1 >= n - 1:
+        return [int(round(1 + i * (last - 1) / (n - 1))) for i in range(n)]
     if n == 1:
         return [n_t // 2]
     if n > n_t:

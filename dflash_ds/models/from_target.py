@@ -47,7 +47,7 @@ def drafter_arch_from_target(target_dir: str | Path, *, num_layers: int = 5, blo
                              mask_token_id: int | None = None, target_layer_ids: list[int] | None = None,
                              layer_types: list[str] | None = None,
                              sliding_window: int | None = None, options: Any = None,
-                             **shape: Any) -> DrafterArch:
+                             layers_from_target: bool = False, **shape: Any) -> DrafterArch:
     """Width, heads, vocab and RoPE from the target; target_layer_ids by the default rule (docs/DESIGN.md §2).
 
     `options` (a kind's options, models/kinds.py, e.g. `DSparkOptions(...)`; None = a DFlash drafter) make it a
@@ -58,7 +58,8 @@ def drafter_arch_from_target(target_dir: str | Path, *, num_layers: int = 5, blo
     and shares its embedding and LM head.
 
     Reads config.json and the tokenizer only (no weights), so it works on a config-only folder
-    when mask_token_id is given.
+    when mask_token_id is given. `layers_from_target` (the draft layers start as the target's last ones): the
+    default ids end at the input of the first copied layer (`default_target_layer_ids(from_target=True)`).
     """
     cfg: dict[str, Any] = read_target_config(target_dir)
     if num_layers < 1:
@@ -71,7 +72,7 @@ def drafter_arch_from_target(target_dir: str | Path, *, num_layers: int = 5, blo
         mask_token_id = pick_mask_token_id(target_dir, vocab)
     if not 0 <= mask_token_id < vocab:
         raise DFlashError(f"--mask-token-id {mask_token_id} is outside the target vocabulary [0, {vocab})")
-    layer_ids = target_layer_ids or default_target_layer_ids(n_target, num_layers)
+    layer_ids = target_layer_ids or default_target_layer_ids(n_target, num_layers, from_target=layers_from_target)
     bad = [i for i in layer_ids if not 0 <= i < n_target]
     if bad:
         raise DFlashError(f"target layer ids {bad} are outside the target's {n_target} layers")

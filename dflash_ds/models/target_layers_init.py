@@ -3,10 +3,11 @@
 Draft layer i (of n) starts as target layer L - n + i (L: the target's layers): attention, MLP and both norms, read
 from the target's safetensors by name (only those tensors: a Qwen3-8B target's two last layers are ~0.9 GB in bf16
 of its 16 GB). The context path is set so that the first draft layer reads the target's own keys and values there:
-`fc` passes the last context layer through (it should be layer L - n - 1, the input of the first copied layer, as
-the default layer choice gives for n = 2 on a 30-layer target: [1, 27]; another layer is passed through all the
-same), `hidden_norm` is that first copied layer's input norm, and the final norm is the target's. q/k norms that
-the target lacks (Llama) stay at one. Everything else keeps its seeded init.
+`fc` passes the last context layer through: layer L - n - 1, the input of the first copied layer, where the layer
+ids are the default (`default_target_layer_ids(from_target=True)`: [1, 27] for 2 draft layers on a 30-layer target,
+[1, 9, 17, 25] for 4); ids set by hand pass their last layer through all the same. `hidden_norm` is that first
+copied layer's input norm, and the final norm is the target's. q/k norms that the target lacks (Llama) stay at
+one. Everything else keeps its seeded init.
 
 Measured on SmolLM2-135M-Instruct (docs/QUALITY.md, "Drafter layers from the target", one seed): at step 400 of the
 one-command recipe's 1,600, est_tau 1.262 against 1.194 from a random init, the loss 5.13 against 5.82.

@@ -29,6 +29,7 @@ def resolve_arch(cfg: Config) -> DrafterArch:
                                     mask_token_id=cfg.model.mask_token_id, target_layer_ids=cfg.model.target_layer_ids,
                                     layer_types=cfg.model.layer_types, sliding_window=cfg.model.sliding_window,
                                     options=kind_spec(cfg.model.kind).options_from_model(cfg.model),
+                                    layers_from_target=cfg.model.init == "target",
                                     **{name: getattr(cfg.model, name) for name in SHAPE_OVERRIDES})
 
 

@@ -31,7 +31,8 @@ def init_drafter(target_dir: str | Path, out_dir: str | Path, *, num_layers: int
     """
     arch = drafter_arch_from_target(target_dir, num_layers=num_layers, block_size=block_size,
                                     mask_token_id=mask_token_id, layer_types=layer_types,
-                                    sliding_window=sliding_window, options=options, **shape)
+                                    sliding_window=sliding_window, options=options,
+                                    layers_from_target=layers_from_target, **shape)
     _check_out(Path(out_dir), force)
     model = DFlashDrafter.seeded(arch, seed)  # drawn in fp32, then cast: the same numbers whatever the dtype
     if layers_from_target:

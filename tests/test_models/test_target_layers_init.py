@@ -84,3 +84,31 @@ def test_model_init_target_gives_the_trainer_the_same_drafter(tiny_target, cli_h
                            trained_from["layers.0.mlp.up_proj.weight"])
     with pytest.raises(DFlashError, match="model.init"):
         load_config(tiny, {"target": str(tiny_target), "model": {"init": "targets"}})
+
+
+def test_default_layer_ids_end_at_the_first_copied_layers_input(real_target):
+    """With the layers from the target and no ids given, the last context layer (the one `fc` passes through) is the
+    input of the first copied layer, in init-drafter and the trainer alike: 4 draft layers on SmolLM2's 30 read
+    [1, 9, 17, 25] (layer 25 feeds layer 26, the first copied), not the random init's [1, 10, 18, 27]."""
+    from pathlib import Path
+
+    from dflash_ds.config import load_config
+    from dflash_ds.models.drafter_arch import default_target_layer_ids
+    from dflash_ds.models.from_target import drafter_arch_from_target
+    from dflash_ds.runtime.job import resolve_arch
+
+    def ids(**kw):
+        return drafter_arch_from_target(real_target, num_layers=4, block_size=8, mask_token_id=16, **kw).target_layer_ids
+
+    assert ids(layers_from_target=True) == [1, 9, 17, 25] and ids() == [1, 10, 18, 27]
+    assert ids(layers_from_target=True, target_layer_ids=[2, 4, 6, 8]) == [2, 4, 6, 8]  # given ids are kept
+    tiny = Path(__file__).resolve().parents[2] / "configs/tiny.yaml"
+    model = {"num_layers": 4, "block_size": 8, "mask_token_id": 16}
+    cfg = load_config(tiny, {"target": str(real_target), "model": {**model, "init": "target"}})
+    assert resolve_arch(cfg).target_layer_ids == [1, 9, 17, 25]
+    random = load_config(tiny, {"target": str(real_target), "model": model})
+    assert resolve_arch(random).target_layer_ids == [1, 10, 18, 27]
+    # Qwen3-8B's 36 layers, 5 draft layers; one draft layer reads the input of the last; a shallow target keeps the rule
+    assert default_target_layer_ids(36, 5, from_target=True) == [1, 8, 16, 23, 30]
+    assert default_target_layer_ids(30, 1, from_target=True) == [28]
+    assert default_target_layer_ids(4, 2, from_target=True) == default_target_layer_ids(4, 2) == [1, 2]
