@@ -4,7 +4,9 @@
 
 The same held-out prompts are decoded plain and speculatively, greedy, by each engine:
 - `vllm`: the real product path, two `vllm serve` processes of the target side by side, one with the export as
-  its drafter (speedup_runs.py), at each --concurrency; vLLM's CPU build serves DFlash layouts only (a kind whose
+  its drafter (speedup_runs.py), at each --concurrency, and one more speculative server for each further
+  --draft-tokens value (vLLM's num_speculative_tokens: on a CPU the verify's cost grows with the drafted tokens,
+  so fewer than the block's can pay more); vLLM's CPU build serves DFlash layouts only (a kind whose
   spec says `vllm_v2_only` needs its GPU runner: `--engine auto` then times ours alone);
 - `dflash`: dflash-ds's own decoder (eval/speculative.py) at batch 1, which also times the draft and the verify
   forward on their own.
@@ -44,6 +46,26 @@ def parse_concurrency(text: str) -> list[int]:
     return sorted(set(values))
 
 
+def parse_draft_tokens(text: str | None, drafter: str | Path, extra_args: list[str]) -> list[int] | None:
+    """'3,7' -> [3, 7]: each a draft length the export can serve (1 .. block - 1); None: the export's own."""
+    from dflash_ds.serving.vllm_server import merge_speculative_args, speculative_config
+
+    if not text:
+        return None
+    try:
+        values = sorted({int(k) for k in text.split(",") if k.strip()})
+    except ValueError:
+        raise DFlashError(f"--draft-tokens {text!r}: expected comma-separated integers, e.g. 3,7") from None
+    if not values:
+        raise DFlashError(f"--draft-tokens {text!r}: expected comma-separated integers, e.g. 3,7")
+    for k in values:
+        speculative_config(drafter, k)  # the export's bound, named
+    if "num_speculative_tokens" in merge_speculative_args({"model": str(drafter)}, extra_args)[0]:
+        raise DFlashError("--draft-tokens and a --vllm-arg --speculative-config with num_speculative_tokens both "
+                          "set the draft length: give one")
+    return values
+
+
 def choose_engines(text: str, drafter: str | Path) -> list[str]:
     """The engines to time: as named, or `auto`: vLLM where it serves this drafter here, and ours always."""
     from dflash_ds.eval.served import serving_env
@@ -76,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "drafter here, else dflash), or a comma-separated subset of vllm, dflash")
     parser.add_argument("--concurrency", default="1,4,16", help="vLLM: requests in flight, comma-separated "
                         "(default 1,4,16); our decoder runs at 1")
+    parser.add_argument("--draft-tokens", default=None, metavar="K[,K...]", help="vLLM: draft tokens a speculative "
+                        "step (its num_speculative_tokens), comma-separated, one speculative server each beside the "
+                        "one plain server (default: the export's block - 1). A CPU's verify costs more with each "
+                        "token drafted (docs/QUALITY.md: SmolLM2 on 2 cores, a step 1.97 plain steps at 7, 1.59 at "
+                        "3), so fewer can pay more; on a GPU the block's is the usual choice. Our decoder drafts the "
+                        "block's")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds of each decoder per concurrency, "
                         "plain and speculative interleaved (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds of each before them (default 1)")
@@ -123,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     engines = choose_engines(args.engine, args.drafter)
     check_drafter_matches_target(read_drafter_arch(args.drafter), read_target_config(args.target),
                                  args.drafter, args.target)
+    draft_tokens = parse_draft_tokens(args.draft_tokens, args.drafter, args.vllm_arg or []) if "vllm" in engines \
+        else None
     prompts = load_prompts(args.data, args.target, args.num_prompts)
     if "vllm" in engines and max(concurrencies) > len(prompts):
         raise DFlashError(f"--concurrency {max(concurrencies)}: a round has {len(prompts)} prompts, so no more than "
@@ -131,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"bench speedup: {len(prompts)} prompts x {args.max_new_tokens} tokens, engines {', '.join(engines)}, "
           f"{args.warmup} warm-up + {args.repeats} timed rounds each", flush=True)
-    rounds, spec_cfg = [], None
+    rounds, spec_cfgs = [], []
     if "vllm" in engines:
         from dflash_ds.bench.speedup_runs import vllm_rounds
         from dflash_ds.eval.served import serving_env
@@ -141,10 +171,10 @@ def run(args: argparse.Namespace) -> int:
                   "memory_fraction": args.vllm_memory_fraction, "max_model_len": args.vllm_max_model_len,
                   "startup_timeout_s": args.vllm_startup_timeout, "extra_args": args.vllm_arg,
                   "env": {**serving_env(args.drafter), **thread_env(args.vllm_threads)}}
-        vr, spec_cfg = vllm_rounds(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,
-                                   concurrencies=concurrencies, repeats=args.repeats, warmup=args.warmup,
-                                   log_dir=Path(args.vllm_log) if args.vllm_log else out / "vllm", server=server,
-                                   log=lambda s: print(s, flush=True))
+        vr, spec_cfgs = vllm_rounds(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,
+                                    concurrencies=concurrencies, repeats=args.repeats, warmup=args.warmup,
+                                    log_dir=Path(args.vllm_log) if args.vllm_log else out / "vllm", server=server,
+                                    log=lambda s: print(s, flush=True), draft_tokens=draft_tokens)
         rounds += vr
     if "dflash" in engines:
         rounds += _own(args, prompts)
@@ -154,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
     settings = {"target": str(args.target), "drafter": str(args.drafter), "data": str(args.data),
                 "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "engines": engines,
                 "concurrency": concurrencies, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
-                "speculative_config": spec_cfg, "cpu_threads": os.cpu_count()}
+                "speculative_config": spec_cfgs[0] if spec_cfgs else None, "speculative_configs": spec_cfgs,
+                "cpu_threads": os.cpu_count()}
     per_round = [{k: v for k, v in dataclasses.asdict(r).items() if k != "outputs"} for r in rounds]
     result = {"settings": settings, "rows": rows, "mismatches": bad, "rounds": per_round}
     (out / "speedup.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -165,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         m = bad[0]
         print(f"bench speedup: {len(bad)} output(s) differ from plain decoding", file=sys.stderr)
-        raise DFlashError(f"{m['engine']} at concurrency {m['concurrency']}, round {m['repeat']} ({m['mode']}): "
+        k = "" if m["drafts"] is None else f", k {m['drafts']}"
+        raise DFlashError(f"{m['engine']} at concurrency {m['concurrency']}, round {m['repeat']} ({m['mode']}{k}): "
                           f"prompt {m['prompt']} differs from plain decoding at generated token {m['token']} "
                           f"({m['got']} vs {m['plain']}): speculative decoding must not change an output")
     return 0

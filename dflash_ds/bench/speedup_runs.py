@@ -1,11 +1,11 @@
 """The timed rounds of `dflash-ds bench speedup`: vLLM serving the target plain and with the drafter, and dflash-ds's
 own decoder (eval/speculative.py) doing the same at batch 1.
 
-vLLM: two servers of the same target, up side by side for the whole bench, differing only in
-`--speculative-config` (same dtype, flags, environment, seed), so that their rounds can be interleaved: for each
-repeat and concurrency one plain and one speculative round, the order flipped every repeat, so that a machine that
-slows down or speeds up during the bench weighs on both alike. Each round reads the server's Prometheus counters
-before and after: the decode steps and their time (`vllm:request_decode_time_seconds`, prefill excluded; plain:
+vLLM: two servers of the same target (one more speculative server per further draft length), up side by side for
+the whole bench, differing only in `--speculative-config` (same dtype, flags, environment, seed), so that their
+rounds can be interleaved: for each repeat and concurrency one plain and one speculative round of each, the order
+reversed every repeat, so that a machine that slows down or speeds up during the bench weighs on all alike. Each
+round reads the server's Prometheus counters before and after: the decode steps and their time (`vllm:request_decode_time_seconds`, prefill excluded; plain:
 `vllm:inter_token_latency_seconds_count` steps, speculative: `vllm:spec_decode_num_drafts` steps) and the accepted
 draft tokens. vLLM does not split a speculative step into drafting and verifying: that split comes from our
 decoder at the same shapes (batch 1).
@@ -82,8 +82,8 @@ def own_round(target, drafter, prompts: list[list[int]], mode: str, repeat: int,
 
     clock = ForwardClock(target)
     sync = clock.sync
-    rnd = Round("dflash", mode, 1, repeat, 0.0, [], [])
     block = drafter.arch.block_size
+    rnd = Round("dflash", mode, 1, repeat, 0.0, [], [], drafts=block - 1 if mode == "spec" else None)
     try:
         for prompt in prompts:
             clock.calls.clear()
@@ -134,7 +134,8 @@ def describe(rnd: Round, warmup: int) -> str:
     """One progress line for a finished round."""
     which = f"warm-up {rnd.repeat + warmup + 1}/{warmup}" if rnd.repeat < 0 else f"repeat {rnd.repeat + 1}"
     tau = f", tau {1 + rnd.accepted / rnd.steps:.2f}" if rnd.mode == "spec" and rnd.steps else ""
-    return (f"bench speedup: {rnd.engine} concurrency {rnd.concurrency} {which} {rnd.mode}: {rnd.tokens} tokens in "
+    mode = rnd.mode if rnd.drafts is None else f"{rnd.mode} (k {rnd.drafts})"
+    return (f"bench speedup: {rnd.engine} concurrency {rnd.concurrency} {which} {mode}: {rnd.tokens} tokens in "
             f"{rnd.seconds:.1f} s ({rnd.tok_per_s:.1f} tok/s{tau})")
 
 
@@ -168,29 +169,35 @@ def wait_quiet(pgids: list[int], *, below: float = QUIET_CORES, window_s: float 
 
 def vllm_rounds(target: str | Path, drafter: str | Path, prompts: list[list[int]], *, max_new_tokens: int,
                 concurrencies: list[int], repeats: int, warmup: int, log_dir: Path, server: dict,
-                log: Callable[[str], None]) -> tuple[list[Round], dict]:
-    """Both servers up side by side, their rounds interleaved; returns the rounds and the speculative config."""
+                log: Callable[[str], None], draft_tokens: list[int] | None = None) -> tuple[list[Round], list[dict]]:
+    """The plain server and one speculative server per draft length (`draft_tokens`; None: the export's own) up side
+    by side, their rounds interleaved; returns the rounds and each speculative server's config."""
     from dflash_ds.eval.served import ACCEPTED, DRAFTS, generate_all
     from dflash_ds.serving.client import OpenAIClient
     from dflash_ds.serving.vllm_server import VLLMServer
 
     rounds = []
+    lengths = draft_tokens or [None]
     plain = VLLMServer(target, log_path=log_dir / "vllm_plain.log", **server)
-    spec = VLLMServer(target, drafter=drafter, log_path=log_dir / "vllm_spec.log", **server)
+    specs = [VLLMServer(target, drafter=drafter, num_speculative_tokens=k, **server,
+                        log_path=log_dir / ("vllm_spec.log" if len(lengths) == 1 else f"vllm_spec_k{k}.log"))
+             for k in lengths]
+    servers = {"plain": plain, **{f"spec{i}": srv for i, srv in enumerate(specs)}}
     with ExitStack() as stack:
-        for srv in (plain, spec):
+        for srv in servers.values():
             stack.callback(srv.stop)
         # Started side by side: a start is mostly imports and loading (~40 s each on 2 cores for a tiny target),
         # two at once take ~30% less than one after the other.
-        with ThreadPoolExecutor(2) as pool:
-            for started in [pool.submit(srv.start) for srv in (plain, spec)]:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            for started in [pool.submit(srv.start) for srv in servers.values()]:
                 started.result()
-        clients = {"plain": OpenAIClient(plain.url), "spec": OpenAIClient(spec.url)}
+        clients = {name: OpenAIClient(srv.url) for name, srv in servers.items()}
+        order = list(servers)
         for rep in range(-warmup, repeats):
             for conc in concurrencies:
-                for mode in (("plain", "spec") if rep % 2 == 0 else ("spec", "plain")):
-                    client, seconds = clients[mode], []
-                    wait_quiet([plain.proc.pid, spec.proc.pid])  # each server leads its own process group
+                for name in (order if rep % 2 == 0 else order[::-1]):
+                    client, seconds, mode, spec = clients[name], [], name[:4], servers[name]
+                    wait_quiet([srv.proc.pid for srv in servers.values()])  # each server leads its process group
                     before = client.metrics()
                     t0 = time.perf_counter()
                     outputs = generate_all(client, prompts, max_new_tokens, conc, seconds=seconds)
@@ -205,7 +212,8 @@ def vllm_rounds(target: str | Path, drafter: str | Path, prompts: list[list[int]
                                           "run speculative decoding")
                     rnd = Round("vllm", mode, conc, rep, wall, outputs, seconds,
                                 steps=int(delta[DRAFTS] if mode == "spec" else delta[ITL_COUNT]),
-                                decode_seconds=delta[DECODE_S], accepted=int(delta[ACCEPTED]))
+                                decode_seconds=delta[DECODE_S], accepted=int(delta[ACCEPTED]),
+                                drafts=spec.speculative_config["num_speculative_tokens"] if mode == "spec" else None)
                     rounds.append(rnd)
                     log(describe(rnd, warmup))
-        return rounds, spec.speculative_config
+        return rounds, [srv.speculative_config for srv in specs]

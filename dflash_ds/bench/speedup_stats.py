@@ -3,7 +3,9 @@ step-cost model that predicts the speedup from tau, and the output check.
 
 A *round* is every held-out prompt decoded once by one decoder (plain or speculative) of one engine at one
 concurrency. Plain and speculative rounds of the same repeat are paired: the speedup of a repeat is the ratio of
-their output tokens/s, and its spread over repeats is reported (warm-up rounds are checked but never timed).
+their output tokens/s, and its spread over repeats is reported (warm-up rounds are checked but never timed). A
+speculative round drafts `drafts` tokens a step (vLLM's num_speculative_tokens); rounds of several draft lengths
+each pair with the same plain round, one row per length.
 
 The step-cost model. Per decode step a plain decoder spends t_plain and yields one token; a speculative decoder
 spends t_spec (one draft and one verify of the block) and yields tau tokens on average (bonus included). Away from
@@ -41,6 +43,7 @@ class Round:
     steps: int = 0  # decode steps after the first token (a plain step yields one token, a speculative step tau)
     decode_seconds: float = 0.0  # time in those steps, summed over requests (no prefill)
     accepted: int = 0  # accepted draft tokens (spec): tau = 1 + accepted / steps
+    drafts: int | None = None  # spec: draft tokens a step (the block's - 1 unless set); None for plain rounds
     # our decoder only: each timed target forward of a block, each one-token forward, each draft
     verify_s: list[float] = field(default_factory=list)
     one_token_s: list[float] = field(default_factory=list)
@@ -116,21 +119,22 @@ def step_split(plain: list[Round], spec: list[Round]) -> dict | None:
 
 
 def summarize(rounds: list[Round]) -> list[dict]:
-    """One row per (engine, concurrency): tokens/s and latency of each decoder, the speedup over repeats with its
-    spread, tau, the measured step ratio and the speedup it predicts."""
+    """One row per (engine, concurrency, draft length): tokens/s and latency of each decoder, the speedup over repeats
+    with its spread, tau, the measured step ratio and the speedup it predicts."""
     rows = []
-    keys = sorted({(r.engine, r.concurrency) for r in rounds}, key=lambda k: (k[0] != "vllm", k[0], k[1]))
-    for engine, conc in keys:
+    keys = sorted({(r.engine, r.concurrency, r.drafts) for r in rounds if r.mode == "spec"},
+                  key=lambda k: (k[0] != "vllm", k[0], k[1], k[2] or 0))
+    for engine, conc, drafts in keys:
         timed = [r for r in rounds if r.engine == engine and r.concurrency == conc and r.repeat >= 0]
         plain = {r.repeat: r for r in timed if r.mode == "plain"}
-        spec = {r.repeat: r for r in timed if r.mode == "spec"}
+        spec = {r.repeat: r for r in timed if r.mode == "spec" and r.drafts == drafts}
         repeats = sorted(set(plain) & set(spec))
         if not repeats:
             continue
         p, s = [plain[i] for i in repeats], [spec[i] for i in repeats]
         tau = tau_of(s)
         ratio = step_seconds(s) / step_seconds(p)
-        row = {"engine": engine, "concurrency": conc, "repeats": len(repeats),
+        row = {"engine": engine, "concurrency": conc, "draft_tokens": drafts, "repeats": len(repeats),
                "plain_tok_s": spread([r.tok_per_s for r in p]), "spec_tok_s": spread([r.tok_per_s for r in s]),
                "speedup": spread([b.tok_per_s / a.tok_per_s for a, b in zip(p, s)]),
                "plain_ms_per_token": spread([r.ms_per_token for r in p]),
@@ -163,7 +167,7 @@ def mismatches(rounds: list[Round]) -> list[dict]:
             at = first_mismatch(out, want)
             if at is not None:
                 found.append({"engine": r.engine, "concurrency": r.concurrency, "repeat": r.repeat, "mode": r.mode,
-                              "prompt": i, "token": at, "got": out[at:at + 1], "plain": want[at:at + 1]})
+                              "drafts": r.drafts, "prompt": i, "token": at, "got": out[at:at + 1], "plain": want[at:at + 1]})
     return found
 
 
@@ -171,21 +175,26 @@ def _cell(x: dict, fmt: str) -> str:
     return f"{x['mean']:{fmt}} ({x['min']:{fmt}}-{x['max']:{fmt}})"
 
 
+def _k(r: dict) -> str:
+    return "-" if r.get("draft_tokens") is None else str(r["draft_tokens"])
+
+
 def format_table(rows: list[dict]) -> str:
-    """The speedup table: one line per (engine, concurrency), then each row's step costs."""
-    head = (f"{'engine':<7} {'conc':>4} {'plain tok/s':>19} {'spec tok/s':>19} {'speedup':>19} "
+    """The speedup table: one line per (engine, concurrency, draft tokens k), then each row's step costs."""
+    head = (f"{'engine':<7} {'conc':>4} {'k':>2} {'plain tok/s':>19} {'spec tok/s':>19} {'speedup':>19} "
             f"{'ms/token plain':>14} {'spec':>6} {'tau':>5} {'step':>5} {'predicted':>9}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['engine']:<7} {r['concurrency']:>4} {_cell(r['plain_tok_s'], '.1f'):>19} "
+        lines.append(f"{r['engine']:<7} {r['concurrency']:>4} {_k(r):>2} {_cell(r['plain_tok_s'], '.1f'):>19} "
                      f"{_cell(r['spec_tok_s'], '.1f'):>19} {_cell(r['speedup'], '.2f'):>19} "
                      f"{r['plain_ms_per_token']['mean']:>14.1f} {r['spec_ms_per_token']['mean']:>6.1f} "
                      f"{r['tau']:>5.2f} {r['step_ratio']:>5.2f} {r['predicted_speedup']:>8.2f}x")
-    lines.append("speedup: spec / plain output tokens/s, mean (min-max) over repeats; tau: tokens per speculative "
-                 "step; step: a speculative step's time over a plain one (decode only); predicted = tau / step")
+    lines.append("k: draft tokens a speculative step; speedup: spec / plain output tokens/s, mean (min-max) over "
+                 "repeats; tau: tokens per speculative step; step: a speculative step's time over a plain one (decode "
+                 "only); predicted = tau / step")
     for r in rows:
-        lines.append(f"{r['engine']} at {r['concurrency']}: plain step {r['plain_step_ms']:.1f} ms, speculative "
-                     f"step {r['spec_step_ms']:.1f} ms; tau needed for 1.5x {r['tau_for_1.5x']:.2f}, "
+        lines.append(f"{r['engine']} at {r['concurrency']}, k {_k(r)}: plain step {r['plain_step_ms']:.1f} ms, "
+                     f"speculative step {r['spec_step_ms']:.1f} ms; tau needed for 1.5x {r['tau_for_1.5x']:.2f}, "
                      f"to break even {r['step_ratio']:.2f}")
         s = r.get("step_split")
         if s:
@@ -205,18 +214,23 @@ def plot(rows: list[dict], path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for n, engine in enumerate(dict.fromkeys(r["engine"] for r in rows)):
-        mine = [r for r in rows if r["engine"] == engine]
+    series = list(dict.fromkeys((r["engine"], r.get("draft_tokens")) for r in rows))
+    ks = {e: [k for e2, k in series if e2 == e] for e, _ in series}
+    for n, (engine, k) in enumerate(series):
+        mine = [r for r in rows if (r["engine"], r.get("draft_tokens")) == (engine, k)]
         conc = [r["concurrency"] for r in mine]
-        for mode, style in (("plain", "o--"), ("spec", "o-")):
+        name = engine if len(ks[engine]) == 1 else f"{engine} k={k}"
+        # the plain decoder once per engine (every draft length pairs with the same plain rounds)
+        for mode, style in ((("plain", "o--"),) if k == ks[engine][0] else ()) + (("spec", "o-"),):
             cells = [r[f"{mode}_tok_s"] for r in mine]
-            ax1.errorbar(conc, [c["mean"] for c in cells], fmt=style, capsize=3, label=f"{engine} {mode}",
+            ax1.errorbar(conc, [c["mean"] for c in cells], fmt=style, capsize=3,
+                         label=f"{engine if mode == 'plain' else name} {mode}",
                          yerr=[[c["mean"] - c["min"] for c in cells], [c["max"] - c["mean"] for c in cells]])
         cells = [r["speedup"] for r in mine]
         color = colors[n % len(colors)]
-        ax2.errorbar(conc, [c["mean"] for c in cells], fmt="o-", capsize=3, label=f"{engine} measured", color=color,
+        ax2.errorbar(conc, [c["mean"] for c in cells], fmt="o-", capsize=3, label=f"{name} measured", color=color,
                      yerr=[[c["mean"] - c["min"] for c in cells], [c["max"] - c["mean"] for c in cells]])
-        ax2.plot(conc, [r["predicted_speedup"] for r in mine], "x:", color=color, label=f"{engine} tau / step ratio")
+        ax2.plot(conc, [r["predicted_speedup"] for r in mine], "x:", color=color, label=f"{name} tau / step ratio")
     ax1.set(xlabel="concurrency", ylabel="output tokens/s", xscale="log")
     ax2.set(xlabel="concurrency", ylabel="speedup over plain decoding", xscale="log")
     ax2.axhline(1.0, color="grey", lw=0.8)

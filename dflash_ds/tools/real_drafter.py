@@ -72,6 +72,11 @@ def load_recipe(path: str | Path, sets: list[str]) -> dict:
     return recipe
 
 
+def optional_flags(section: dict, *keys: str) -> list[str]:
+    """`--key-name value` for each of `keys` the section sets (null or absent: the command's own default)."""
+    return [x for k in keys if section.get(k) is not None for x in (f"--{k.replace('_', '-')}", str(section[k]))]
+
+
 def stage_settings(recipe: dict, target: str) -> dict[str, dict]:
     """What each stage's result depends on (a stage is redone only when this changes, and then refused)."""
     seed = recipe.get("seed", 0)
@@ -80,7 +85,8 @@ def stage_settings(recipe: dict, target: str) -> dict[str, dict]:
             "prepare": {**recipe["prepare"], "block_size": recipe["train"].get("set", {}).get("model.block_size")},
             "train": {"seed": seed, **recipe["train"]},
             "eval": dict(recipe["eval"]),
-            "speedup": dict(recipe["speedup"])}
+            # a null setting is one left out (a recipe written before the setting existed resumes unchanged)
+            "speedup": {k: v for k, v in recipe["speedup"].items() if v is not None}}
 
 
 class Runner:
@@ -202,7 +208,7 @@ def run_recipe(recipe: dict, out: Path, recipe_path: Path, vllm_python: str | No
                                out / "prompts" / "held_out.jsonl", "--num-prompts", sp["num_prompts"],
                                "--max-new-tokens", sp["max_new_tokens"], "--concurrency", sp["concurrency"],
                                "--repeats", sp["repeats"], "--engine", sp.get("engine", "auto"), "--out",
-                               out / "speedup")])
+                               out / "speedup", *optional_flags(sp, "draft_tokens", "vllm_threads"))])
     shutil.copyfile(recipe_path, out / "recipe.yaml")
     (out / "recipe.resolved.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     shutil.copyfile(out / "recipe.resolved.yaml", export.parent / "recipe.yaml")

@@ -41,7 +41,7 @@ def summarize(out: Path, export: Path, walls: dict[str, float | None]) -> dict:
                       "p_position": res["per_position_acceptance"][:3], "by_kind": tau_by_kind(out / "prompts" /
                                                                                                   f"{name}.jsonl", res)}
     speed = json.loads((out / "speedup" / "speedup.json").read_text())
-    rows = [{k: r.get(k) for k in ("engine", "concurrency", "tau", "step_ratio", "predicted_speedup")}
+    rows = [{k: r.get(k) for k in ("engine", "concurrency", "draft_tokens", "tau", "step_ratio", "predicted_speedup")}
             | {"speedup": r["speedup"]["mean"], "speedup_min": r["speedup"]["min"], "speedup_max": r["speedup"]["max"],
                "plain_tok_s": r["plain_tok_s"]["mean"], "spec_tok_s": r["spec_tok_s"]["mean"]}
             for r in speed["rows"]]
@@ -64,7 +64,8 @@ def format_summary(s: dict) -> str:
     for r in s["speedup"]:
         pred = "" if r["predicted_speedup"] is None else (f", predicted {r['predicted_speedup']:.2f}x from step ratio "
                                                           f"{r['step_ratio']:.2f}")
-        lines.append(f"  speedup {r['engine']} at concurrency {r['concurrency']}: {r['speedup']:.2f}x "
+        k = "" if r.get("draft_tokens") is None else f", k {r['draft_tokens']}"
+        lines.append(f"  speedup {r['engine']} at concurrency {r['concurrency']}{k}: {r['speedup']:.2f}x "
                      f"({r['speedup_min']:.2f}-{r['speedup_max']:.2f}; {r['plain_tok_s']:.1f} -> {r['spec_tok_s']:.1f} "
                      f"tok/s, tau {r['tau']:.2f}{pred})")
     lines.append(f"  outputs differing from plain decoding: {s['mismatches']}")

@@ -71,11 +71,11 @@ def test_mismatches_name_the_round_prompt_and_token():
     rounds[3].outputs[2][11] = 8  # repeat 0's speculative output of prompt 2
     rounds[4].outputs = rounds[4].outputs[:3] + [rounds[4].outputs[3][:20]]  # a plain round that moved (shorter)
     assert mismatches(rounds) == [
-        {"engine": "vllm", "concurrency": 1, "repeat": 0, "mode": "spec", "prompt": 2, "token": 11, "got": [8],
+        {"engine": "vllm", "concurrency": 1, "repeat": 0, "mode": "spec", "drafts": None, "prompt": 2, "token": 11, "got": [8],
          "plain": [7]},
-        {"engine": "vllm", "concurrency": 1, "repeat": 1, "mode": "plain", "prompt": 3, "token": 20, "got": [],
+        {"engine": "vllm", "concurrency": 1, "repeat": 1, "mode": "plain", "drafts": None, "prompt": 3, "token": 20, "got": [],
          "plain": [7]},
-        {"engine": "vllm", "concurrency": 1, "repeat": 1, "mode": "spec", "prompt": 3, "token": 20, "got": [7],
+        {"engine": "vllm", "concurrency": 1, "repeat": 1, "mode": "spec", "drafts": None, "prompt": 3, "token": 20, "got": [7],
          "plain": []}]  # checked against its own repeat's plain round, which moved
 
 
@@ -132,3 +132,38 @@ def test_bad_flags_are_one_clear_error(small_pair, capsys):
     assert "--concurrency 4: a round has 3 prompts" in capsys.readouterr().err
     assert main(base + ["--engine", "sglang"]) == 2
     assert "--engine 'sglang': expected auto or a comma-separated subset of vllm, dflash" in capsys.readouterr().err
+    vllm = base + ["--engine", "vllm", "--draft-tokens"]
+    assert main(vllm + ["2,4"]) == 2  # the export's block is 4: it drafts 1..3
+    assert "num_speculative_tokens 4:" in capsys.readouterr().err
+    assert main(vllm + ["2,x"]) == 2
+    assert "--draft-tokens '2,x': expected comma-separated integers" in capsys.readouterr().err
+    assert main(vllm + ["2", '--vllm-arg=--speculative-config={"num_speculative_tokens": 3}']) == 2
+    assert "--draft-tokens and a --vllm-arg --speculative-config with num_speculative_tokens" in \
+        capsys.readouterr().err
+
+
+def test_each_draft_length_pairs_with_the_same_plain_round():
+    """--draft-tokens 3,7: one row per draft length, each against the one plain server's rounds of its repeat, a
+    mismatch found in either; the table says k."""
+    out = [[7] * 25 for _ in range(4)]
+    rounds = []
+    for rep in (0, 1):
+        rounds += [Round("vllm", "plain", 1, rep, 10.0, out, [2.5] * 4, steps=96, decode_seconds=9.6),
+                   # k 3: 50 steps of 0.12 s yielding 2.0; k 7: 40 steps of 0.2 s yielding 2.5
+                   Round("vllm", "spec", 1, rep, 6.0, out, [1.5] * 4, steps=50, decode_seconds=6.0, accepted=50,
+                         drafts=3),
+                   Round("vllm", "spec", 1, rep, 8.0, out, [2.0] * 4, steps=40, decode_seconds=8.0, accepted=60,
+                         drafts=7)]
+    k3, k7 = summarize(rounds)
+    assert (k3["draft_tokens"], k7["draft_tokens"]) == (3, 7)
+    assert k3["speedup"]["mean"] == pytest.approx(10.0 / 6.0) and k7["speedup"]["mean"] == pytest.approx(1.25)
+    assert k3["plain_tok_s"] == k7["plain_tok_s"] and k3["plain_step_ms"] == pytest.approx(100.0)
+    assert (k3["tau"], k3["step_ratio"]) == (pytest.approx(2.0), pytest.approx(1.2))
+    assert (k7["tau"], k7["step_ratio"]) == (pytest.approx(2.5), pytest.approx(2.0))
+    table = format_table([k3, k7])
+    assert "vllm at 1, k 3: plain step 100.0 ms, speculative step 120.0 ms" in table
+    assert "vllm at 1, k 7: plain step 100.0 ms, speculative step 200.0 ms" in table
+    rounds[5].outputs = [list(o) for o in out]
+    rounds[5].outputs[1][3] = 9  # repeat 1's k-7 output of prompt 1
+    [bad] = mismatches(rounds)
+    assert (bad["repeat"], bad["drafts"], bad["prompt"], bad["token"]) == (1, 7, 1, 3)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ds.errors import DFlashError
-from dflash_ds.tools.real_drafter import Runner, load_recipe, stage_settings
+from dflash_ds.tools.real_drafter import Runner, load_recipe, optional_flags, stage_settings
 from dflash_ds.tools.real_drafter_summary import format_summary, tau_by_kind
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +27,20 @@ def test_recipe_file_and_overrides():
         load_recipe(RECIPE, ["prompts.count"])
     with pytest.raises(DFlashError, match="nope is not a section"):
         load_recipe(RECIPE, ["nope.count=1"])
+
+
+def test_the_speedups_optional_settings():
+    """speedup.draft_tokens and vllm_threads: null is the bench's default and the same stage as a recipe without the
+    key (a run from before them resumes); set, they reach the bench's command line."""
+    plain = load_recipe(RECIPE, [])
+    assert plain["speedup"]["draft_tokens"] is None and optional_flags(plain["speedup"], "draft_tokens") == []
+    older = {**plain, "speedup": {k: v for k, v in plain["speedup"].items() if k not in ("draft_tokens",
+                                                                                           "vllm_threads")}}
+    assert stage_settings(older, "/t")["speedup"] == stage_settings(plain, "/t")["speedup"]
+    r = load_recipe(RECIPE, ["speedup.draft_tokens='3,7'", "speedup.vllm_threads=2"])
+    assert optional_flags(r["speedup"], "draft_tokens", "vllm_threads") == ["--draft-tokens", "3,7",
+                                                                            "--vllm-threads", "2"]
+    assert stage_settings(r, "/t")["speedup"] != stage_settings(plain, "/t")["speedup"]
 
 
 def test_recipe_without_a_section_or_config(tmp_path):
@@ -63,13 +77,13 @@ def test_tau_by_task_type_and_the_summary(tmp_path):
     summary = {"export": "E", "prompts": {"requests": 10, "kept": 8, "rejected": {}, "train": 7}, "answer_tokens": 900,
                "train_steps": 5, "held_out": {"held_out": {"tau": 1.75, "tau_pooled": 1.7, "prompts": 3,
                                                           "p_position": [0.5, 0.2, 0.1], "by_kind": {"fact": 1.75}}},
-               "speedup": [{"engine": "vllm", "concurrency": 1, "tau": 1.7, "step_ratio": 1.25, "predicted_speedup":
+               "speedup": [{"engine": "vllm", "concurrency": 1, "draft_tokens": 7, "tau": 1.7, "step_ratio": 1.25, "predicted_speedup":
                             1.36, "speedup": 1.3, "speedup_min": 1.2, "speedup_max": 1.4, "plain_tok_s": 15.0,
                             "spec_tok_s": 19.5}],
                "mismatches": 0, "wall_s": {"prompts": 60.0, "train": 120.0, "eval": None}, "total_s": 180.0}
     text = format_summary(summary)
     assert "8 generated prompts kept of 10 asked, 7 training prompts, 900 answer tokens; 5 training steps" in text
     assert "tau held_out (3 prompts): 1.750 (pooled 1.700; P(pos 1-3) 0.50, 0.20, 0.10); by task type: fact 1.75" in text
-    assert "speedup vllm at concurrency 1: 1.30x (1.20-1.40; 15.0 -> 19.5 tok/s, tau 1.70, predicted 1.36x from " \
+    assert "speedup vllm at concurrency 1, k 7: 1.30x (1.20-1.40; 15.0 -> 19.5 tok/s, tau 1.70, predicted 1.36x from " \
            "step ratio 1.25)" in text
     assert "minutes: prompts 1.0, train 2.0; total 3.0" in text
