@@ -5,9 +5,11 @@ PY := $(VENV)/bin/python
 # requirement would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
-# Workers (pytest-xdist, whole files to a worker); 0 = the suite in one process, the default: the two-worker run (PYTEST_WORKERS=2) had one
-# unexplained failure on its first fresh-clone run; the suite is CPU-bound on 2 cores either way.
-PYTEST_WORKERS ?= 0
+# Workers (pytest-xdist, whole files to a worker; 0 = the suite in one process). Two on 2 cores: the suite's waits
+# (servers starting, heartbeats, launches) leave a core idle often enough that a fresh clone's `.ci/run` on an
+# AVX2-only EPYC took 50:05 (pytest 46:53, 1,039 passed) with 2 against 61:42 (59:11) in one process (2026-12-07;
+# docs/SETUP.md). A build every worker needs is done once a run (tests/build_once.py).
+PYTEST_WORKERS ?= 2
 # The serving engine lives in an environment of its own, as it does for users: vLLM's CPU build pins
 # torch==2.13.0+cpu and transformers<5.20 (the project uses 5.24).
 SERVE_VENV ?= .venv-serve

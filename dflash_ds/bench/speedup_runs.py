@@ -196,7 +196,8 @@ def vllm_rounds(target: str | Path, drafter: str | Path, prompts: list[list[int]
         for rep in range(-warmup, repeats):
             for conc in concurrencies:
                 for name in (order if rep % 2 == 0 else order[::-1]):
-                    client, seconds, mode, spec = clients[name], [], name[:4], servers[name]
+                    client, seconds, spec = clients[name], [], servers[name]
+                    mode = "plain" if name == "plain" else "spec"
                     wait_quiet([srv.proc.pid for srv in servers.values()])  # each server leads its process group
                     before = client.metrics()
                     t0 = time.perf_counter()

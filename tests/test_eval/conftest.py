@@ -62,7 +62,9 @@ def trained_drafter(tiny_target, target, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def quality_target(tmp_path_factory):
-    """The quality target (tiny/quality.py) at its defaults, trained once per session (~25 s on 2 cores)."""
+    """The quality target (tiny/quality.py) at its defaults, trained once per test run (~90 s on 2 AVX2 cores), by
+    whichever worker needs it first (conftest.built_once)."""
+    from build_once import built_once
     from dflash_ds.tiny.quality import make_quality_target
 
-    return make_quality_target(tmp_path_factory.mktemp("quality_target"))
+    return built_once(tmp_path_factory, "quality_target", make_quality_target)
