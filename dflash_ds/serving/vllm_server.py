@@ -308,6 +308,19 @@ def thread_env(threads: int | None) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads)} if threads and on_cpu() else {}
 
 
+def thread_count(text: str) -> int:
+    """--vllm-threads' value: a whole number >= 1 (OMP_NUM_THREADS takes nothing else)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of threads, >= 1")
+    return value
+
+
 def add_server_arguments(parser, *, for_eval: bool = False) -> None:
     """The flags that start a local vLLM (regenerate --engine vllm, eval --engine vllm)."""
     parser.add_argument("--vllm-python", default=None, help="Python of the environment vLLM is installed in "
@@ -321,7 +334,7 @@ def add_server_arguments(parser, *, for_eval: bool = False) -> None:
                         help="vLLM's --dtype (default: " + ("as --dtype" if for_eval else "fast") + "; fast: the "
                              "model's own (auto) where the machine computes it natively, float32 on a CPU without "
                              "AVX512-BF16 or AMX, where bf16 is emulated ~5x slower)")
-    parser.add_argument("--vllm-threads", type=int, default=None,
+    parser.add_argument("--vllm-threads", type=thread_count, default=None,
                         help="torch threads of the vLLM server on a CPU (its OMP_NUM_THREADS; default: "
                              + ("vLLM's own, 1 on a CPU" if for_eval else "every core this process may use: vLLM's "
                                 "own is 1, ~3.5x slower at generating data on 2 cores") + "); no effect on a GPU")

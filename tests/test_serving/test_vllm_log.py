@@ -102,7 +102,7 @@ def test_fast_dtype_serves_float32_only_where_bf16_is_emulated(monkeypatch, here
 
 
 @pytest.mark.parametrize("gpu", [False, True])
-def test_threads_reach_the_cpu_server_only(monkeypatch, here, gpu):
+def test_threads_reach_the_cpu_server_only(monkeypatch, here, gpu, capsys):
     """vLLM's CPU worker drops torch to 1 thread unless OMP_NUM_THREADS is set: `threads` sets it for a CPU server
     (over the caller's own), nothing on a GPU; none given leaves the environment as it was. Data generation asks for
     every core this process may use (`generation_threads`; 153 new tokens/s against 43 with vLLM's 1, docs/USAGE.md),
@@ -137,3 +137,9 @@ def test_threads_reach_the_cpu_server_only(monkeypatch, here, gpu):
             main(["regenerate", "--engine", "vllm", "--target", str(run), "--data", str(data), "--out",
                   str(run / "o.jsonl"), *extra])
         assert seen[-1] == threads
+    for bad in ("0", "-2", "two"):  # OMP_NUM_THREADS takes a count >= 1: argparse's error names the flag (exit 2)
+        with pytest.raises(SystemExit) as exc:
+            main(["regenerate", "--engine", "vllm", "--target", str(run), "--data", str(data), "--out",
+                  str(run / "o.jsonl"), "--vllm-threads", bad])
+        assert exc.value.code == 2 and not (run / "o.jsonl").exists()
+    assert "--vllm-threads: '-2': a number of threads, >= 1" in capsys.readouterr().err
