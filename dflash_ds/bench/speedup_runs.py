@@ -5,10 +5,10 @@ vLLM: two servers of the same target (one more speculative server per further dr
 the whole bench, differing only in `--speculative-config` (same dtype, flags, environment, seed), so that their
 rounds can be interleaved: for each repeat and concurrency one plain and one speculative round of each, the order
 reversed every repeat, so that a machine that slows down or speeds up during the bench weighs on all alike. Each
-round reads the server's Prometheus counters before and after: the decode steps and their time (`vllm:request_decode_time_seconds`, prefill excluded; plain:
-`vllm:inter_token_latency_seconds_count` steps, speculative: `vllm:spec_decode_num_drafts` steps) and the accepted
-draft tokens. vLLM does not split a speculative step into drafting and verifying: that split comes from our
-decoder at the same shapes (batch 1).
+round reads the server's Prometheus counters before and after: the decode steps and their time
+(`vllm:request_decode_time_seconds`, prefill excluded; plain: `vllm:inter_token_latency_seconds_count` steps,
+speculative: `vllm:spec_decode_num_drafts` steps) and the accepted draft tokens. vLLM does not split a speculative
+step into drafting and verifying: that split comes from our decoder at the same shapes (batch 1).
 
 Our decoder: hooks around the target's forward time each forward (prefill, one-token step, verify of a block) and
 the draft function is timed around each call (the drafter's forward and its LM head), synchronizing a GPU around

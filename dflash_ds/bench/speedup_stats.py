@@ -167,7 +167,8 @@ def mismatches(rounds: list[Round]) -> list[dict]:
             at = first_mismatch(out, want)
             if at is not None:
                 found.append({"engine": r.engine, "concurrency": r.concurrency, "repeat": r.repeat, "mode": r.mode,
-                              "drafts": r.drafts, "prompt": i, "token": at, "got": out[at:at + 1], "plain": want[at:at + 1]})
+                              "drafts": r.drafts, "prompt": i, "token": at, "got": out[at:at + 1],
+                              "plain": want[at:at + 1]})
     return found
 
 

@@ -71,12 +71,12 @@ def test_mismatches_name_the_round_prompt_and_token():
     rounds[3].outputs[2][11] = 8  # repeat 0's speculative output of prompt 2
     rounds[4].outputs = rounds[4].outputs[:3] + [rounds[4].outputs[3][:20]]  # a plain round that moved (shorter)
     assert mismatches(rounds) == [
-        {"engine": "vllm", "concurrency": 1, "repeat": 0, "mode": "spec", "drafts": None, "prompt": 2, "token": 11, "got": [8],
-         "plain": [7]},
-        {"engine": "vllm", "concurrency": 1, "repeat": 1, "mode": "plain", "drafts": None, "prompt": 3, "token": 20, "got": [],
-         "plain": [7]},
-        {"engine": "vllm", "concurrency": 1, "repeat": 1, "mode": "spec", "drafts": None, "prompt": 3, "token": 20, "got": [7],
-         "plain": []}]  # checked against its own repeat's plain round, which moved
+        {"engine": "vllm", "concurrency": 1, "repeat": 0, "mode": "spec", "drafts": None, "prompt": 2, "token": 11,
+         "got": [8], "plain": [7]},
+        {"engine": "vllm", "concurrency": 1, "repeat": 1, "mode": "plain", "drafts": None, "prompt": 3, "token": 20,
+         "got": [], "plain": [7]},
+        {"engine": "vllm", "concurrency": 1, "repeat": 1, "mode": "spec", "drafts": None, "prompt": 3, "token": 20,
+         "got": [7], "plain": []}]  # checked against its own repeat's plain round, which moved
 
 
 @pytest.fixture(scope="module")

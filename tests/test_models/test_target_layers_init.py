@@ -98,7 +98,8 @@ def test_default_layer_ids_end_at_the_first_copied_layers_input(real_target):
     from dflash_ds.runtime.job import resolve_arch
 
     def ids(**kw):
-        return drafter_arch_from_target(real_target, num_layers=4, block_size=8, mask_token_id=16, **kw).target_layer_ids
+        arch = drafter_arch_from_target(real_target, num_layers=4, block_size=8, mask_token_id=16, **kw)
+        return arch.target_layer_ids
 
     assert ids(layers_from_target=True) == [1, 9, 17, 25] and ids() == [1, 10, 18, 27]
     assert ids(layers_from_target=True, target_layer_ids=[2, 4, 6, 8]) == [2, 4, 6, 8]  # given ids are kept

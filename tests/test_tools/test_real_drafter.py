@@ -77,9 +77,9 @@ def test_tau_by_task_type_and_the_summary(tmp_path):
     summary = {"export": "E", "prompts": {"requests": 10, "kept": 8, "rejected": {}, "train": 7}, "answer_tokens": 900,
                "train_steps": 5, "held_out": {"held_out": {"tau": 1.75, "tau_pooled": 1.7, "prompts": 3,
                                                           "p_position": [0.5, 0.2, 0.1], "by_kind": {"fact": 1.75}}},
-               "speedup": [{"engine": "vllm", "concurrency": 1, "draft_tokens": 7, "tau": 1.7, "step_ratio": 1.25, "predicted_speedup":
-                            1.36, "speedup": 1.3, "speedup_min": 1.2, "speedup_max": 1.4, "plain_tok_s": 15.0,
-                            "spec_tok_s": 19.5}],
+               "speedup": [{"engine": "vllm", "concurrency": 1, "draft_tokens": 7, "tau": 1.7, "step_ratio": 1.25,
+                            "predicted_speedup": 1.36, "speedup": 1.3, "speedup_min": 1.2, "speedup_max": 1.4,
+                            "plain_tok_s": 15.0, "spec_tok_s": 19.5}],
                "mismatches": 0, "wall_s": {"prompts": 60.0, "train": 120.0, "eval": None}, "total_s": 180.0}
     text = format_summary(summary)
     assert "8 generated prompts kept of 10 asked, 7 training prompts, 900 answer tokens; 5 training steps" in text
