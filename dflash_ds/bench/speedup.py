@@ -66,6 +66,19 @@ def parse_draft_tokens(text: str | None, drafter: str | Path, extra_args: list[s
     return values
 
 
+GPU_SHARE = 0.9  # of a GPU's memory, split between the bench's servers when --vllm-memory-fraction is not given
+
+
+def server_memory_fraction(given: float | None, servers: int, cpu: bool) -> float | None:
+    """Each server's --gpu-memory-utilization: as given; else on a GPU 0.9 split between the `servers` up at once
+    (each claims its fraction of the whole card, so two at vLLM's own 0.92 cannot both start). A Qwen3-8B target
+    (16 GB in bf16) on 80 GB: plain + 2 speculative servers get 24 GB each, ~7 GB of it KV cache; 4 servers leave
+    ~2 GB each, 5 none. None on a CPU: VLLMServer's own share of RAM."""
+    if given is not None or cpu:
+        return given
+    return round(GPU_SHARE / servers, 3)
+
+
 def choose_engines(text: str, drafter: str | Path) -> list[str]:
     """The engines to time: as named, or `auto`: vLLM where it serves this drafter here, and ours always."""
     from dflash_ds.eval.served import serving_env
@@ -118,6 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser, for_eval=True)
     # The shared flag's help describes eval's folders; the bench keeps its logs in its own output folder.
     parser._option_string_actions["--vllm-log"].help = "folder for the two servers' logs (default OUT/vllm)"
+    parser._option_string_actions["--vllm-memory-fraction"].help = (
+        "each server's --gpu-memory-utilization (default: on a GPU 0.9 split between the servers up at once, plain "
+        "and one per --draft-tokens value; on a CPU 0.1 of RAM each, reserved as KV cache)")
 
 
 def _own(args: argparse.Namespace, prompts: list[list[int]]) -> list:
@@ -165,10 +181,12 @@ def run(args: argparse.Namespace) -> int:
     if "vllm" in engines:
         from dflash_ds.bench.speedup_runs import vllm_rounds
         from dflash_ds.eval.served import serving_env
-        from dflash_ds.serving.vllm_server import thread_env
+        from dflash_ds.serving.vllm_server import on_cpu, thread_env
 
+        servers = 1 + len(draft_tokens or [None])
         server = {"python": args.vllm_python, "dtype": args.vllm_dtype or args.dtype,
-                  "memory_fraction": args.vllm_memory_fraction, "max_model_len": args.vllm_max_model_len,
+                  "memory_fraction": server_memory_fraction(args.vllm_memory_fraction, servers, on_cpu()),
+                  "max_model_len": args.vllm_max_model_len,
                   "startup_timeout_s": args.vllm_startup_timeout, "extra_args": args.vllm_arg,
                   "env": {**serving_env(args.drafter), **thread_env(args.vllm_threads)}}
         vr, spec_cfgs = vllm_rounds(args.target, args.drafter, prompts, max_new_tokens=args.max_new_tokens,

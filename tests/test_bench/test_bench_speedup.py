@@ -167,3 +167,13 @@ def test_each_draft_length_pairs_with_the_same_plain_round():
     rounds[5].outputs[1][3] = 9  # repeat 1's k-7 output of prompt 1
     [bad] = mismatches(rounds)
     assert (bad["repeat"], bad["drafts"], bad["prompt"], bad["token"]) == (1, 7, 1, 3)
+
+
+def test_servers_share_a_gpu_unless_told():
+    """On a GPU the plain and speculative servers split 0.9 of its memory (two at vLLM's own 0.92 cannot both
+    start); a given fraction is kept, and a CPU keeps VLLMServer's own share of RAM."""
+    from dflash_ds.bench.speedup import server_memory_fraction
+
+    assert server_memory_fraction(None, 2, cpu=False) == 0.45 and server_memory_fraction(None, 3, cpu=False) == 0.3
+    assert server_memory_fraction(0.2, 3, cpu=False) == 0.2
+    assert server_memory_fraction(None, 3, cpu=True) is None and server_memory_fraction(0.3, 2, cpu=True) == 0.3
