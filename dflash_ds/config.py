@@ -205,18 +205,18 @@ class TrainConfig:
     trainer warns when bf16 is asked for there. Each rank decides `fast` for its own device: a CPU job's hosts
     must agree."""
     feature_cache: bool | None = None
-    """Colocated runs: keep the target's features (the layers the drafter reads, bf16) in
+    """Colocated runs: keep the target's features (the layers the drafter reads, in the target's dtype) in
     <output_dir>/feature_cache as the first epoch computes them, and read them back instead of running the target
     from the second epoch on (runtime/feature_cache.py). Keyed to the target (config and sampled weights), the
-    prepared data and the layers read: a run with another key is refused, naming what changed. null = on for a
-    colocated CPU run whose target runs in bf16 (then exact: the cache holds what the target produced); true = also
-    on a GPU or with fp32 (every batch's features are then rounded to bf16); false = off. On SmolLM2 on 2 CPU cores
-    a cached step took 0.42 of a computed one (docs/THROUGHPUT_CPU.md)."""
+    prepared data, the layers read and the dtype: a run with another key is refused, naming what changed. null = on
+    for a colocated CPU run that sees a row twice (exact: the cache holds what the target produced, bf16 or fp32);
+    true = also on a GPU; false = off. On SmolLM2 on 2 CPU cores a cached step took 0.42 of a computed one in bf16
+    (docs/THROUGHPUT_CPU.md)."""
     feature_cache_gb: float = 16.0
     """Most disk the feature cache takes (GB, 1e9 bytes); rows past it, in row order, are recomputed every epoch
-    (0 = off). A token takes layers x hidden x 2 bytes (+ hidden x 2 with a KL / LK loss): SmolLM2-135M with 2
-    drafter layers 2,304 (16 GB: ~7 M tokens); Qwen3-8B with 5 layers 40,960 (16 GB: ~390 K tokens; 2 M tokens
-    would take 82 GB)."""
+    (0 = off). A token takes layers x hidden x 2 bytes in bf16, x 4 in fp32 (+ hidden x 2 or 4 with a KL / LK
+    loss): SmolLM2-135M with 2 drafter layers 2,304 in bf16 (16 GB: ~7 M tokens), 4,608 in fp32 (~3.5 M); Qwen3-8B
+    with 5 layers 40,960 in bf16 (16 GB: ~390 K tokens; 2 M tokens would take 82 GB)."""
     fuse: bool | None = None
     """Compile the drafter step's elementwise work with torch.compile (the loss's per-chunk passes over the
     [chunk x block x vocabulary] logits, the layers' norms, RoPE and SwiGLU, a kind's own such parts;

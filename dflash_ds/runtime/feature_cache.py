@@ -10,18 +10,19 @@ Layout of `<output_dir>/feature_cache/`:
 - `meta.json`: what the features are of (`cache_key`): the target's fingerprint, the data's, the layers read,
   whether the final hidden state is kept, the row width and the target's dtype. A run whose key differs is
   refused, naming what changed; remove the folder to rebuild it.
-- `features.bin`: bf16, row r at a fixed offset (the tokens of the rows before it x the bytes a token takes):
-  its [length, K*H] context, then its [length, H] final hidden state when kept. A sparse file: only rows that
+- `features.bin`: in the target's dtype, row r at a fixed offset (the tokens of the rows before it x the bytes a
+  token takes): its [length, K*H] context, then its [length, H] final hidden state when kept. A sparse file: only rows that
   were cached take disk. Rows past `train.feature_cache_gb` (in row order) are never cached.
 - `rows.<rank>.log`: the rows each rank wrote, int64, appended after their bytes reached the disk (fdatasync):
   a row is cached when a log lists it, so a rank killed mid-write leaves no row half-cached (a torn last record
   is ignored) and a resumed run goes on filling the same cache. Every rank reads every log (D colocated ranks
   train each other's rows in the next epoch).
 
-Values: the cache holds bf16. With a bf16 target (train.dtype bf16, the GPU default) that is exactly what the
-target produced, so null (auto) turns it on; with fp32 it would change what the drafter reads from the second
-epoch, so only true asks for it, and then every batch's features are rounded to bf16 (cached or not: the run does not
-change numerics at an epoch boundary, and resumes the same with or without the folder).
+Values: the cache holds what the target produced, in its dtype (bf16 where the CPU computes it natively, fp32 on
+an AVX2-only CPU: 2x the disk, and exact). So null (auto) turns it on for every colocated CPU run that revisits its
+rows; on a GPU, where the target's forward is cheap beside reading its features back, only true asks for it.
+Before 2026-12-07 an fp32 run cached bf16-rounded features and null left it off: on an AVX2-only CPU the one-command
+recipe then ran the fp32 target on every step (docs/THROUGHPUT_CPU.md).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import numpy as np
 import torch
 
 from dflash_ds.errors import DFlashError
-from dflash_ds.hardware import native_bf16_cpu
 from dflash_ds.runtime.digest import hash_file
 
 FOLDER = "feature_cache"
@@ -72,7 +72,7 @@ def cache_key(cfg, arch, target_dtype: torch.dtype) -> dict:
     return {"version": VERSION, "target": target_fingerprint(cfg.target), "data": data_fingerprint(paths),
             "target_layer_ids": list(arch.target_layer_ids), "last_hidden": bool(cfg.loss.needs_last_hidden),
             "hidden_size": int(arch.hidden_size), "target_dtype": str(target_dtype).replace("torch.", ""),
-            "stored_dtype": "bfloat16"}
+            "stored_dtype": str(target_dtype).replace("torch.", "")}
 
 
 WHAT_CHANGED = {
@@ -82,6 +82,7 @@ WHAT_CHANGED = {
     "last_hidden": "the loss now does (or no longer does) read the target's final hidden state",
     "hidden_size": "the target's width changed",
     "target_dtype": "the target runs in another dtype (train.dtype)",
+    "stored_dtype": "the cache now keeps features in the target's dtype (an fp32 run's cache held them in bf16)",
 }
 
 
@@ -107,10 +108,10 @@ class FeatureCache:
     """One rank's view of the run folder's cache: which rows are in it, reading a batch, writing one."""
 
     def __init__(self, folder: Path, lengths: np.ndarray, layers_width: int, last_width: int, bound_bytes: int,
-                 rank: int, write: bool) -> None:
-        self.folder, self.write = folder, write
+                 rank: int, write: bool, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.folder, self.write, self.dtype = folder, write, dtype
         self.layers_width, self.last_width = layers_width, last_width
-        self.token_bytes = 2 * (layers_width + last_width)
+        self.token_bytes = dtype.itemsize * (layers_width + last_width)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         ends = np.cumsum(self.lengths * self.token_bytes)
         self.offsets = ends - self.lengths * self.token_bytes
@@ -145,15 +146,15 @@ class FeatureCache:
     def read(self, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(context [n, width, K*H], final hidden [n, width, H] or None) of cached rows, zero past each row."""
         n = len(rows)
-        context = torch.zeros((n, width, self.layers_width), dtype=torch.bfloat16)
-        last = torch.zeros((n, width, self.last_width), dtype=torch.bfloat16) if self.last_width else None
+        context = torch.zeros((n, width, self.layers_width), dtype=self.dtype)
+        last = torch.zeros((n, width, self.last_width), dtype=self.dtype) if self.last_width else None
         for k, r in enumerate(rows):
             length = int(self.lengths[r])
             raw = os.pread(self._fd, length * self.token_bytes, int(self.offsets[r]))
             if len(raw) != length * self.token_bytes:
                 raise DFlashError(f"train.feature_cache: {self.folder / 'features.bin'} is shorter than its logs "
                                   f"say (row {r}); remove {self.folder} to rebuild it")
-            flat = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16)
+            flat = torch.frombuffer(bytearray(raw), dtype=self.dtype)
             split = length * self.layers_width
             context[k, :length] = flat[:split].view(length, self.layers_width)
             if last is not None:
@@ -167,12 +168,12 @@ class FeatureCache:
         todo = [(k, r) for k, r in enumerate(rows) if r < self.in_bound and not self.cached[r]]
         if not todo:
             return
-        ctx = context.detach().to("cpu", torch.bfloat16)
-        fin = last.detach().to("cpu", torch.bfloat16) if last is not None and self.last_width else None
+        ctx = context.detach().to("cpu", self.dtype)
+        fin = last.detach().to("cpu", self.dtype) if last is not None and self.last_width else None
         for k, r in todo:
             length = int(self.lengths[r])
             parts = [ctx[k, :length].contiguous()] + ([fin[k, :length].contiguous()] if fin is not None else [])
-            data = b"".join(p.view(torch.int16).numpy().tobytes() for p in parts)
+            data = b"".join(p.view(torch.uint8).numpy().tobytes() for p in parts)
             os.pwrite(self._fd, data, int(self.offsets[r]))
         os.fdatasync(self._fd)  # the bytes first, then the log that vouches for them
         self._log.write(np.asarray([r for _, r in todo], dtype=np.int64).tobytes())
@@ -187,7 +188,8 @@ class FeatureCache:
     def describe(self) -> str:
         """One line: where, the bound and how much of the data fits, how much is cached."""
         n = len(self.lengths)
-        return (f"{self.folder}, bf16, {self.token_bytes:,} bytes a token; {self.in_bound} of {n} rows fit "
+        dtype = str(self.dtype).replace("torch.", "")
+        return (f"{self.folder}, {dtype}, {self.token_bytes:,} bytes a token; {self.in_bound} of {n} rows fit "
                 f"train.feature_cache_gb ({self.bound_bytes / 1e9:.3f} GB), {int(self.cached.sum())} cached")
 
 
@@ -207,12 +209,6 @@ def open_feature_cache(cfg, arch, dtype: torch.dtype, data, rank: int,
     if asked is None and device.type != "cpu":
         return None, ("off (train.feature_cache null: on a GPU the target's forward is cheap beside reading its "
                       "features back from the run folder; true asks for it)")
-    if asked is None and dtype != torch.bfloat16:
-        hint = (" On this CPU (native bf16) train.dtype bf16 also runs the target forward ~1.9x faster."
-                if native_bf16_cpu() else "")
-        return None, (f"off (train.feature_cache null: the target runs in {str(dtype).replace('torch.', '')} and "
-                      f"the cache holds bf16: train.dtype bf16 turns it on; true keeps fp32 training, on "
-                      f"bf16-rounded features).{hint}")
     from dflash_ds.data.loader import load_lengths
 
     folder = Path(cfg.train.output_dir) / FOLDER
@@ -220,6 +216,6 @@ def open_feature_cache(cfg, arch, dtype: torch.dtype, data, rank: int,
     write = asked is True or revisits_rows(cfg, data)
     last_width = arch.hidden_size if cfg.loss.needs_last_hidden else 0
     cache = FeatureCache(folder, load_lengths(data.dataset), len(arch.target_layer_ids) * arch.hidden_size,
-                         last_width, int(gb * 1e9), rank, write)
+                         last_width, int(gb * 1e9), rank, write, dtype)
     how = "written in the first epoch, read from the second" if write else "read only (the run sees each row once)"
     return cache, f"on ({how}): {cache.describe()}"

@@ -230,10 +230,6 @@ class LocalTargetSource:
             return fresh_payload(ids, batch.loss_mask, batch.lengths, [context.to(dev, dtype)],
                                  last.to(dev, dtype) if self.last_hidden and last is not None else None)
         tensors = capture_batch(self.target, batch, self.layer_ids, self.last_hidden, dev)
-        if dtype != torch.bfloat16:  # the cache holds bf16: every batch reads what the cache would give back
-            for key in ("context", "last_hidden"):
-                if key in tensors:
-                    tensors[key] = tensors[key].to(torch.bfloat16).to(dtype)
         cache.store(rows, tensors["context"], tensors.get("last_hidden"))
         return tensors
 

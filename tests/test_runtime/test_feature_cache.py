@@ -1,5 +1,5 @@
 """The feature cache (runtime/feature_cache.py): rows written, bounded, read back exactly, shared through the logs,
-refused when the target or the data changes; and a colocated bf16 run with the cache trains as one without it."""
+refused when the target or the data changes; and a colocated run with the cache trains as one without it."""
 
 from __future__ import annotations
 
@@ -71,12 +71,18 @@ def test_other_ranks_logs_count_and_a_torn_record_does_not(tmp_path):
         c.close()
 
 
-def test_fp32_features_are_stored_as_bf16(tmp_path):
-    cache = toy(tmp_path / "c", last=0)
-    ctx = torch.randn(1, 4, K_H)
+def test_an_fp32_targets_features_are_kept_exactly(tmp_path):
+    """An fp32 run (a CPU without native bf16) caches fp32: 4 bytes a value, read back bit for bit."""
+    folder = tmp_path / "c"
+    folder.mkdir()
+    cache = FeatureCache(folder, LENGTHS, K_H, 0, 10**9, 0, write=True, dtype=torch.float32)
+    assert cache.token_bytes == 4 * K_H and list(cache.offsets) == [0, 72, 192]
+    ctx = torch.randn(1, 4, K_H) * 1e-3 + 1.0  # values bf16 would round: 1 + 1e-3 is not a bf16
     cache.store([2], ctx, None)
     got, fin = cache.read([2], 4)
-    assert fin is None and torch.equal(got[0], ctx[0].to(torch.bfloat16))
+    assert fin is None and got.dtype == torch.float32 and torch.equal(got[0], ctx[0])
+    assert not torch.equal(got[0], ctx[0].to(torch.bfloat16).float())
+    assert "float32, 24 bytes a token" in cache.describe()
     cache.close()
 
 
@@ -108,6 +114,12 @@ def test_another_target_or_data_is_refused(tiny_target_factory, tmp_path):
         check_key(folder, {**key, "data": data_fingerprint([str(other)])})
     with pytest.raises(DFlashError, match=r"target_layer_ids: \[0, 1\] there, \[1\] now"):
         check_key(folder, {**key, "target_layer_ids": [1]})
+    # a cache an fp32 run wrote before its features were kept in fp32 (rounded to bf16) is not read as fp32
+    old = {**key, "target_dtype": "float32", "stored_dtype": "bfloat16"}
+    check_key(tmp_path / "old", old)
+    with pytest.raises(DFlashError, match=r"stored_dtype: 'bfloat16' there, 'float32' now: the cache now keeps "
+                                          r"features in the target's dtype"):
+        check_key(tmp_path / "old", {**old, "stored_dtype": "float32"})
 
 
 def _export(out, step):
@@ -117,18 +129,22 @@ def _export(out, step):
 
 
 def test_a_cached_colocated_run_trains_as_an_uncached_one(setup, tmp_path):
-    """One colocated rank in bf16, 40 steps (~2.9 epochs of the 96 rows): with the cache (null: on for a bf16 CPU run), stopped at step
-    25 and resumed, against the same run without it. The first epoch is the same computation; from the second the
-    cached run reads the rows' features as the first epoch computed them, the other recomputes them in other
-    batches (bf16 matmuls of another shape): losses within 2e-2 (bf16's 8 bits of mantissa on a loss of ~5), the
-    step-40 export within 2e-2. A run on other data in the cached run's folder is refused, naming the data."""
+    """One colocated rank in this CPU's fast dtype (bf16 where native, else fp32), 40 steps (~2.9 epochs of the 96
+    rows): with the cache (null: on for a CPU run), stopped at step 25 and resumed, against the same run without
+    it. The first epoch is the same computation; from the second the cached run reads the rows' features as the
+    first epoch computed them, the other recomputes them in other batches (matmuls of another shape): losses
+    within 2e-2 in bf16 (8 bits of mantissa on a loss of ~5), 1e-4 in fp32, the step-40 export likewise. A run on
+    other data in the cached run's folder is refused, naming the data."""
     target, data = setup
     common = [*COMMON, "--target", str(target), "--data", str(data), "--no-wandb", "--colocate", "--max-steps", "40",
-              "--train.dtype", "bf16"]
+              "--train.dtype", "fast"]
     cached, plain = tmp_path / "cached", tmp_path / "plain"
     r = torchrun(1, [*common, "--output-dir", str(cached), "--train.stop_at", "25"], cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "feature cache: on (written in the first epoch, read from the second)" in r.stdout, r.stdout[-3000:]
+    fp32 = "feature_cache, float32, " in r.stdout
+    assert fp32 or "feature_cache, bfloat16, " in r.stdout, r.stdout[-3000:]
+    tol = 1e-4 if fp32 else 2e-2
     r = torchrun(1, [*common, "--output-dir", str(cached), "--resume", "auto"], cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "resuming from" in r.stdout and "read from" in r.stdout, r.stdout[-3000:]
@@ -139,11 +155,11 @@ def test_a_cached_colocated_run_trains_as_an_uncached_one(setup, tmp_path):
     assert sorted(got) == sorted(want) == list(range(40))
     assert want[39]["epoch_after"] >= 2  # the run reached its third epoch
     diffs = [abs(got[b]["loss"] - want[b]["loss"]) for b in want]
-    assert max(diffs) < 2e-2, diffs  # bit for bit on the CPU this was written on
+    assert max(diffs) < tol, diffs  # bit for bit on the CPU this was written on
     first = [b for b in want if want[b]["epoch_after"] == 0]
     assert all(got[b]["loss"] == want[b]["loss"] for b in first), diffs  # the first epoch: the same computation
     mine, theirs = _export(cached, 40), _export(plain, 40)
-    assert max((mine[k].float() - theirs[k].float()).abs().max().item() for k in theirs) < 2e-2
+    assert max((mine[k].float() - theirs[k].float()).abs().max().item() for k in theirs) < tol
     other = make_dataset(target, tmp_path / "other", n=40, max_length=256, block_size=8)
     r = torchrun(1, [*common, "--output-dir", str(cached), "--data", str(other), "--resume", "none"], cwd=tmp_path)
     assert r.returncode != 0 and "error: train.feature_cache:" in r.stderr, r.stderr[-3000:]
