@@ -25,6 +25,7 @@ import copy
 import json
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -89,6 +90,32 @@ def stage_settings(recipe: dict, target: str) -> dict[str, dict]:
             "speedup": {k: v for k, v in recipe["speedup"].items() if v is not None}}
 
 
+def run_stage(cmd: list[str], grace_s: float = 600.0) -> tuple[int, bool]:
+    """Run one stage's command; (its exit status, whether a SIGTERM stopped it). A SIGTERM to real-drafter (a
+    scheduler's, `kill`, systemd's) goes on to the stage, so the trainer checkpoints and exits 75 as it does under
+    a launcher, the generators keep the rows they finished, and nothing is left running behind the recipe (by
+    default Python would die at once and leave the stage running on). On any other way out (Ctrl-C, which the
+    stage also receives from the terminal) the stage gets `grace_s` to finish, then is killed."""
+    proc = subprocess.Popen(cmd)
+    stopped = []
+
+    def forward(signum, _frame):
+        stopped.append(signum)
+        proc.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        return proc.wait(), bool(stopped)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            try:
+                proc.wait(timeout=grace_s)
+            except BaseException:  # the grace ran out, or a second Ctrl-C
+                proc.kill()
+                proc.wait()
+
+
 class Runner:
     """Runs the stages in OUT, skipping finished ones, timing each."""
 
@@ -126,7 +153,10 @@ class Runner:
         print(f"real-drafter: {stage} (at {start - self.t0:,.0f} s)", flush=True)
         for cmd in commands:
             print("  $ " + shlex.join(cmd), flush=True)
-            code = subprocess.run(cmd, check=False).returncode
+            code, stopped = run_stage(cmd)
+            if stopped:
+                raise DFlashError(f"the {stage} stage was stopped by SIGTERM (it exited {code}; a train stage "
+                                  f"checkpoints first): run the same command again to resume")
             if code != 0:
                 raise DFlashError(f"the {stage} stage failed (exit {code}): {shlex.join(cmd)}; run the same command "
                                   f"again to resume")

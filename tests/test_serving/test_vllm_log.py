@@ -115,9 +115,23 @@ def test_threads_reach_the_cpu_server_only(monkeypatch, here, gpu, capsys):
     run, _ = here
     monkeypatch.setattr(vllm_server, "on_cpu", lambda: not gpu)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert VLLMServer(run, python=sys.executable, threads=3).env["OMP_NUM_THREADS"] == ("1" if gpu else "3")
-    assert VLLMServer(run, python=sys.executable).env["OMP_NUM_THREADS"] == "1"
-    assert vllm_server.generation_threads() == len(os.sched_getaffinity(0)) and vllm_server.generation_threads(5) == 5
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {5, 0, 2, 3, 1})  # the cores this process may use
+    env = VLLMServer(run, python=sys.executable, threads=3).env
+    assert env["OMP_NUM_THREADS"] == ("1" if gpu else "3")
+    # each thread on its own core: vLLM's own binding put a 2-core machine's worker on core 0 alone
+    assert env.get("VLLM_CPU_OMP_THREADS_BIND") == (None if gpu else "0,1,2")
+    if not gpu:
+        assert VLLMServer(run, python=sys.executable, threads=9).env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3,5"
+        assert VLLMServer(run, python=sys.executable, threads=9).env["OMP_NUM_THREADS"] == "5"
+    env = VLLMServer(run, python=sys.executable).env
+    assert env["OMP_NUM_THREADS"] == "1" and "VLLM_CPU_OMP_THREADS_BIND" not in env
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "2-3")  # the caller's own binding is kept
+    env = VLLMServer(run, python=sys.executable, threads=2).env
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3" and env["OMP_NUM_THREADS"] == \
+        ("1" if gpu else "2")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    assert vllm_server.generation_threads() == 5 and vllm_server.generation_threads(2) == 2
     if gpu:
         return
     seen = []

@@ -87,3 +87,56 @@ def test_tau_by_task_type_and_the_summary(tmp_path):
     assert "speedup vllm at concurrency 1, k 7: 1.30x (1.20-1.40; 15.0 -> 19.5 tok/s, tau 1.70, predicted 1.36x from " \
            "step ratio 1.25)" in text
     assert "minutes: prompts 1.0, train 2.0; total 3.0" in text
+
+
+STAGE = """
+import os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+def stop(signum, _frame):
+    (out / "stage_got").write_text(str(signum))
+    sys.exit(75)  # what the trainer does after its checkpoint
+signal.signal(signal.SIGTERM, stop)
+(out / "stage_pid").write_text(str(os.getpid()))
+time.sleep(120)
+"""
+DRIVER = """
+import sys
+from pathlib import Path
+from dflash_ds.errors import DFlashError
+from dflash_ds.tools.real_drafter import Runner
+out = Path(sys.argv[1])
+try:
+    Runner(out, {"train": {}}).run("train", [[sys.executable, "-c", sys.argv[2], str(out)]])
+except DFlashError as exc:
+    sys.exit(f"error: {exc}")
+"""
+
+
+def test_a_sigterm_reaches_the_running_stage_and_the_recipe_stops_resumable(tmp_path):
+    """`kill` (or a scheduler's SIGTERM) on real-drafter goes on to the stage it runs (the trainer then checkpoints)
+    and the recipe stops with the stage unfinished, nothing left running; before, the stage ran on, orphaned."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path), STAGE], stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "stage_pid").is_file():
+            assert time.monotonic() < deadline and proc.poll() is None, "the stage did not start"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert "error: the train stage was stopped by SIGTERM (it exited 75; a train stage checkpoints first)" in err, err
+    assert (tmp_path / "stage_got").read_text() == str(int(signal.SIGTERM))
+    pid = int((tmp_path / "stage_pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the stage is gone (and reaped: no zombie answers)
+    assert not (tmp_path / "stages" / "train.json").exists()  # not done: the next run resumes it
