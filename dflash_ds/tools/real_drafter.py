@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,11 +104,13 @@ def run_stage(cmd: list[str], grace_s: float = 600.0) -> tuple[int, bool]:
         stopped.append(signum)
         proc.send_signal(signum)
 
-    previous = signal.signal(signal.SIGTERM, forward)
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set a handler
+    previous = signal.signal(signal.SIGTERM, forward) if main else None
     try:
         return proc.wait(), bool(stopped)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         if proc.poll() is None:
             try:
                 proc.wait(timeout=grace_s)
